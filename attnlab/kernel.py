@@ -1,0 +1,99 @@
+"""``attnlab.kernel(name, form, **opts)``: the Triton kernels, behind input validation.
+
+A kernel takes the formulation's inputs (fp16, bf16 or fp32, all one dtype,
+on one CUDA device), accumulates in fp32 and returns ``o`` in the input
+dtype, or ``(o, final_state)`` with ``return_state=True`` (the state in
+fp32). On a machine without a GPU the kernels run on CPU tensors under the
+Triton interpreter: this module sets ``TRITON_INTERPRET=1`` before any kernel
+is imported when no CUDA device is present. The interpreter cannot compute
+in bf16 (DESIGN.md), so bf16 there is refused with a clear error.
+
+Head dimensions (K, V, aft's D) may be anything from 1 to 256; kernels mask
+non-powers of two. Everything is checked before a launch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+
+from attnlab.registry import formulation
+from attnlab.validation import check_positive_int, validate
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+HEAD_DIMS = ("K", "V", "D")
+
+
+def interpreter_active() -> bool:
+    """Whether Triton kernels run under the CPU interpreter in this process."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Kernel:
+    """A configured kernel; call it with the formulation's inputs."""
+
+    def __init__(self, name: str, form: str = "chunkwise", **opts: Any) -> None:
+        self.formulation = formulation(name)
+        if form not in self.formulation.kernel_forms:
+            raise ValueError(
+                f"{name} has kernels for form(s) {', '.join(self.formulation.kernel_forms)}; got {form!r}"
+            )
+        self.form = form
+        module = importlib.import_module(self.formulation.kernel_module)
+        self._fn = getattr(module, form)
+        allowed = dict(getattr(module, "OPTIONS", {}).get(form, {}))
+        unknown = sorted(set(opts) - set(allowed))
+        if unknown:
+            raise TypeError(f"kernel({name!r}, {form!r}) got unexpected option(s) {', '.join(unknown)}; it takes {', '.join(sorted(allowed)) or 'none'}")
+        self.opts = {**{k: v for k, (v, _) in allowed.items()}, **opts}
+        for key, (_, choices) in allowed.items():
+            if choices is not None and self.opts[key] not in choices:
+                raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}; got {self.opts[key]!r}")
+        if "chunk_size" in self.opts:
+            check_positive_int("chunk_size", self.opts["chunk_size"])
+
+    def __repr__(self) -> str:
+        opts = "".join(f", {k}={v!r}" for k, v in self.opts.items())
+        return f"attnlab.kernel({self.formulation.name!r}, {self.form!r}{opts})"
+
+    def __call__(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        f = self.formulation
+        interpreting = interpreter_active()
+        call = validate(f, inputs, dtypes=KERNEL_DTYPES, device_type=None if interpreting else "cuda")
+        if interpreting and call.device.type != "cpu":
+            raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; the inputs are on {call.device}")
+        if interpreting and call.dtype == torch.bfloat16:
+            raise ValueError(
+                "bfloat16 kernels need a GPU: the Triton interpreter (TRITON_INTERPRET=1) computes on bf16 bit "
+                "patterns as integers; use float16 or float32 on the CPU"
+            )
+        for symbol in HEAD_DIMS:
+            if call.dims.get(symbol, 0) > MAX_HEAD_DIM:
+                raise ValueError(f"head dimension {symbol}={call.dims[symbol]} is larger than the kernels' limit {MAX_HEAD_DIM}")
+        state = None
+        if call.initial_state is not None:
+            state = tuple(s.to(torch.float32).contiguous() for s in call.initial_state)
+        tensors = {n: (None if t is None else t.contiguous()) for n, t in call.tensors.items()}
+        kwargs = {**tensors, **call.options, **self.opts}
+        if f.state is not None:
+            kwargs.update(state=state, return_state=call.return_state)
+        o, final = self._fn(**kwargs)
+        if call.return_state:
+            return o, f.state.join(final)
+        return o
+
+
+def kernel(name: str, form: str = "chunkwise", **opts: Any) -> Kernel:
+    """The Triton kernel of formulation ``name`` in ``form`` ("chunkwise" or "recurrent").
+
+    ``opts`` are the kernel's own tunables (its module's ``OPTIONS``), such as
+    ``chunk_size``; each is validated before any launch.
+    """
+    return Kernel(name, form, **opts)

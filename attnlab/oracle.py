@@ -1,0 +1,111 @@
+"""``attnlab.oracle(name, form, precision, **opts)``: the high-precision references.
+
+The returned callable takes the formulation's inputs as keyword arguments
+(FORMULATIONS.md names), validates them, evaluates the oracle module's form
+in float64 (torch, on the inputs' device) or mpmath (``dps`` digits, rounded
+once), and returns ``o`` as a float64 tensor ``[B, T, H, V]`` (``[B, T, C]``
+for rwkv4), or ``(o, final_state)`` with ``return_state=True``.
+
+Inputs of any floating dtype are upcast exactly, so an oracle fed a kernel's
+fp16 or bf16 inputs measures the kernel's error, not the inputs' rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnlab.registry import formulation
+from attnlab.spec import FORMS
+from attnlab.validation import check_positive_int, validate
+
+PRECISIONS = ("float64", "mpmath")
+
+
+class Oracle:
+    """A configured oracle; call it with the formulation's inputs."""
+
+    def __init__(self, name: str, form: str, precision: str, **opts: Any) -> None:
+        self.formulation = formulation(name)
+        if form not in self.formulation.forms:
+            raise ValueError(f"form must be one of {', '.join(self.formulation.forms)}; got {form!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+        self.form, self.precision = form, precision
+        self.dps = 50
+        if "dps" in opts:
+            if precision != "mpmath":
+                raise ValueError("dps applies to precision='mpmath' only")
+            self.dps = check_positive_int("dps", opts.pop("dps"))
+        self.form_opts: dict[str, Any] = {}
+        if form == "chunkwise":
+            self.form_opts["chunk_size"] = check_positive_int("chunk_size", opts.pop("chunk_size", 64))
+        if name == "rwkv4" and form == "recurrent":
+            stable = opts.pop("stable", True)
+            if not isinstance(stable, bool):
+                raise ValueError(f"stable must be True or False; got {stable!r}")
+            self.form_opts["stable"] = stable
+        if opts:
+            raise TypeError(
+                f"oracle({name!r}, form={form!r}) got unexpected option(s) {', '.join(sorted(opts))}; "
+                "chunk_size is for the chunkwise form, stable for rwkv4's recurrent form, dps for mpmath"
+            )
+        module = importlib.import_module(self.formulation.oracle_module)
+        self._fn: Callable[..., tuple[Any, Any]] = getattr(module, form)
+
+    def __repr__(self) -> str:
+        opts = "".join(f", {k}={v!r}" for k, v in self.form_opts.items())
+        dps = f", dps={self.dps}" if self.precision == "mpmath" else ""
+        return f"attnlab.oracle({self.formulation.name!r}, form={self.form!r}, precision={self.precision!r}{dps}{opts})"
+
+    def _evaluate(self, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+        from attnlab.oracles._backend import Float64, MPMath
+
+        f = self.formulation
+        call = validate(f, inputs)
+        backend = Float64(call.device) if self.precision == "float64" else MPMath(self.dps, call.device)
+        with torch.no_grad(), backend if isinstance(backend, MPMath) else contextlib.nullcontext():
+            arrays = {n: (None if t is None else backend.asarray(t)) for n, t in call.tensors.items()}
+            options = dict(call.options)
+            if "scale" in options:
+                options["scale"] = backend.scalar(options["scale"])
+            kwargs: dict[str, Any] = {**arrays, **options, **self.form_opts}
+            if f.state is not None:
+                state = call.initial_state or f.state.split(f.state.zeros(call.dims, call.device))
+                kwargs["state"] = tuple(backend.asarray(s) for s in state)
+            o, final = self._fn(backend, **kwargs)
+        return call, backend, o, final
+
+    def __call__(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        call, backend, o, final = self._evaluate(inputs)
+        o = backend.to_tensor(o)
+        if call.return_state:
+            return o, self.formulation.state.join(tuple(backend.to_tensor(s) for s in final))
+        return o
+
+    def unrounded(self, **inputs: Any) -> tuple[Any, tuple[Any, ...] | None]:
+        """``(o, final_state_parts)`` in the backend's own numbers, before the one rounding.
+
+        For precision='mpmath' these are numpy arrays of mpf at ``dps`` digits,
+        for comparing two mpmath evaluations beyond float64 (as SciPy's
+        ``mp_assert_allclose`` does).
+        """
+        _, _, o, final = self._evaluate(inputs)
+        return o, final
+
+
+def oracle(name: str, form: str = "recurrent", precision: str = "float64", **opts: Any) -> Oracle:
+    """The oracle of formulation ``name`` in ``form`` at ``precision``.
+
+    Options: ``chunk_size`` (chunkwise, default 64; the last chunk may be
+    partial), ``dps`` (mpmath, default 50), ``stable`` (rwkv4 recurrent,
+    default True; False is the naive exp(k) accumulation that overflows).
+    """
+    return Oracle(name, form, precision, **opts)
+
+
+__all__ = ["oracle", "Oracle", "PRECISIONS", "FORMS"]

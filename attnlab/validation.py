@@ -1,0 +1,185 @@
+"""Input checking shared by every oracle and kernel front end.
+
+Everything is checked before any work starts: argument names, tensor type,
+dtype, device, symbolic shapes (``[B, T, H, K]`` ...), finiteness, value ranges
+(log gates <= 0, RWKV-4's w >= 0, beta in [0, 2]), options, and the initial
+state. Unknown or missing arguments raise TypeError (as Python does for a bad
+call); bad values raise ValueError naming the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from attnlab.spec import Dims, Formulation
+
+STATE_KEYWORDS = ("initial_state", "return_state")
+
+
+@dataclass
+class Call:
+    """A validated call: the tensors, resolved options, sizes and state."""
+
+    formulation: Formulation
+    tensors: dict[str, torch.Tensor | None]
+    options: dict[str, Any]
+    dims: dict[str, int]
+    device: torch.device
+    dtype: torch.dtype
+    initial_state: tuple[torch.Tensor, ...] | None = None
+    return_state: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _fmt_dims(symbols: Iterable[str]) -> str:
+    return "[" + ", ".join(symbols) + "]"
+
+
+def _bind_shape(name: str, shape: tuple[int, ...], symbols: tuple[str, ...], dims: dict[str, int], origin: dict[str, str]) -> None:
+    if len(shape) != len(symbols):
+        raise ValueError(f"{name} must have shape {_fmt_dims(symbols)} ({len(symbols)} dims); got shape {tuple(shape)}")
+    for size, symbol in zip(shape, symbols):
+        if size < 1:
+            raise ValueError(f"{name} has an empty dimension {symbol}: shape {tuple(shape)}")
+        if symbol in dims and dims[symbol] != size:
+            raise ValueError(
+                f"{name} has {symbol}={size} (shape {tuple(shape)}, expected {_fmt_dims(symbols)}), "
+                f"but {origin[symbol]} gives {symbol}={dims[symbol]}"
+            )
+        dims.setdefault(symbol, size)
+        origin.setdefault(symbol, name)
+
+
+def _check_values(name: str, t: torch.Tensor, low: float | None, high: float | None, allow_neg_inf: bool = False) -> None:
+    finite = torch.isfinite(t)
+    if allow_neg_inf:
+        finite = finite | (t == -math.inf)
+    if not bool(finite.all()):
+        bad = t[~finite].flatten()[0].item()
+        raise ValueError(f"{name} must be finite; it holds {bad}")
+    if low is not None and bool((t < low).any()):
+        raise ValueError(f"{name} must be >= {low:g}; its minimum is {t.min().item():.6g}")
+    if high is not None and bool((t > high).any()):
+        what = "a log gate (decay exp(g) <= 1)" if high == 0.0 and low is None else f"<= {high:g}"
+        raise ValueError(f"{name} must be {what}; its maximum is {t.max().item():.6g}")
+
+
+def _check_option(f: Formulation, name: str, value: Any, dims: Dims) -> Any:
+    option = f.option(name)
+    if name == "scale":
+        if value is None:
+            return f.default_scale(dims)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise ValueError(f"scale must be a finite real number or None; got {value!r}")
+        return float(value)
+    if option.kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}")
+        return value
+    if option.choices is not None and value not in option.choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, option.choices))}; got {value!r}")
+    return value
+
+
+def validate(
+    f: Formulation,
+    inputs: Mapping[str, Any],
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device_type: str | None = None,
+    extra_keywords: tuple[str, ...] = (),
+) -> Call:
+    """Check a call of formulation ``f`` and resolve its defaults.
+
+    ``dtypes`` restricts the tensor dtypes (kernels: fp16, bf16, fp32), and
+    ``device_type`` the device ("cuda"); by default any floating dtype on any
+    single device is accepted. Keywords in ``extra_keywords`` are passed
+    through untouched in ``Call.extra``.
+    """
+    allowed = set(f.arg_names) | set(f.option_names) | set(extra_keywords)
+    if f.state is not None:
+        allowed |= set(STATE_KEYWORDS)
+    unknown = sorted(set(inputs) - allowed)
+    if unknown:
+        raise TypeError(f"{f.name} got unexpected argument(s) {', '.join(unknown)}; it takes {', '.join(sorted(allowed))}")
+    missing = [a.name for a in f.args if not a.optional and inputs.get(a.name) is None]
+    if missing:
+        raise TypeError(f"{f.name} is missing required tensor argument(s): {', '.join(missing)}")
+
+    dims: dict[str, int] = {}
+    origin: dict[str, str] = {}
+    tensors: dict[str, torch.Tensor | None] = {}
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
+    first = ""
+    for arg in f.args:
+        t = inputs.get(arg.name)
+        if t is None:
+            tensors[arg.name] = None
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{arg.name} must be a torch.Tensor of shape {_fmt_dims(arg.dims)}; got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{arg.name} must be a floating-point tensor; got dtype {t.dtype}")
+        if dtypes is not None and t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise ValueError(f"{arg.name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
+        if device_type is not None and t.device.type != device_type:
+            raise ValueError(f"{arg.name} is on {t.device}; this implementation needs {device_type} tensors")
+        if device is None:
+            device, dtype, first = t.device, t.dtype, arg.name
+        elif t.device != device:
+            raise ValueError(f"{arg.name} is on {t.device} but {first} is on {device}; all tensors must share one device")
+        elif dtypes is not None and t.dtype != dtype:
+            raise ValueError(f"{arg.name} has dtype {t.dtype} but {first} has {dtype}; all tensors must share one dtype")
+        _bind_shape(arg.name, tuple(t.shape), arg.dims, dims, origin)
+        _check_values(arg.name, t, arg.low, arg.high, arg.allow_neg_inf)
+        tensors[arg.name] = t
+    assert device is not None and dtype is not None
+
+    options = {o.name: _check_option(f, o.name, inputs.get(o.name, o.default), dims) for o in f.options}
+
+    initial_state = None
+    if f.state is not None and inputs.get("initial_state") is not None:
+        initial_state = _check_state(f, inputs["initial_state"], dims, device)
+    return_state = inputs.get("return_state", False)
+    if not isinstance(return_state, bool):
+        raise ValueError(f"return_state must be True or False; got {return_state!r}")
+
+    extra = {k: inputs[k] for k in extra_keywords if k in inputs}
+    return Call(f, tensors, options, dims, device, dtype, initial_state, return_state, extra)
+
+
+def _check_state(f: Formulation, state: Any, dims: Dims, device: torch.device) -> tuple[torch.Tensor, ...]:
+    spec = f.state
+    assert spec is not None
+    expected = ", ".join(f"{n} {_fmt_dims(d)}" for n, d in spec.parts)
+    parts = (state,) if isinstance(state, torch.Tensor) else tuple(state) if isinstance(state, (tuple, list)) else None
+    if parts is None or len(parts) != len(spec.parts):
+        raise ValueError(f"initial_state must be {'a tensor' if len(spec.parts) == 1 else 'a tuple'} ({expected}); got {type(state).__name__}")
+    checked = []
+    for index, (part, (name, symbols), shape) in enumerate(zip(parts, spec.parts, spec.shapes(dims))):
+        label = f"initial_state {name}" if len(spec.parts) > 1 else "initial_state"
+        if not isinstance(part, torch.Tensor) or not part.dtype.is_floating_point:
+            raise ValueError(f"{label} must be a floating-point torch.Tensor of shape {_fmt_dims(symbols)}")
+        if tuple(part.shape) != shape:
+            raise ValueError(f"{label} must have shape {_fmt_dims(symbols)} = {shape}; got {tuple(part.shape)}")
+        if part.device != device:
+            raise ValueError(f"{label} is on {part.device} but the inputs are on {device}")
+        _check_values(label, part, None, None, allow_neg_inf=spec.is_log_scale(index))
+        checked.append(part)
+    return tuple(checked)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return int(value)
