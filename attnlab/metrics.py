@@ -1,0 +1,127 @@
+"""How error is measured (DESIGN.md, "Measuring error").
+
+- ``rel_err = |o - ref|_F / |ref|_F`` (normwise), and the max elementwise
+  error over ``|ref|_inf``; non-finite outputs where the reference is finite
+  are counted on their own and make every error infinite.
+- ``floor_round``: the error of rounding the exact answer once to the output
+  dtype, ``|round_dtype(ref) - ref|_F / |ref|_F``.
+- ``floor_cond``: the float64 oracle's relative change when every input is
+  perturbed by one unit roundoff of fp32 (the kernels' accumulation
+  precision) in a few random directions; no fp32 algorithm can beat it.
+- ``excess = rel_err / max(floor_round, floor_cond)``: 1.0 is a perfect kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return UNIT_ROUNDOFF[dtype]
+
+
+def _as_parts(x: Any) -> list[torch.Tensor]:
+    return [x] if isinstance(x, torch.Tensor) else list(x)
+
+
+def _flat(x: Any) -> torch.Tensor:
+    return torch.cat([p.detach().to(torch.float64).flatten().cpu() for p in _as_parts(x)])
+
+
+def nonfinite_count(o: Any, ref: Any) -> int:
+    """Entries of ``o`` that are NaN or inf where ``ref`` is finite."""
+    o, ref = _flat(o), _flat(ref)
+    return int((~torch.isfinite(o) & torch.isfinite(ref)).sum())
+
+
+def rel_err(o: Any, ref: Any) -> float:
+    """Normwise relative error ``|o - ref|_F / |ref|_F``; inf when ``o`` has a non-finite entry."""
+    o, ref = _flat(o), _flat(ref)
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    denominator = ref.norm().item()
+    difference = (o - ref).norm().item()
+    return difference / denominator if denominator > 0 else (0.0 if difference == 0 else math.inf)
+
+
+def max_err(o: Any, ref: Any) -> float:
+    """``max |o - ref| / max |ref|``; inf when ``o`` has a non-finite entry."""
+    o, ref = _flat(o), _flat(ref)
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    scale = ref.abs().max().item()
+    difference = (o - ref).abs().max().item()
+    return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
+
+
+def rounding_floor(ref: Any, dtype: torch.dtype) -> float:
+    """The relative error of rounding the exact ``ref`` once to ``dtype``."""
+    return rel_err([p.to(dtype).to(torch.float64) for p in _as_parts(ref)], ref)
+
+
+def conditioning_floor(
+    reference: Callable[..., Any],
+    inputs: Mapping[str, Any],
+    *,
+    trials: int = 3,
+    unit: float = UNIT_ROUNDOFF[torch.float32],
+    seed: int = 0,
+) -> float:
+    """Largest relative change of ``reference(**inputs)`` under componentwise input perturbations of size ``unit``.
+
+    Each floating tensor ``x`` becomes ``x * (1 + unit * r)`` with ``r``
+    uniform in [-1, 1]; non-tensor inputs are passed unchanged.
+    """
+    base = reference(**inputs)
+    generator = torch.Generator().manual_seed(seed)
+    worst = 0.0
+    for _ in range(trials):
+        perturbed = {}
+        for name, value in inputs.items():
+            if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+                r = torch.rand(value.shape, generator=generator, dtype=torch.float64).to(value.device) * 2 - 1
+                perturbed[name] = value.to(torch.float64) * (1 + unit * r)
+            else:
+                perturbed[name] = value
+        worst = max(worst, rel_err(reference(**perturbed), base))
+    return worst
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Error of one output against its reference, and the floors it is judged by."""
+
+    rel_err: float
+    max_err: float
+    floor_round: float
+    floor_cond: float
+    nonfinite: int
+
+    @property
+    def floor(self) -> float:
+        return max(self.floor_round, self.floor_cond)
+
+    @property
+    def excess(self) -> float:
+        return self.rel_err / self.floor if self.floor > 0 else (1.0 if self.rel_err == 0 else math.inf)
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "floor": self.floor, "excess": self.excess}
+
+
+def measure(o: Any, ref: Any, dtype: torch.dtype, floor_cond: float = 0.0) -> Measurement:
+    """Compare ``o`` (any dtype) with the float64 ``ref``; ``dtype`` is the output dtype the floor rounds to."""
+    return Measurement(
+        rel_err=rel_err(o, ref),
+        max_err=max_err(o, ref),
+        floor_round=rounding_floor(ref, dtype),
+        floor_cond=floor_cond,
+        nonfinite=nonfinite_count(o, ref),
+    )

@@ -1,0 +1,85 @@
+"""Every registered kernel against the float64 oracle on its own rounded inputs.
+
+CPU (Triton interpreter, fp16 and fp32, small sizes with partial chunks and
+non-power-of-two head dimensions) runs in CI; the ``gpu`` tests run bf16 and
+fp16 at real sizes on a GPU. Bounds are multiples of the floor
+(``max(floor_round, floor_cond)``, attnlab.metrics): the issue's targets are
+excess <= 1.5 in bf16 and <= 2 in fp16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.metrics import conditioning_floor, measure, rel_err
+
+EXCESS_BOUND = {torch.float16: 2.0, torch.bfloat16: 1.5, torch.float32: 4.0}
+# The final state is kept in fp32 by every kernel, but it is built from
+# low-precision intermediates; bound it by the input dtype's unit roundoff.
+STATE_BOUND = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 1e-5}
+
+CASES = [(f.name, form) for f in attnlab.REGISTRY for form in f.kernel_forms]
+
+
+def _inputs(name: str, dtype: torch.dtype, device: str, T: int, K: int, V: int, H: int = 2, B: int = 1, seed: int = 0):
+    f = attnlab.formulation(name)
+    x = f.sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+    return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+
+
+def _check(name: str, form: str, dtype: torch.dtype, device: str, T: int, K: int, V: int, H: int = 2, B: int = 1):
+    f = attnlab.formulation(name)
+    x = _inputs(name, dtype, device, T, K, V, H, B)
+    stateful = f.state is not None
+    kernel = attnlab.kernel(name, form)
+    reference = attnlab.oracle(name, "chunkwise", "float64")
+    if stateful:
+        o, state = kernel(**x, return_state=True)
+        ref, ref_state = reference(**x, return_state=True)
+    else:
+        o, ref = kernel(**x), reference(**x)
+    assert o.dtype == dtype and o.shape == ref.shape and o.device == ref.device
+    floor_cond = conditioning_floor(reference, x)
+    m = measure(o, ref, dtype, floor_cond)
+    assert m.nonfinite == 0
+    assert m.excess <= EXCESS_BOUND[dtype], f"{name}/{form} {dtype}: {m.as_dict()}"
+    if stateful:
+        assert all(p.dtype == torch.float32 for p in f.state.split(state))
+        assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name,form", CASES)
+def test_kernel_matches_oracle_cpu(name, form, dtype):
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter tests run where there is no GPU")
+    _check(name, form, dtype, "cpu", T=37, K=16, V=24)
+
+
+@pytest.mark.parametrize("name,form", [c for c in CASES if attnlab.formulation(c[0]).state is not None])
+def test_kernel_resumes_from_state_cpu(name, form):
+    """Splitting the sequence and passing the state on equals one call on the whole."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter tests run where there is no GPU")
+    x = _inputs(name, torch.float32, "cpu", T=40, K=16, V=16)
+    f = attnlab.formulation(name)
+    time_axis = 1
+    first = {n: (t.narrow(time_axis, 0, 17) if t.dim() >= 3 else t) for n, t in x.items()}
+    second = {n: (t.narrow(time_axis, 17, 23) if t.dim() >= 3 else t) for n, t in x.items()}
+    kernel = attnlab.kernel(name, form)
+    whole, whole_state = kernel(**x, return_state=True)
+    o1, s1 = kernel(**first, return_state=True)
+    o2, s2 = kernel(**second, initial_state=s1, return_state=True)
+    assert rel_err(torch.cat([o1, o2], dim=time_axis), whole) <= 1e-5
+    assert rel_err(s2, whole_state) <= 1e-5
+    assert f.state is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 1000, 4096])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,form", CASES)
+def test_kernel_matches_oracle_gpu(name, form, dtype, T):
+    _check(name, form, dtype, "cuda", T=T, K=64, V=64, H=4, B=2)
