@@ -24,6 +24,9 @@ from attnlab.spec import FORMS
 from attnlab.validation import check_positive_int, validate
 
 PRECISIONS = ("float64", "mpmath")
+# The same code evaluated in a lower torch dtype: not references, but the
+# naive same-precision baselines that reports set kernels against.
+BASELINE_PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class Oracle:
@@ -33,8 +36,9 @@ class Oracle:
         self.formulation = formulation(name)
         if form not in self.formulation.forms:
             raise ValueError(f"form must be one of {', '.join(self.formulation.forms)}; got {form!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}; got {precision!r}")
+        if precision not in PRECISIONS and precision not in BASELINE_PRECISIONS:
+            known = ", ".join([*PRECISIONS, *BASELINE_PRECISIONS])
+            raise ValueError(f"precision must be one of {known}; got {precision!r}")
         self.form, self.precision = form, precision
         self.dps = 50
         if "dps" in opts:
@@ -67,7 +71,10 @@ class Oracle:
 
         f = self.formulation
         call = validate(f, inputs)
-        backend = Float64(call.device) if self.precision == "float64" else MPMath(self.dps, call.device)
+        if self.precision == "mpmath":
+            backend: Float64 | MPMath = MPMath(self.dps, call.device)
+        else:
+            backend = Float64(call.device, BASELINE_PRECISIONS.get(self.precision, torch.float64))
         with torch.no_grad(), backend if isinstance(backend, MPMath) else contextlib.nullcontext():
             arrays = {n: (None if t is None else backend.asarray(t)) for n, t in call.tensors.items()}
             options = dict(call.options)
@@ -99,7 +106,11 @@ class Oracle:
 
 
 def oracle(name: str, form: str = "recurrent", precision: str = "float64", **opts: Any) -> Oracle:
-    """The oracle of formulation ``name`` in ``form`` at ``precision``.
+    """The oracle of formulation ``name`` in ``form`` at ``precision`` ("float64" or "mpmath").
+
+    precision="float32", "float16" or "bfloat16" runs the same code in that
+    torch dtype (inputs rounded to it, output in it): a naive baseline for
+    reports, not a reference.
 
     Options: ``chunk_size`` (chunkwise, default 64; the last chunk may be
     partial), ``dps`` (mpmath, default 50), ``stable`` (rwkv4 recurrent,

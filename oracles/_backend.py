@@ -4,7 +4,9 @@ An oracle form is plain array code (``+ - * /``, ``@``, slicing, ``.mT``,
 ``.swapaxes``) plus the few functions below, taken from a backend ``xp``:
 
 - ``Float64``: torch float64 tensors on the inputs' device (CPU or CUDA), so
-  long sequences can run on a GPU.
+  long sequences can run on a GPU. ``Float64(device, dtype)`` with a lower
+  torch dtype evaluates the same code in that dtype: not an oracle, but the
+  naive same-precision baselines the reports compare kernels with.
 - ``MPMath``: numpy arrays of ``mpmath.mpf`` (dtype object) at ``dps`` decimal
   digits. Inputs are converted exactly (every float64 is an mpf), every exp,
   log and division is evaluated at the working precision, and the result is
@@ -26,16 +28,16 @@ Array = Any  # a float64 torch.Tensor or a numpy object array of mpf
 
 
 class Float64:
-    """torch float64 on the device of the inputs."""
+    """torch tensors on the device of the inputs, in float64 unless ``dtype`` says otherwise."""
 
-    name = "float64"
-
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64) -> None:
         self.device = torch.device(device)
+        self.dtype = dtype
+        self.name = str(dtype).replace("torch.", "")
 
     # conversion -------------------------------------------------------
     def asarray(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(device=self.device, dtype=torch.float64)
+        return tensor.to(device=self.device, dtype=self.dtype)
 
     def to_tensor(self, array: torch.Tensor) -> torch.Tensor:
         return array
@@ -45,16 +47,16 @@ class Float64:
 
     # construction -----------------------------------------------------
     def zeros(self, shape: Sequence[int]) -> torch.Tensor:
-        return torch.zeros(tuple(shape), dtype=torch.float64, device=self.device)
+        return torch.zeros(tuple(shape), dtype=self.dtype, device=self.device)
 
     def full(self, shape: Sequence[int], value: float) -> torch.Tensor:
-        return torch.full(tuple(shape), float(value), dtype=torch.float64, device=self.device)
+        return torch.full(tuple(shape), float(value), dtype=self.dtype, device=self.device)
 
     def eye(self, n: int) -> torch.Tensor:
-        return torch.eye(n, dtype=torch.float64, device=self.device)
+        return torch.eye(n, dtype=self.dtype, device=self.device)
 
     def arange(self, n: int) -> torch.Tensor:
-        return torch.arange(n, dtype=torch.float64, device=self.device)
+        return torch.arange(n, dtype=self.dtype, device=self.device)
 
     def tril_mask(self, n: int, m: int | None = None, diagonal: int = 0) -> torch.Tensor:
         m = n if m is None else m
@@ -71,8 +73,8 @@ class Float64:
         return torch.maximum(torch.as_tensor(a, device=self.device), torch.as_tensor(b, device=self.device))
 
     def where(self, cond: torch.Tensor, a: Array, b: Array) -> torch.Tensor:
-        a = torch.as_tensor(a, dtype=torch.float64, device=self.device)
-        b = torch.as_tensor(b, dtype=torch.float64, device=self.device)
+        a = torch.as_tensor(a, dtype=self.dtype, device=self.device)
+        b = torch.as_tensor(b, dtype=self.dtype, device=self.device)
         return torch.where(cond, a, b)
 
     # reductions and shape ---------------------------------------------

@@ -78,7 +78,7 @@ def test_rwkv4_state_accepts_minus_infinity_log_scale_only():
     [
         (lambda: attnlab.formulation("flash"), ValueError, r"unknown formulation 'flash'; expected one of softmax"),
         (lambda: attnlab.oracle("gla", "blocked"), ValueError, r"form must be one of recurrent, parallel, chunkwise"),
-        (lambda: attnlab.oracle("gla", "recurrent", "float128"), ValueError, r"precision must be one of float64, mpmath"),
+        (lambda: attnlab.oracle("gla", "recurrent", "float128"), ValueError, r"precision must be one of float64, mpmath, float32"),
         (lambda: attnlab.oracle("gla", "chunkwise", chunk_size=0), ValueError, r"chunk_size must be a positive integer; got 0"),
         (lambda: attnlab.oracle("gla", "chunkwise", chunk_size=2.5), ValueError, r"chunk_size must be a positive integer"),
         (lambda: attnlab.oracle("gla", "recurrent", chunk_size=4), TypeError, r"unexpected option\(s\) chunk_size"),

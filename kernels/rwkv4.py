@@ -1,0 +1,255 @@
+"""RWKV-4 WKV kernels: ``recurrent`` and ``chunkwise`` (Triton).
+
+    o_t = (sum_{i<t} e^{-(t-1-i) w + k_i} v_i + e^{u + k_t} v_t)
+        / (sum_{i<t} e^{-(t-1-i) w + k_i} + e^{u + k_t})
+
+Conventions (FORMULATIONS.md, registry entry ``rwkv4``):
+
+- ``w [C]`` (>= 0, decay ``exp(-w)``), ``u [C]``, ``k, v [B, T, C]``: no
+  heads, channels are independent. All four are in the input dtype (fp16,
+  bf16 or fp32) and are upcast to fp32 on load; every computation is fp32 and
+  ``o`` is rounded once to the input dtype.
+- The state is ``(a, b, p)``, each ``[B, C]`` fp32: numerator ``e^p a`` and
+  denominator ``e^p b`` of every key before the next token, ``p`` their
+  shared log-scale. The final ``p`` is the canonical one of the oracle
+  (oracles/rwkv4.py): the largest decayed key logit, so that the largest
+  weight folded into ``a`` and ``b`` is exactly 1. The initial state is read
+  by the first token without decay. ``state=None`` is the empty state, built
+  in the kernel as ``a = b = 0, p = -inf``: ``-inf`` is exact (every
+  ``exp(p - top)`` is 0) and never meets another infinity, because each
+  ``top`` below is a maximum that includes a finite key logit.
+- Numerics: the running maximum of seed 002 / the RWKV paper. Every
+  exponential is taken of ``logit - top`` with ``top`` the maximum of the
+  logits it normalizes, so every exponent is <= 0 and nothing overflows,
+  whatever the size of ``k`` (keys near 200 are fine in fp32 and fp16).
+  Masked entries are set to ``-inf`` before the exponential.
+
+Kernels (one program per (batch, block of BLOCK_C channels); the programs
+walk the time axis in order):
+
+- ``recurrent``: one token per step, the oracle's stable loop.
+- ``chunkwise``: CHUNK tokens per step. Inside a chunk every query takes the
+  log-sum-exp over the chunk's keys (decay ``-(t-1-i) w``, bonus ``u`` on the
+  diagonal) plus the carried state as one extra term (logit ``p - t w``);
+  the state then advances over the whole chunk at once. This is the oracle's
+  ``_chunk``: exact inside the chunk, no recurrence on rounded values there,
+  and one ``p - n w`` rounding per chunk instead of one per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels._util import block_size
+
+__all__ = ["recurrent", "chunkwise", "OPTIONS"]
+
+_POWERS_OF_TWO = (16, 32, 64, 128, 256)
+
+# name -> (default, allowed values); attnlab.kernel checks them before a launch.
+OPTIONS = {
+    "recurrent": {
+        # channels per program: the grid is B * cdiv(C, block_c) serial programs
+        "block_c": (64, _POWERS_OF_TWO),
+        "num_warps": (2, (1, 2, 4, 8)),
+        # software-pipelining depth of the time loop (tl.range num_stages):
+        # keeps the loads of the next tokens in flight while a token is computed
+        "num_stages": (3, (1, 2, 3, 4)),
+    },
+    "chunkwise": {
+        # tokens per chunk; the work per token grows with it (a chunk x chunk
+        # x block_c tile of exponentials), the serial steps shrink with it
+        "chunk_size": (16, (8, 16, 32, 64)),
+        "block_c": (16, _POWERS_OF_TWO),
+        "num_warps": (4, (1, 2, 4, 8)),
+        "num_stages": (2, (1, 2, 3, 4)),
+    },
+}
+
+
+@triton.jit
+def _load_state(a_ptr, b_ptr, p_ptr, offs, mask, HAS_STATE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The state (a, b, p) of one block of channels; the empty state a = b = 0, p = -inf without one."""
+    if HAS_STATE:
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(p_ptr + offs, mask=mask, other=float("-inf"))
+    else:
+        a = tl.zeros([BLOCK_C], dtype=tl.float32)
+        b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        p = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+    return a, b, p
+
+
+# Recurrent form, one token per step (oracles/rwkv4.py, _recurrent_stable):
+#   read:  top = max(p, u + k_t)
+#          o_t = (e^{p-top} a + e^{u+k_t-top} v_t) / (e^{p-top} b + e^{u+k_t-top})
+#   write: top = max(p - w, k_t)
+#          a = e^{p-w-top} a + e^{k_t-top} v_t,  b = e^{p-w-top} b + e^{k_t-top},  p = top
+@triton.jit
+def _rwkv4_recurrent_kernel(
+    w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
+    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr,
+    T, C,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    batch, channel_block = tl.program_id(0), tl.program_id(1)
+    channels = channel_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels < C
+    w = tl.load(w_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    state_offs = batch * C + channels
+    a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+
+    sequence = batch.to(tl.int64) * T * C  # [B, T, C] may pass 2^31 elements
+    k_ptrs = k_ptr + sequence + channels
+    v_ptrs = v_ptr + sequence + channels
+    o_ptrs = o_ptr + sequence + channels
+    for t in tl.range(0, T, num_stages=NUM_STAGES):
+        k_t = tl.load(k_ptrs + t * C, mask=channel_ok, other=0.0).to(tl.float32)
+        v_t = tl.load(v_ptrs + t * C, mask=channel_ok, other=0.0).to(tl.float32)
+
+        bonus = u + k_t
+        top = tl.maximum(p, bonus)
+        e_state = tl.exp(p - top)
+        e_token = tl.exp(bonus - top)
+        o_t = (e_state * a + e_token * v_t) / (e_state * b + e_token)
+        tl.store(o_ptrs + t * C, o_t.to(o_ptr.dtype.element_ty), mask=channel_ok)
+
+        decayed = p - w
+        top = tl.maximum(decayed, k_t)
+        e_state = tl.exp(decayed - top)
+        e_token = tl.exp(k_t - top)
+        a = e_state * a + e_token * v_t
+        b = e_state * b + e_token
+        p = top
+
+    if STORE_FINAL_STATE:
+        tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
+        tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
+        tl.store(p_out_ptr + state_offs, p, mask=channel_ok)
+
+
+# Chunkwise form, CHUNK tokens per step (oracles/rwkv4.py, _chunk). For query t
+# and key i of a chunk (0-based), per channel:
+#   logit[t, i] = k_i - (t-1-i) w  (i < t),   u + k_t  (i = t),   -inf  (i > t)
+#   state logit  s_t = p - t w      (the carried state, read without decay at t = 0)
+#   top_t = max(max_i logit[t, i], s_t)
+#   o_t = (sum_i e^{logit-top} v_i + e^{s_t-top} a) / (sum_i e^{logit-top} + e^{s_t-top} b)
+# and over the n valid keys of the chunk the state advances to
+#   key logit  g_i = k_i - (n-1-i) w,   p' = max(max_i g_i, p - n w)
+#   a' = sum_i e^{g_i-p'} v_i + e^{p-n w-p'} a,   b' = sum_i e^{g_i-p'} + e^{p-n w-p'} b
+@triton.jit
+def _rwkv4_chunkwise_kernel(
+    w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
+    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr,
+    T, C,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    batch, channel_block = tl.program_id(0), tl.program_id(1)
+    channels = channel_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels < C
+    w = tl.load(w_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    state_offs = batch * C + channels
+    a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+
+    position = tl.arange(0, CHUNK)  # t for queries, i for keys
+    lag = (position[:, None] - 1 - position[None, :]).to(tl.float32)  # [t, i]
+    is_past = position[None, :] < position[:, None]
+    is_self = position[None, :] == position[:, None]
+    past_decay = lag[:, :, None] * w[None, None, :]  # [t, i, c]: (t-1-i) w, loop-invariant
+    state_decay = position[:, None].to(tl.float32) * w[None, :]  # [t, c]: t w
+
+    sequence = batch.to(tl.int64) * T * C
+    tile_offs = position[:, None] * C + channels[None, :]
+    for start in tl.range(0, T, CHUNK, num_stages=NUM_STAGES):
+        row_ok = start + position < T
+        tile_ok = row_ok[:, None] & channel_ok[None, :]
+        chunk_offs = sequence + start * C + tile_offs
+        k = tl.load(k_ptr + chunk_offs, mask=tile_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + chunk_offs, mask=tile_ok, other=0.0).to(tl.float32)
+
+        # Output: log-sum-exp over the chunk's keys and the carried state.
+        logit = tl.where(is_past[:, :, None], k[None, :, :] - past_decay, u[None, None, :] + k[None, :, :])
+        logit = tl.where((is_past | is_self)[:, :, None], logit, float("-inf"))
+        state_logit = p[None, :] - state_decay
+        top = tl.maximum(tl.max(logit, axis=1), state_logit)
+        weight = tl.exp(logit - top[:, None, :])
+        e_state = tl.exp(state_logit - top)
+        numerator = tl.sum(weight * v[None, :, :], axis=1) + e_state * a[None, :]
+        denominator = tl.sum(weight, axis=1) + e_state * b[None, :]
+        tl.store(o_ptr + chunk_offs, (numerator / denominator).to(o_ptr.dtype.element_ty), mask=tile_ok)
+
+        # State: decay everything to the chunk's last valid token, renormalize to the largest logit.
+        n = tl.minimum(T - start, CHUNK)
+        key_logit = k - (n - 1 - position)[:, None].to(tl.float32) * w[None, :]
+        key_logit = tl.where(row_ok[:, None], key_logit, float("-inf"))
+        decayed = p - n.to(tl.float32) * w
+        top = tl.maximum(tl.max(key_logit, axis=0), decayed)
+        e_keys = tl.exp(key_logit - top[None, :])
+        e_state = tl.exp(decayed - top)
+        a = tl.sum(e_keys * v, axis=0) + e_state * a
+        b = tl.sum(e_keys, axis=0) + e_state * b
+        p = top
+
+    if STORE_FINAL_STATE:
+        tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
+        tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
+        tl.store(p_out_ptr + state_offs, p, mask=channel_ok)
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    state: tuple[torch.Tensor, ...] | None, return_state: bool,
+    block_c: int, num_warps: int, **meta: int,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    B, T, C = k.shape
+    o = torch.empty_like(v)
+    final = tuple(torch.empty((B, C), dtype=torch.float32, device=k.device) for _ in range(3)) if return_state else None
+    # Unused pointer slots get a valid tensor; the constexpr flags compile their accesses out.
+    a_in, b_in, p_in = state if state is not None else (o, o, o)
+    a_out, b_out, p_out = final if final is not None else (o, o, o)
+    block_c = min(block_c, block_size(C))
+    grid = (B, triton.cdiv(C, block_c))
+    kernel[grid](
+        w, u, k, v, o, a_in, b_in, p_in, a_out, b_out, p_out, T, C,
+        HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
+        BLOCK_C=block_c, num_warps=num_warps, **meta,
+    )
+    return o, final
+
+
+def recurrent(
+    *, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    state: tuple[torch.Tensor, ...] | None = None, return_state: bool = False,
+    block_c: int = OPTIONS["recurrent"]["block_c"][0],
+    num_warps: int = OPTIONS["recurrent"]["num_warps"][0],
+    num_stages: int = OPTIONS["recurrent"]["num_stages"][0],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """RWKV-4 WKV one token at a time (the running-maximum loop); returns (o, (a, b, p) or None)."""
+    return _launch(
+        _rwkv4_recurrent_kernel, w, u, k, v, state, return_state, block_c, num_warps, NUM_STAGES=num_stages
+    )
+
+
+def chunkwise(
+    *, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    state: tuple[torch.Tensor, ...] | None = None, return_state: bool = False,
+    chunk_size: int = OPTIONS["chunkwise"]["chunk_size"][0],
+    block_c: int = OPTIONS["chunkwise"]["block_c"][0],
+    num_warps: int = OPTIONS["chunkwise"]["num_warps"][0],
+    num_stages: int = OPTIONS["chunkwise"]["num_stages"][0],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """RWKV-4 WKV by chunks of ``chunk_size`` tokens (log-sum-exp inside, state between); returns (o, (a, b, p) or None)."""
+    if chunk_size not in OPTIONS["chunkwise"]["chunk_size"][1]:
+        raise ValueError(f"chunk_size must be one of {OPTIONS['chunkwise']['chunk_size'][1]}; got {chunk_size!r}")
+    return _launch(
+        _rwkv4_chunkwise_kernel, w, u, k, v, state, return_state, block_c, num_warps,
+        CHUNK=chunk_size, NUM_STAGES=num_stages,
+    )
