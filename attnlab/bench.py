@@ -22,11 +22,21 @@ from attnlab.registry import REGISTRY, formulation
 Inputs = dict[str, torch.Tensor]
 
 
+def _first(result: Any) -> torch.Tensor:
+    return result[0] if isinstance(result, tuple) else result
+
+
 @dataclass(frozen=True)
 class Peer:
+    """A third-party implementation of a formulation, called on attnlab's inputs."""
+
     label: str
     make: Callable[[Inputs], Callable[[], Any]]
-    our_options: dict[str, Any] | None = None  # options our kernel must use to compute the same function
+    our_options: dict[str, Any] | None = None  # options attnlab must use to compute the same function
+    to_output: Callable[[Any], torch.Tensor] = _first  # the peer's result -> o in attnlab's layout
+
+    def output(self, x: Inputs) -> torch.Tensor:
+        return self.to_output(self.make(x)())
 
 
 def _sdpa(x: Inputs) -> Callable[[], Any]:
@@ -58,7 +68,7 @@ def _rwkv4_fla(x: Inputs) -> dict[str, Any]:
 
 
 PEERS: dict[str, Peer] = {
-    "softmax": Peer("torch SDPA causal", _sdpa),
+    "softmax": Peer("torch SDPA causal", _sdpa, to_output=lambda o: o.transpose(1, 2)),
     "linear_attn": Peer("fla chunk_linear_attn", _fla("chunk_linear_attn", lambda x: {**_qkv(x), "normalize": False, "scale": 1.0}),
                         {"feature_map": "identity", "normalize": False}),
     "retnet": Peer("fla chunk_simple_gla(g_gamma)", _fla("chunk_simple_gla", lambda x: {**_qkv(x), "g_gamma": x["g"].float()})),

@@ -265,3 +265,13 @@ def test_recurrent_form_matches_a_hand_worked_example(name):
     for precision in ("float64", "mpmath"):
         o = attnlab.oracle(name, "recurrent", precision)(**x, **options)
         assert o.flatten().tolist() == pytest.approx(expected, rel=1e-14, abs=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_oracle_on_cuda_matches_cpu(name):
+    x = sample(name, T=100)
+    run = attnlab.oracle(name, "chunkwise", chunk_size=16)
+    on_gpu = run(**{n: t.cuda() for n, t in x.items()})
+    assert on_gpu.device.type == "cuda"
+    assert rel_err(on_gpu.cpu(), run(**x)) <= FLOAT64_TOL
