@@ -11,6 +11,7 @@ Public contract (DESIGN.md)::
     o = attnlab.kernel("deltanet", form="chunkwise")(**{n: t.cuda().half() for n, t in x.items()})
 """
 
+from attnlab.kernel import kernel
 from attnlab.oracle import oracle
 from attnlab.registry import REGISTRY, formulation, names
 from attnlab.spec import FORMS
@@ -19,9 +20,3 @@ __version__ = "0.1.0"
 
 __all__ = ["names", "formulation", "oracle", "kernel", "REGISTRY", "FORMS", "__version__"]
 
-
-def kernel(name: str, form: str = "chunkwise", **opts):
-    """The Triton kernel of formulation ``name`` in ``form`` (see :mod:`attnlab.kernel`)."""
-    from attnlab.kernel import kernel as _kernel
-
-    return _kernel(name, form, **opts)

@@ -1,0 +1,85 @@
+"""general kernels (kernels/general.py, kernels/_gated.py) beyond the generic test: each gate
+present or absent, strong value gates, T=1, V=100 (two value blocks, the second partial), and
+gla as the key-gate-only special case. CPU (Triton interpreter), fp16 and fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.metrics import conditioning_floor, measure, rel_err
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
+
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
+FORMS = ("chunkwise", "recurrent")
+
+
+def _sample(T: int, K: int = 16, V: int = 16, B: int = 1, H: int = 1, seed: int = 0,
+            gates: str = "gk gv") -> dict[str, torch.Tensor]:
+    x = attnlab.formulation("general").sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+    for gate in ("gk", "gv"):
+        if gate not in gates.split():
+            x[gate] = None
+    return x
+
+
+def _check(x: dict, dtype: torch.dtype, form: str, **opts) -> torch.Tensor:
+    """Run the kernel on x rounded to dtype; assert finite output, the excess bound and the final state."""
+    x = {n: (None if t is None else t.to(dtype)) for n, t in x.items()}
+    reference = attnlab.oracle("general", "chunkwise", "float64")
+    o, state = kernel("general", form, **opts)(**x, return_state=True)
+    ref, ref_state = reference(**x, return_state=True)
+    assert o.dtype == dtype and o.shape == ref.shape and state.dtype == torch.float32
+    present = {n: t for n, t in x.items() if t is not None}
+    m = measure(o, ref, dtype, conditioning_floor(reference, present))
+    assert m.nonfinite == 0, m.as_dict()
+    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
+    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
+    return o
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("gates", ["gk", "gv", ""], ids=["only-gk", "only-gv", "no-gate"])
+def test_each_gate_may_be_absent(gates, form):
+    """Both gates run in tests/test_kernels.py; here each alone and neither (three chunks of 16)."""
+    _check(_sample(T=36, gates=gates), torch.float16, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gates_of_minus_20_stay_finite_and_exact(form, dtype):
+    """exp(-20) per step on half the value channels and on random steps of both gates."""
+    x = _sample(T=34, seed=1)
+    gen = torch.Generator().manual_seed(5)
+    for name in ("gk", "gv"):
+        strong = torch.rand(x[name].shape, generator=gen, dtype=torch.float64) < 0.3
+        if name == "gv":
+            strong[..., 1::2] = True
+        x[name] = torch.where(strong, torch.full_like(x[name], -20.0), x[name])
+    _check(x, dtype, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_single_step_from_a_state(form):
+    """T = 1 with two batches and two heads, each with its own initial state."""
+    x = _sample(T=1, B=2, H=2)
+    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    _check(x, torch.float32, form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_value_dim_100(form):
+    """V = 100 with a value gate: two V blocks of 64, the second partial."""
+    _check(_sample(T=9, V=100), torch.float16, form)
+
+
+def test_gla_is_general_with_only_a_key_gate():
+    """Both run the same kernels: identical bits."""
+    x = {n: t.half() for n, t in _sample(T=20, gates="gk").items() if t is not None}
+    o_general, s_general = kernel("general", "chunkwise")(**x, return_state=True)
+    o_gla, s_gla = kernel("gla", "chunkwise")(q=x["q"], k=x["k"], v=x["v"], g=x["gk"], return_state=True)
+    assert torch.equal(o_general, o_gla) and torch.equal(s_general, s_gla)
