@@ -22,7 +22,11 @@ Conventions (FORMULATIONS.md, registry entry ``rwkv4``):
   exponential is taken of ``logit - top`` with ``top`` the maximum of the
   logits it normalizes, so every exponent is <= 0 and nothing overflows,
   whatever the size of ``k`` (keys near 200 are fine in fp32 and fp16).
-  Masked entries are set to ``-inf`` before the exponential.
+  Masked entries are set to ``-inf`` before the exponential. Inside the
+  kernels ``p`` is held as ``anchor - steps * w``: the logit it was last set
+  to (a key, or the initial ``p``) and the tokens decayed since, so each use
+  of ``p`` is one product and one subtraction from exact instead of the sum
+  of one rounding per token (or per chunk) that ``p = p - w`` accumulates.
 
 Kernels (one program per (batch, block of BLOCK_C channels); the programs
 walk the time axis in order):
@@ -32,8 +36,9 @@ walk the time axis in order):
   log-sum-exp over the chunk's keys (decay ``-(t-1-i) w``, bonus ``u`` on the
   diagonal) plus the carried state as one extra term (logit ``p - t w``);
   the state then advances over the whole chunk at once. This is the oracle's
-  ``_chunk``: exact inside the chunk, no recurrence on rounded values there,
-  and one ``p - n w`` rounding per chunk instead of one per token.
+  ``_chunk``: every weight inside a chunk is one exponential of one logit,
+  with no recurrence on rounded values; the price is CHUNK exponentials per
+  token instead of two, for T / CHUNK serial steps instead of T.
 """
 
 from __future__ import annotations
@@ -49,18 +54,23 @@ __all__ = ["recurrent", "chunkwise", "OPTIONS"]
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
 
 # name -> (default, allowed values); attnlab.kernel checks them before a launch.
+# Both kernels run B * cdiv(C, block_c) programs, each walking the time axis.
 OPTIONS = {
     "recurrent": {
-        # channels per program: the grid is B * cdiv(C, block_c) serial programs
+        # 64 channels on one warp: 2 per thread, so 4-byte (fp16/bf16) loads
+        # that the pipeliner can turn into asynchronous copies
         "block_c": (64, _POWERS_OF_TWO),
-        "num_warps": (2, (1, 2, 4, 8)),
-        # software-pipelining depth of the time loop (tl.range num_stages):
-        # keeps the loads of the next tokens in flight while a token is computed
-        "num_stages": (3, (1, 2, 3, 4)),
+        "num_warps": (1, (1, 2, 4, 8)),
+        # depth of the time loop's software pipeline (tl.range num_stages): one
+        # token's compute is short, so the loop is bound by load latency unless
+        # the next tokens' loads are already in flight
+        "num_stages": (4, (1, 2, 3, 4, 6, 8)),
     },
     "chunkwise": {
-        # tokens per chunk; the work per token grows with it (a chunk x chunk
-        # x block_c tile of exponentials), the serial steps shrink with it
+        # tokens per chunk: each token costs chunk_size exponentials (a chunk x
+        # chunk x block_c tile), the serial steps are T / chunk_size; the tile
+        # lives in registers, so keep chunk_size^2 * block_c / (32 num_warps)
+        # near 32 (chunk_size=64 with block_c=16 spills)
         "chunk_size": (16, (8, 16, 32, 64)),
         "block_c": (16, _POWERS_OF_TWO),
         "num_warps": (4, (1, 2, 4, 8)),
@@ -88,6 +98,10 @@ def _load_state(a_ptr, b_ptr, p_ptr, offs, mask, HAS_STATE: tl.constexpr, BLOCK_
 #          o_t = (e^{p-top} a + e^{u+k_t-top} v_t) / (e^{p-top} b + e^{u+k_t-top})
 #   write: top = max(p - w, k_t)
 #          a = e^{p-w-top} a + e^{k_t-top} v_t,  b = e^{p-w-top} b + e^{k_t-top},  p = top
+# p is kept as anchor - steps * w (the logit it was last set to, and the tokens
+# since): p = p - w repeated in fp32 rounds once per token, and on slow decays
+# (w ~ 0.01, where p is rarely reset) that drift piled up to 25x the floor at
+# T = 512; anchored, every p is one product and one subtraction away from exact.
 @triton.jit
 def _rwkv4_recurrent_kernel(
     w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
@@ -102,35 +116,42 @@ def _rwkv4_recurrent_kernel(
     w = tl.load(w_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
     state_offs = batch * C + channels
-    a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+    a, b, anchor = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+    steps = tl.zeros([BLOCK_C], dtype=tl.int32)
 
     sequence = batch.to(tl.int64) * T * C  # [B, T, C] may pass 2^31 elements
-    k_ptrs = k_ptr + sequence + channels
+    k_ptrs = k_ptr + sequence + channels  # pointers advance by one token (C) per step
     v_ptrs = v_ptr + sequence + channels
     o_ptrs = o_ptr + sequence + channels
-    for t in tl.range(0, T, num_stages=NUM_STAGES):
-        k_t = tl.load(k_ptrs + t * C, mask=channel_ok, other=0.0).to(tl.float32)
-        v_t = tl.load(v_ptrs + t * C, mask=channel_ok, other=0.0).to(tl.float32)
+    for _ in tl.range(0, T, num_stages=NUM_STAGES):
+        k_t = tl.load(k_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        v_t = tl.load(v_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
 
+        p = anchor - steps.to(tl.float32) * w
         bonus = u + k_t
         top = tl.maximum(p, bonus)
         e_state = tl.exp(p - top)
         e_token = tl.exp(bonus - top)
         o_t = (e_state * a + e_token * v_t) / (e_state * b + e_token)
-        tl.store(o_ptrs + t * C, o_t.to(o_ptr.dtype.element_ty), mask=channel_ok)
+        tl.store(o_ptrs, o_t.to(o_ptr.dtype.element_ty), mask=channel_ok)
 
-        decayed = p - w
+        decayed = anchor - (steps + 1).to(tl.float32) * w
         top = tl.maximum(decayed, k_t)
         e_state = tl.exp(decayed - top)
         e_token = tl.exp(k_t - top)
         a = e_state * a + e_token * v_t
         b = e_state * b + e_token
-        p = top
+        restart = k_t >= decayed  # p = top = k_t: re-anchor there
+        anchor = tl.where(restart, k_t, anchor)
+        steps = tl.where(restart, 0, steps + 1)
+        k_ptrs += C
+        v_ptrs += C
+        o_ptrs += C
 
     if STORE_FINAL_STATE:
         tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
         tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
-        tl.store(p_out_ptr + state_offs, p, mask=channel_ok)
+        tl.store(p_out_ptr + state_offs, anchor - steps.to(tl.float32) * w, mask=channel_ok)
 
 
 # Chunkwise form, CHUNK tokens per step (oracles/rwkv4.py, _chunk). For query t
@@ -142,6 +163,8 @@ def _rwkv4_recurrent_kernel(
 # and over the n valid keys of the chunk the state advances to
 #   key logit  g_i = k_i - (n-1-i) w,   p' = max(max_i g_i, p - n w)
 #   a' = sum_i e^{g_i-p'} v_i + e^{p-n w-p'} a,   b' = sum_i e^{g_i-p'} + e^{p-n w-p'} b
+# As in the recurrent kernel, p is kept as anchor - steps * w (anchor: the key
+# or initial p it was last set to), so that no rounding accumulates across chunks.
 @triton.jit
 def _rwkv4_chunkwise_kernel(
     w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
@@ -156,51 +179,62 @@ def _rwkv4_chunkwise_kernel(
     w = tl.load(w_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
     state_offs = batch * C + channels
-    a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+    a, b, anchor = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+    steps = tl.zeros([BLOCK_C], dtype=tl.int32)
 
     position = tl.arange(0, CHUNK)  # t for queries, i for keys
     lag = (position[:, None] - 1 - position[None, :]).to(tl.float32)  # [t, i]
     is_past = position[None, :] < position[:, None]
     is_self = position[None, :] == position[:, None]
-    past_decay = lag[:, :, None] * w[None, None, :]  # [t, i, c]: (t-1-i) w, loop-invariant
-    state_decay = position[:, None].to(tl.float32) * w[None, :]  # [t, c]: t w
+    past_decay = lag[:, :, None] * w[None, None, :]  # [t, i, c]: (t-1-i) w, the same in every chunk
 
-    sequence = batch.to(tl.int64) * T * C
-    tile_offs = position[:, None] * C + channels[None, :]
+    sequence = batch.to(tl.int64) * T * C  # [B, T, C] may pass 2^31 elements
+    tile_offs = sequence + position[:, None] * C + channels[None, :]
+    k_ptrs = k_ptr + tile_offs  # pointers advance by one chunk (CHUNK * C) per step
+    v_ptrs = v_ptr + tile_offs
+    o_ptrs = o_ptr + tile_offs
     for start in tl.range(0, T, CHUNK, num_stages=NUM_STAGES):
         row_ok = start + position < T
         tile_ok = row_ok[:, None] & channel_ok[None, :]
-        chunk_offs = sequence + start * C + tile_offs
-        k = tl.load(k_ptr + chunk_offs, mask=tile_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + chunk_offs, mask=tile_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptrs, mask=tile_ok, other=0.0).to(tl.float32)
 
         # Output: log-sum-exp over the chunk's keys and the carried state.
         logit = tl.where(is_past[:, :, None], k[None, :, :] - past_decay, u[None, None, :] + k[None, :, :])
         logit = tl.where((is_past | is_self)[:, :, None], logit, float("-inf"))
-        state_logit = p[None, :] - state_decay
+        state_logit = anchor[None, :] - (steps[None, :] + position[:, None]).to(tl.float32) * w[None, :]
         top = tl.maximum(tl.max(logit, axis=1), state_logit)
         weight = tl.exp(logit - top[:, None, :])
         e_state = tl.exp(state_logit - top)
         numerator = tl.sum(weight * v[None, :, :], axis=1) + e_state * a[None, :]
         denominator = tl.sum(weight, axis=1) + e_state * b[None, :]
-        tl.store(o_ptr + chunk_offs, (numerator / denominator).to(o_ptr.dtype.element_ty), mask=tile_ok)
+        tl.store(o_ptrs, (numerator / denominator).to(o_ptr.dtype.element_ty), mask=tile_ok)
 
         # State: decay everything to the chunk's last valid token, renormalize to the largest logit.
         n = tl.minimum(T - start, CHUNK)
-        key_logit = k - (n - 1 - position)[:, None].to(tl.float32) * w[None, :]
+        key_steps = n - 1 - position  # tokens from key i to the chunk's end
+        key_logit = k - key_steps[:, None].to(tl.float32) * w[None, :]
         key_logit = tl.where(row_ok[:, None], key_logit, float("-inf"))
-        decayed = p - n.to(tl.float32) * w
-        top = tl.maximum(tl.max(key_logit, axis=0), decayed)
+        decayed = anchor - (steps + n).to(tl.float32) * w
+        best_key = tl.argmax(key_logit, axis=0)  # [c]: the key with the largest logit
+        best_logit = tl.max(key_logit, axis=0)
+        top = tl.maximum(best_logit, decayed)
         e_keys = tl.exp(key_logit - top[None, :])
         e_state = tl.exp(decayed - top)
         a = tl.sum(e_keys * v, axis=0) + e_state * a
         b = tl.sum(e_keys, axis=0) + e_state * b
-        p = top
+        restart = best_logit >= decayed  # p = top = that key's logit: re-anchor on it
+        is_best = position[:, None] == best_key[None, :]
+        anchor = tl.where(restart, tl.sum(tl.where(is_best, k, 0.0), axis=0), anchor)
+        steps = tl.where(restart, n - 1 - best_key, steps + n)
+        k_ptrs += CHUNK * C
+        v_ptrs += CHUNK * C
+        o_ptrs += CHUNK * C
 
     if STORE_FINAL_STATE:
         tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
         tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
-        tl.store(p_out_ptr + state_offs, p, mask=channel_ok)
+        tl.store(p_out_ptr + state_offs, anchor - steps.to(tl.float32) * w, mask=channel_ok)
 
 
 def _launch(
@@ -246,7 +280,10 @@ def chunkwise(
     num_warps: int = OPTIONS["chunkwise"]["num_warps"][0],
     num_stages: int = OPTIONS["chunkwise"]["num_stages"][0],
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """RWKV-4 WKV by chunks of ``chunk_size`` tokens (log-sum-exp inside, state between); returns (o, (a, b, p) or None)."""
+    """RWKV-4 WKV by chunks of ``chunk_size`` tokens (log-sum-exp inside, state between).
+
+    Returns (o, (a, b, p) or None).
+    """
     if chunk_size not in OPTIONS["chunkwise"]["chunk_size"][1]:
         raise ValueError(f"chunk_size must be one of {OPTIONS['chunkwise']['chunk_size'][1]}; got {chunk_size!r}")
     return _launch(

@@ -1,0 +1,212 @@
+"""RWKV-4 kernel behaviour beyond the generic oracle test (tests/test_kernels.py).
+
+Runs under the Triton interpreter in fp16 and fp32 (bf16 needs a GPU). Every
+bound is either an exact identity or a multiple of the floor
+``max(floor_round, floor_cond)`` (attnlab.metrics), with the multiples of
+tests/test_kernels.py: excess <= 2 in fp16, <= 4 in fp32.
+
+- Large keys (+60 in fp16, +200 in fp32): finite, within the bound of the
+  float64 oracle, and every output inside [min v, max v] of the values it
+  averages (the output is a convex combination).
+- Shift invariance: adding a constant to every key (exactly, on a grid where
+  k + c is representable) moves the output by no more than two bounds.
+- T = 1 gives o = v and the state (v, 1, k) exactly.
+- initial_state with p = -inf is the empty state (bit-identical outputs);
+  with finite p it matches the oracle.
+- Decays from none (w = 0) to strong (w = 50 per step), a non-power-of-two
+  channel count split over several programs, every chunk_size, bad options.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st, target
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.kernels import rwkv4 as rwkv4_kernels
+from attnlab.metrics import conditioning_floor, measure, rel_err, unit_roundoff
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
+
+FORMS = ("recurrent", "chunkwise")
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
+REFERENCE = attnlab.oracle("rwkv4", "chunkwise", "float64")
+
+
+def _inputs(
+    dtype: torch.dtype, T: int, C: int = 24, B: int = 1, seed: int = 0, shift: float = 0.0, w_scale: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """The registry's rwkv4 inputs ([B, T, C], C = H * V with H = 1), keys shifted, decays scaled, in ``dtype``."""
+    x = attnlab.formulation("rwkv4").sample(B=B, T=T, H=1, K=16, V=C, seed=seed)
+    x["k"] = x["k"] + shift
+    x["w"] = x["w"] * w_scale
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def _check_against_oracle(form: str, x: dict, dtype: torch.dtype, state=None, **opts):
+    """Run the kernel and the float64 oracle on the same inputs; assert finite and within the bound."""
+    o, final = kernel("rwkv4", form, **opts)(**x, initial_state=state, return_state=True)
+    ref, ref_final = REFERENCE(**x, initial_state=state, return_state=True)
+    m = measure(o, ref, dtype, conditioning_floor(REFERENCE, {**x, "initial_state": state}))
+    assert o.dtype == dtype and o.shape == ref.shape
+    assert m.nonfinite == 0, m.as_dict()
+    assert m.excess <= EXCESS_BOUND[dtype], f"{form} {dtype} {opts}: {m.as_dict()}"
+    assert all(part.dtype == torch.float32 for part in final)
+    assert rel_err(final, ref_final) <= STATE_BOUND[dtype]
+    return o, final, m
+
+
+def _assert_convex(o: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
+    """o_t lies in [min_{i<=t} v_i, max_{i<=t} v_i] (no initial state).
+
+    In fp16 exactly: the fp32 result overshoots by a few fp32 ulps at most,
+    and rounding to fp16 brings it back onto the fp16 value max v (or min v).
+    In fp32 up to 8 unit roundoffs of max|v|: the output's own rounding plus
+    the few roundings of the numerator, denominator and division.
+    """
+    v64, o64 = v.double(), o.double()
+    low, high = torch.cummin(v64, dim=1).values, torch.cummax(v64, dim=1).values
+    slack = 0.0 if dtype == torch.float16 else 8 * unit_roundoff(torch.float32) * v64.abs().max().item()
+    assert bool((o64 >= low - slack).all()) and bool((o64 <= high + slack).all())
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, 60.0), (torch.float32, 200.0)], ids=["fp16+60", "fp32+200"])
+def test_large_keys_finite_within_bound_and_convex(form, dtype, shift):
+    x = _inputs(dtype, T=45, B=2, shift=shift)
+    o, _, _ = _check_against_oracle(form, x, dtype)
+    _assert_convex(o, x["v"], dtype)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@settings(max_examples=5, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    T=st.integers(1, 40),
+    shift=st.sampled_from([-60.0, 0.0, 60.0]),
+    log_w_scale=st.floats(-5.0, 4.0),
+)
+def test_convex_and_within_bound_fp16(form, seed, T, shift, log_w_scale):
+    x = _inputs(torch.float16, T=T, C=16, seed=seed, shift=shift, w_scale=math.exp(log_w_scale))
+    o, _, m = _check_against_oracle(form, x, torch.float16)
+    target(m.excess, label="excess")
+    _assert_convex(o, x["v"], torch.float16)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, 60.0), (torch.float32, 200.0)], ids=["fp16+60", "fp32+200"])
+def test_shift_invariance(form, dtype, shift):
+    """o(k + c) = o(k) exactly; the kernel's two outputs differ by at most the two error bounds."""
+    x = _inputs(dtype, T=40)
+    # Keys on a 1/32 grid inside (-4, 4): k and k + c are both exact in fp16 and fp32.
+    x["k"] = (x["k"].double() * 32).round().clamp(-112, 112).div(32).to(dtype)
+    shifted = {**x, "k": x["k"] + shift}
+    assert torch.equal(shifted["k"].double() - shift, x["k"].double())
+    run = kernel("rwkv4", form)
+    o, o_shifted = run(**x), run(**shifted)
+    ref = REFERENCE(**x)
+    floors = [measure(ref, ref, dtype, conditioning_floor(REFERENCE, inputs)).floor for inputs in (x, shifted)]
+    difference = (o.double() - o_shifted.double()).norm() / ref.norm()
+    assert difference <= EXCESS_BOUND[dtype] * sum(floors)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_single_token_returns_v_and_its_state(form, dtype):
+    x = _inputs(dtype, T=1, B=2, shift=30.0)
+    o, (a, b, p) = kernel("rwkv4", form)(**x, return_state=True)
+    assert torch.equal(o, x["v"])
+    assert torch.equal(a, x["v"][:, 0].float())
+    assert torch.equal(b, torch.ones_like(b))
+    assert torch.equal(p, x["k"][:, 0].float())
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_state_with_p_minus_inf_is_the_empty_state(form):
+    x = _inputs(torch.float32, T=21, B=2)
+    B, C = x["k"].shape[0], x["k"].shape[2]
+    generator = torch.Generator().manual_seed(3)
+    junk = (torch.randn(B, C, generator=generator), torch.rand(B, C, generator=generator) + 0.5)
+    empty = (*junk, torch.full((B, C), -math.inf))
+    run = kernel("rwkv4", form)
+    o_none, state_none = run(**x, return_state=True)
+    o_empty, state_empty = run(**x, initial_state=empty, return_state=True)
+    assert torch.equal(o_none, o_empty)
+    assert all(torch.equal(s, t) for s, t in zip(state_none, state_empty))
+    _check_against_oracle(form, x, torch.float32, state=empty)
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "dtype,p_offset",
+    [(torch.float16, 0.0), (torch.float16, 60.0), (torch.float32, 8.0)],
+    ids=["fp16-p~k", "fp16-p>>k", "fp32-p>k"],
+)
+def test_state_with_finite_p(form, dtype, p_offset):
+    """A state (a, b, p) with a / b an average of values and p near, above or far above the keys."""
+    x = _inputs(dtype, T=30, B=2, shift=20.0)
+    B, C = x["k"].shape[0], x["k"].shape[2]
+    generator = torch.Generator().manual_seed(5)
+    b = torch.rand(B, C, generator=generator) + 1.0
+    a = b * torch.randn(B, C, generator=generator)
+    p = 20.0 + p_offset + torch.randn(B, C, generator=generator)
+    _check_against_oracle(form, x, dtype, state=(a, b, p))
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("w_value", [0.0, 1e-3, 50.0, 1e4], ids=["no-decay", "slow", "strong", "huge"])
+def test_decay_extremes(form, w_value):
+    x = _inputs(torch.float16, T=24)
+    x["w"] = torch.full_like(x["w"], w_value)
+    _check_against_oracle(form, x, torch.float16)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_channels_not_a_power_of_two_over_several_programs(form):
+    x = _inputs(torch.float16, T=19, C=100, B=2, shift=10.0)
+    _check_against_oracle(form, x, torch.float16, block_c=32)
+
+
+@pytest.mark.parametrize(
+    "chunk_size,dtype",
+    [(8, torch.float16), (16, torch.float16), (32, torch.float16), (64, torch.float16),
+     (8, torch.float32), (64, torch.float32)],
+)
+def test_chunk_sizes(chunk_size, dtype):
+    # T = 37: full chunks and a partial one for 8 and 16, one partial chunk for 64.
+    x = _inputs(dtype, T=37, shift=5.0)
+    _check_against_oracle("chunkwise", x, dtype, chunk_size=chunk_size, block_c=16)
+
+
+@pytest.mark.parametrize(
+    "form,opts",
+    [
+        ("chunkwise", {"chunk_size": 12}),
+        ("chunkwise", {"chunk_size": 128}),
+        ("chunkwise", {"block_c": 24}),
+        ("recurrent", {"block_c": 8}),
+        ("recurrent", {"num_stages": 5}),
+        ("recurrent", {"num_warps": 3}),
+    ],
+)
+def test_bad_options_raise_value_error(form, opts):
+    name, value = next(iter(opts.items()))
+    with pytest.raises(ValueError, match=name):
+        kernel("rwkv4", form, **opts)
+
+
+def test_bad_chunk_size_called_directly_raises_value_error():
+    x = _inputs(torch.float32, T=4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        rwkv4_kernels.chunkwise(**x, chunk_size=12)
+
+
+def test_recurrent_option_is_unknown_to_chunkwise_and_vice_versa():
+    with pytest.raises(TypeError, match="chunk_size"):
+        kernel("rwkv4", "recurrent", chunk_size=16)
