@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 report: $(STAMP)
-	$(BIN)/attnlab list
+	$(BIN)/attnlab report --out reports/cpu
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

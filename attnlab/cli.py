@@ -1,4 +1,4 @@
-"""The ``attnlab`` command line: ``list``, ``bench``."""
+"""The ``attnlab`` command line: ``list``, ``bench``, ``report``, ``map`` (and ``selftest``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from attnlab import report, stability
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         bench.add_argument(f"-{dim}", type=int, default=default)
     bench.add_argument("--out", help="write the table as Markdown here (and .json beside it)")
     bench.set_defaults(func=cmd_bench)
+    report.add_parser(sub)
+    stability.add_parser(sub)
     return parser
 
 

@@ -77,8 +77,12 @@ def conditioning_floor(
     """Largest relative change of ``reference(**inputs)`` under componentwise input perturbations of size ``unit``.
 
     Each floating tensor ``x`` becomes ``x * (1 + unit * r)`` with ``r``
-    uniform in [-1, 1]; non-tensor inputs are passed unchanged.
+    uniform in [-1, 1]; non-tensor inputs are passed unchanged. When
+    ``reference`` is an attnlab oracle, perturbed values are clamped into
+    their argument's valid range (beta = 2 stays 2, a log gate stays <= 0).
     """
+    spec = getattr(reference, "formulation", None)
+    bounds = {a.name: (a.low, a.high) for a in spec.args} if spec is not None else {}
     base = reference(**inputs)
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
@@ -87,7 +91,9 @@ def conditioning_floor(
         for name, value in inputs.items():
             if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
                 r = torch.rand(value.shape, generator=generator, dtype=torch.float64).to(value.device) * 2 - 1
-                perturbed[name] = value.to(torch.float64) * (1 + unit * r)
+                low, high = bounds.get(name, (None, None))
+                moved = value.to(torch.float64) * (1 + unit * r)
+                perturbed[name] = moved if low is None and high is None else moved.clamp(min=low, max=high)
             else:
                 perturbed[name] = value
         worst = max(worst, rel_err(reference(**perturbed), base))

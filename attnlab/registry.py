@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from attnlab.spec import Arg, Dims, Formulation, Option, StateSpec
+from attnlab.spec import Arg, Dims, Formulation, Option, StabilityMap, StateSpec
 
 __all__ = ["REGISTRY", "names", "formulation"]
 
@@ -74,6 +74,10 @@ _state_S = StateSpec(parts=(("S", S_KV),), empty=(0.0,))
 LOG_GATE = dict(low=None, high=0.0)
 BETA = dict(low=0.0, high=2.0)
 
+GATE_MAP = StabilityMap("gate", ("g",))
+DELTA_MAP = StabilityMap("delta", ("k", "beta"))
+SHIFT_MAP = StabilityMap("shift", ("k",))
+
 
 def _q(unit: bool = False) -> Arg:
     return Arg("q", QK, "queries", unit_rows(*QK) if unit else gaussian(*QK))
@@ -131,6 +135,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(GATE_MAP,),
     ),
     Formulation(
         name="gla",
@@ -140,6 +145,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(GATE_MAP,),
     ),
     Formulation(
         name="general",
@@ -155,6 +161,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(StabilityMap("gate", ("gk", "gv")),),
     ),
     Formulation(
         name="aft",
@@ -169,6 +176,7 @@ REGISTRY: tuple[Formulation, ...] = (
         kernel_forms=("chunkwise",),
         dims_from_sizes=_aft_dims,
         notes="no finite state; D is the sampled V",
+        stability=(SHIFT_MAP,),
     ),
     Formulation(
         name="rwkv4",
@@ -188,6 +196,8 @@ REGISTRY: tuple[Formulation, ...] = (
         kernel_forms=("chunkwise", "recurrent"),
         dims_from_sizes=_rwkv_dims,
         notes="state (a, b, p): numerator e^p a, denominator e^p b; C is the sampled H * V",
+        naive_options=(("stable", False),),
+        stability=(SHIFT_MAP,),
     ),
     Formulation(
         name="deltanet",
@@ -197,6 +207,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(DELTA_MAP,),
     ),
     Formulation(
         name="gated_deltanet",
@@ -212,6 +223,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(GATE_MAP, DELTA_MAP),
     ),
     Formulation(
         name="kda",
@@ -227,6 +239,7 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
+        stability=(GATE_MAP, DELTA_MAP),
     ),
 )
 

@@ -99,6 +99,30 @@ class StateSpec:
         return parts[0] if len(parts) == 1 else tuple(parts)
 
 
+MAP_FAMILIES = ("gate", "delta", "shift")
+
+
+@dataclass(frozen=True)
+class StabilityMap:
+    """A stability map a formulation takes part in (``attnlab map``, attnlab/stability.py).
+
+    ``family`` names the two swept parameters and the theoretical boundary:
+    ``"gate"`` (log-gate strength x T; the cumulative log decay of one chunk
+    reaching the exp threshold), ``"delta"`` (key norm x beta; the line
+    ``beta |k|^2 = 2``), ``"shift"`` (a constant added to the keys x dtype;
+    the exp thresholds 11.09 fp16, 88.72 bf16 and fp32). ``args`` are the
+    arguments the swept parameter acts on: the log gates; the keys then the
+    write strength; the keys.
+    """
+
+    family: str
+    args: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.family not in MAP_FAMILIES:
+            raise ValueError(f"family must be one of {', '.join(MAP_FAMILIES)}; got {self.family!r}")
+
+
 def _default_dims(B: int, T: int, H: int, K: int, V: int) -> dict[str, int]:
     return {"B": B, "T": T, "H": H, "K": K, "V": V}
 
@@ -116,6 +140,10 @@ class Formulation:
     forms: tuple[str, ...] = FORMS
     kernel_forms: tuple[str, ...] = ("chunkwise",)
     notes: str = ""
+    # Options of the recurrent oracle that select the textbook algorithm, for the
+    # reports' naive baselines (rwkv4: the exp(k) accumulation, stable=False).
+    naive_options: tuple[tuple[str, Any], ...] = ()
+    stability: tuple[StabilityMap, ...] = ()
     dims_from_sizes: Callable[[int, int, int, int, int], dict[str, int]] = field(default=_default_dims)
 
     # --- lookups --------------------------------------------------------

@@ -1,0 +1,700 @@
+"""``attnlab report``: how each implementation's error grows with the sequence length.
+
+For every formulation, dtype and length T the registry's default inputs are
+drawn (one seed), rounded to the dtype, and every implementation runs on
+exactly those inputs:
+
+- ``attnlab:<form>``: attnlab's Triton kernel of each of the registry's
+  kernel forms (under the Triton interpreter on a machine without a GPU);
+- ``fp32-recurrent``: the formulation's naive recurrence (the recurrent
+  oracle with the registry's ``naive_options``) evaluated in float32, its
+  output rounded once to the dtype: what plain fp32 accumulation achieves;
+- ``fp16-recurrent`` / ``bf16-recurrent``: the same recurrence entirely in the
+  dtype, the naive same-precision baseline.
+
+Each is measured against the float64 chunkwise oracle on the same device and
+the same rounded inputs (attnlab.metrics: ``rel_err``, ``max_err``,
+``floor_round``, ``floor_cond``, ``floor``, ``excess``, ``nonfinite``); at
+short lengths the float64 oracle is itself checked against the mpmath one and
+the agreement recorded. A point that raises is recorded with its error and
+the sweep goes on.
+
+Written to the output folder: ``report.json`` (rows, settings, seed,
+versions, device, oracles), one ``<formulation>.png`` per formulation (error
+vs T, log-log, one panel per dtype, with the floor and the textbook guides)
+and ``index.md`` (the table and the plots; it also links the stability maps
+``attnlab map`` wrote into the same folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab.evaluate import DTYPES, rounded_inputs
+from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 before triton is imported
+from attnlab.metrics import conditioning_floor, measure, rel_err, unit_roundoff
+from attnlab.oracle import oracle
+from attnlab.registry import formulation, names
+from attnlab.spec import Formulation
+
+Row = dict[str, Any]
+Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+REFERENCE_CHUNK_SIZE = 64
+REFERENCE_NAME = "float64-chunkwise"
+METRIC_KEYS = ("rel_err", "max_err", "floor_round", "floor_cond", "floor", "excess", "nonfinite")
+# A fitted exponent of rel_err against T above this counts as growth with length.
+GROWTH_SLOPE = 0.25
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Batch, heads and head dimensions of the sampled inputs (T is swept)."""
+
+    B: int
+    H: int
+    K: int
+    V: int
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What a report sweeps when the command line does not say (every formulation, always)."""
+
+    dtypes: tuple[str, ...]
+    lengths: tuple[int, ...]
+    sizes: Sizes
+
+
+# The CPU default is the README's main command (`make report`): fp16 and fp32
+# kernels under the interpreter and the baselines at short lengths, about two
+# minutes on a 2-core CPU. The GPU default is the shipped gallery.
+DEFAULTS = {
+    "cpu": Defaults(("float16", "float32"), (16, 32, 64, 128), Sizes(B=1, H=2, K=16, V=16)),
+    "cuda": Defaults(("bfloat16", "float16"), (64, 256, 1024, 4096, 16384, 65536), Sizes(B=1, H=4, K=64, V=64)),
+}
+MPMATH_CHECK_MAX_T = 64
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a report's numbers depend on; recorded in report.json."""
+
+    formulations: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    lengths: tuple[int, ...]
+    device: str
+    seed: int
+    sizes: Sizes
+    mpmath_check_max_T: int = MPMATH_CHECK_MAX_T
+    reference: str = REFERENCE_NAME
+    reference_chunk_size: int = REFERENCE_CHUNK_SIZE
+
+    def command(self) -> str:
+        """The command line that reproduces this report."""
+        s = self.sizes
+        return (
+            f"attnlab report --formulations {','.join(self.formulations)} --dtypes {','.join(self.dtypes)} "
+            f"--lengths {','.join(map(str, self.lengths))} --shape {s.B},{s.H},{s.K},{s.V} "
+            f"--device {self.device} --seed {self.seed} --mpmath-check-max-T {self.mpmath_check_max_T}"
+        )
+
+
+# --- implementations ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation a report measures: its name and how to build its callable.
+
+    Building is deferred to the sweep, so a kernel module that is missing or
+    refuses the configuration becomes an error in that implementation's row.
+    """
+
+    name: str
+    build: Callable[[], Callable[..., Any]]
+
+
+def _kernel(name: str, form: str) -> Callable[..., Any]:
+    from attnlab.kernel import kernel
+
+    return kernel(name, form)
+
+
+def _naive_recurrence(f: Formulation, precision: str, out_dtype: str) -> Callable[..., torch.Tensor]:
+    run = oracle(f.name, "recurrent", precision, **dict(f.naive_options))
+
+    def call(**inputs: Any) -> torch.Tensor:
+        return run(**inputs).to(DTYPES[out_dtype])
+
+    return call
+
+
+def implementations(f: Formulation, dtype: str) -> list[Implementation]:
+    """attnlab's kernels of ``f`` and the naive recurrences in fp32 and in ``dtype``, as run on ``dtype`` inputs."""
+    impls = [Implementation(f"attnlab:{form}", partial(_kernel, f.name, form)) for form in f.kernel_forms]
+    impls.append(Implementation("fp32-recurrent", partial(_naive_recurrence, f, "float32", dtype)))
+    if dtype != "float32":
+        impls.append(Implementation(f"{SHORT_DTYPE[dtype]}-recurrent", partial(_naive_recurrence, f, dtype, dtype)))
+    return impls
+
+
+# --- measuring one point ----------------------------------------------------------
+
+
+def describe_error(error: BaseException) -> str:
+    """One line naming the exception, short enough for a table footnote."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _json_float(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _blank_row(base: Row) -> Row:
+    return {**base, **{key: None for key in METRIC_KEYS}, "ref_nonfinite": None, "error": None}
+
+
+def mpmath_agreement(name: str, inputs: dict[str, torch.Tensor], reference_output: torch.Tensor) -> float:
+    """``rel_err`` of the float64 oracle's output against the mpmath recurrent oracle's, on CPU copies of ``inputs``."""
+    certified = oracle(name, "recurrent", "mpmath")(**{n: t.cpu() for n, t in inputs.items()})
+    return rel_err(reference_output.cpu(), certified)
+
+
+def measure_point(
+    f: Formulation,
+    dtype: str,
+    T: int,
+    sizes: Sizes,
+    impls: Sequence[Implementation],
+    *,
+    seed: int,
+    device: str,
+    transform: Transform | None = None,
+    check_with_mpmath: bool = False,
+    extra: Row | None = None,
+    reference_form: str = "chunkwise",
+) -> list[Row]:
+    """Rows for every implementation at one (formulation, dtype, T), against the float64 oracle.
+
+    The reference output and the conditioning floor are computed once and
+    shared by the implementations. ``transform`` edits the float64 inputs
+    before rounding (the stability maps); ``extra`` is merged into each row;
+    ``reference_form`` is the float64 oracle's form (chunkwise: the fast one).
+    A failure of the reference fails every row of the point; a failure of
+    one implementation fails its row only.
+    """
+    base = {"formulation": f.name, "impl": None, "dtype": dtype, "T": T, **(extra or {}),
+            "oracle": f"float64-{reference_form}", "oracle_device": device, "oracle_check": None}
+    try:
+        inputs = rounded_inputs(f.name, DTYPES[dtype], device, B=sizes.B, T=T, H=sizes.H, K=sizes.K, V=sizes.V,
+                                seed=seed, transform=transform)
+        chunking = {"chunk_size": REFERENCE_CHUNK_SIZE} if reference_form == "chunkwise" else {}
+        reference = oracle(f.name, reference_form, "float64", **chunking)
+        ref = reference(**inputs)
+        floor_cond = conditioning_floor(reference, inputs)
+        ref_nonfinite = int((~torch.isfinite(ref)).sum())
+        if check_with_mpmath:
+            base["oracle_check"] = _json_float(mpmath_agreement(f.name, inputs, ref))
+    except Exception as error:  # noqa: BLE001 - recorded in the rows, the sweep goes on
+        message = f"reference oracle failed: {describe_error(error)}"
+        return [{**_blank_row(base), "impl": impl.name, "error": message} for impl in impls]
+    rows = []
+    for impl in impls:
+        row = {**_blank_row(base), "impl": impl.name, "ref_nonfinite": ref_nonfinite}
+        try:
+            o = impl.build()(**inputs)
+            metrics = measure(o, ref, DTYPES[dtype], floor_cond).as_dict()
+            row.update({key: (value if key == "nonfinite" else _json_float(value)) for key, value in metrics.items()})
+        except Exception as error:  # noqa: BLE001 - recorded in the row, the sweep goes on
+            row["error"] = describe_error(error)
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+# --- the sweep --------------------------------------------------------------------
+
+
+def device_description(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    mode = "under the Triton interpreter" if interpreter_active() else "compiled (TRITON_INTERPRET is not 1)"
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores), kernels {mode}"
+
+
+def device_slug(device: str) -> str:
+    """A folder name for the device: ``cpu`` or the GPU's name (``nvidia-h100-80gb-hbm3``)."""
+    return "cpu" if device == "cpu" else re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def versions() -> dict[str, str]:
+    """Versions of everything the numbers depend on (and the git commit, when there is one)."""
+    from importlib.metadata import version
+
+    found = {"python": platform.python_version(), "torch": torch.__version__,
+             **{dist: version(dist) for dist in ("attnlab", "triton", "numpy", "mpmath", "matplotlib")}}
+    if torch.version.cuda:
+        found["cuda"] = torch.version.cuda
+    try:
+        root = Path(__file__).resolve().parent.parent
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        found["git_commit"] = commit
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return found
+
+
+def oracle_summary(settings: Settings, rows: Iterable[Row]) -> dict[str, Any]:
+    """Which oracle served as reference at which lengths, and how well mpmath agreed where it was checked."""
+    checks = sorted({(r["formulation"], r["T"], r["dtype"], r["oracle_check"]) for r in rows
+                     if r.get("oracle_check") is not None}, key=lambda c: (c[0], c[1]))
+    checked_lengths = sorted({T for _, T, _, _ in checks})
+    return {
+        "reference": f"float64 chunkwise oracle (chunk_size {settings.reference_chunk_size}) on {settings.device}",
+        "reference_lengths": list(settings.lengths),
+        "mpmath_check": {
+            "what": "rel_err of the float64 oracle against the mpmath recurrent oracle (dps 50), on the first "
+                    "dtype's rounded inputs",
+            "lengths": checked_lengths,
+            "max_rel_diff": max((c[3] for c in checks), default=None),
+            "checks": [{"formulation": n, "T": T, "dtype": d, "rel_diff": v} for n, T, d, v in checks],
+        },
+    }
+
+
+def run_report(settings: Settings, out: Path, *, append: bool = False) -> Path:
+    """Sweep, write report.json (after each formulation), the plots and index.md; return index.md's path."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    report_path = out / "report.json"
+    earlier = json.loads(report_path.read_text()) if append and report_path.exists() else None
+    run_index = len(earlier["runs"]) if earlier else 0
+    started = time.time()
+    run = {"settings": {**asdict(settings), "command": settings.command()}, "seed": settings.seed,
+           "device": {"type": settings.device, "name": device_description(settings.device)},
+           "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    rows: list[Row] = []
+    points = [(name, dtype, T) for name in settings.formulations for dtype in settings.dtypes for T in settings.lengths]
+    with tqdm(total=len(points), desc="attnlab report", unit="point", file=sys.stderr) as progress:
+        for name in settings.formulations:
+            f = formulation(name)
+            for dtype in settings.dtypes:
+                impls = implementations(f, dtype)
+                for T in settings.lengths:
+                    progress.set_postfix_str(f"{name} {dtype} T={T}")
+                    check = dtype == settings.dtypes[0] and T <= settings.mpmath_check_max_T
+                    point = measure_point(f, dtype, T, settings.sizes, impls, seed=settings.seed,
+                                          device=settings.device, check_with_mpmath=check, extra={"run": run_index})
+                    rows.extend(point)
+                    progress.update()
+            run["seconds"] = round(time.time() - started, 1)
+            _write_report(report_path, settings, run, rows, earlier)
+    report = json.loads(report_path.read_text())
+    for name in dict.fromkeys(r["formulation"] for r in report["rows"]):
+        plot_error_vs_length([r for r in report["rows"] if r["formulation"] == name], name, out / f"{name}.png")
+    return write_index(out)
+
+
+def _row_key(row: Row) -> tuple[Any, ...]:
+    return row["formulation"], row["impl"], row["dtype"], row["T"]
+
+
+def _write_report(path: Path, settings: Settings, run: dict[str, Any], rows: list[Row], earlier: dict[str, Any] | None) -> None:
+    """report.json: this run's settings on top, every run in ``runs``, the rows of all runs (new ones replace old)."""
+    replaced = {_row_key(r) for r in rows}
+    kept = [r for r in (earlier["rows"] if earlier else []) if _row_key(r) not in replaced]
+    all_rows = kept + rows
+    runs = [*(earlier["runs"] if earlier else []), run]
+    report = {
+        "what": "error of each implementation against the float64 oracle, by formulation, dtype and T (attnlab report)",
+        **{key: run[key] for key in ("settings", "seed", "device", "versions")},
+        "oracle": oracle_summary(settings, all_rows),
+        "runs": runs,
+        "rows": all_rows,
+    }
+    path.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
+
+
+# --- plots ------------------------------------------------------------------------
+
+
+def growth_exponent(lengths: Sequence[int], errors: Sequence[float | None]) -> float | None:
+    """Least-squares slope of log(rel_err) against log(T): 0 is flat, 0.5 like sqrt(T), 1 linear in T."""
+    points = [(math.log(T), math.log(e)) for T, e in zip(lengths, errors) if e is not None and e > 0]
+    if len(points) < 2:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    return sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 0 else None
+
+
+def textbook_guides(lengths: Sequence[int], u: float) -> dict[str, list[float]]:
+    """gamma_T = Tu / (1 - Tu) (recursive summation; NaN once Tu >= 1, where it is vacuous) and sqrt(T) u."""
+    return {
+        "γ_T = Tu/(1−Tu)": [T * u / (1 - T * u) if T * u < 1 else math.nan for T in lengths],
+        "√T·u": [math.sqrt(T) * u for T in lengths],
+    }
+
+
+def _median(values: Iterable[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else math.nan
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def plot_error_vs_length(rows: Sequence[Row], name: str, path: Path) -> None:
+    """One PNG for one formulation: a column per dtype; top rel_err vs T (log-log) with the floor and
+    the textbook guides, bottom excess vs T; a line per implementation (hollow markers, so that
+    implementations sitting on the same values stay visible)."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    impl_names = list(dict.fromkeys(r["impl"] for r in rows))
+    style = {impl: dict(color=plt.get_cmap("tab10")(i % 10), marker=MARKERS[i % len(MARKERS)], ms=10 - 1.5 * (i % 4),
+                        mfc="none", mew=1.4, lw=1.4) for i, impl in enumerate(impl_names)}
+    fig, axes = plt.subplots(2, len(dtypes), figsize=(5.2 * len(dtypes) + 2.4, 7.4), squeeze=False,
+                             gridspec_kw={"height_ratios": (2.2, 1)}, sharex="col")
+    for column, dtype in enumerate(dtypes):
+        error_ax, excess_ax = axes[0][column], axes[1][column]
+        sub = [r for r in rows if r["dtype"] == dtype]
+        lengths = sorted({r["T"] for r in sub})
+        floors = [_median(r["floor_round"] for r in sub if r["T"] == T and r["floor_round"] is not None) for T in lengths]
+        judged = [_median(r["floor"] for r in sub if r["T"] == T and r["floor"] is not None) for T in lengths]
+        guides = textbook_guides(lengths, unit_roundoff(DTYPES[dtype]))
+        shown = [v for r in sub for v in (r["rel_err"], r["floor"]) if v is not None and v > 0]
+        shown += [g for guide in guides.values() for g in guide if math.isfinite(g)]
+        low, high = min(shown, default=1e-8) / 2, min(max(shown, default=1.0), 1e3) * 3
+        error_ax.plot(lengths, floors, color="black", ls="--", lw=1.8, label="rounding floor")
+        if any(j > 1.05 * fl for j, fl in zip(judged, floors) if math.isfinite(j) and math.isfinite(fl)):
+            error_ax.plot(lengths, judged, color="black", ls=":", lw=1.8, label="floor with conditioning")
+        for (label, guide), line in zip(guides.items(), ("-.", (0, (1, 2)))):
+            error_ax.plot(lengths, guide, color="0.5", ls=line, lw=1.3, label=label)
+        failed = []
+        for impl in impl_names:
+            mine = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["T"])
+            measured = [r for r in mine if r["rel_err"] is not None]
+            broken = [r["T"] for r in mine if r["error"] is None and r["rel_err"] is None]
+            if measured:
+                error_ax.plot([r["T"] for r in measured], [r["rel_err"] for r in measured], label=impl, **style[impl])
+                excess_ax.plot([r["T"] for r in measured], [r["excess"] for r in measured], **style[impl])
+            if broken:
+                error_ax.plot(broken, [high / 1.6] * len(broken), ls="none", marker="X", ms=10,
+                              color=style[impl]["color"], label=f"{impl}: non-finite output")
+            if any(r["error"] for r in mine):
+                failed.append(impl)
+        if failed:
+            error_ax.text(0.02, 0.02, "failed (see index.md): " + ", ".join(failed), transform=error_ax.transAxes,
+                          fontsize=7, color="firebrick", va="bottom")
+        error_ax.set_yscale("log")
+        error_ax.set_ylim(low, high)
+        error_ax.set_ylabel("rel_err = |o − ref|_F / |ref|_F")
+        error_ax.set_title(f"{dtype} (u = {unit_roundoff(DTYPES[dtype]):.2g})")
+        excess_ax.axhline(1.0, color="black", ls="--", lw=1.2)
+        excess_ax.set_yscale("log")
+        excesses = [r["excess"] for r in sub if r["excess"] is not None and r["excess"] > 0] or [1.0]
+        excess_ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        if max(excesses) / min(excesses) < 10:  # within a decade the minor ticks carry the labels
+            excess_ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        else:
+            excess_ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        excess_ax.set_ylabel("excess = rel_err / floor")
+        excess_ax.set_xlabel("sequence length T")
+        for ax in (error_ax, excess_ax):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(T) for T in lengths])
+            ax.grid(True, which="major", alpha=0.3)
+    handles = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8, frameon=False)
+    fig.suptitle(f"{name}: error vs T against the float64 oracle ({formulation(name).title})")
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- index.md ---------------------------------------------------------------------
+
+
+def _format_excess(row: Row | None) -> str:
+    if row is None:
+        return ""
+    if row["error"]:
+        return "error"
+    if row["excess"] is None:
+        return f"∞ ({row['nonfinite']} nf)" if row["nonfinite"] else "n/a"
+    return f"{row['excess']:.2f}" if row["excess"] < 10 else f"{row['excess']:.3g}"
+
+
+def _format_number(value: float | None) -> str:
+    return "" if value is None else f"{value:.2g}"
+
+
+def summary_table(rows: Sequence[Row]) -> list[str]:
+    """Markdown lines: one row per (formulation, implementation, dtype), excess at each T, growth and worst error."""
+    lengths = sorted({r["T"] for r in rows})
+    header = ["formulation", "impl", "dtype", *[f"T={T}" for T in lengths], "growth", "worst rel_err", "floor", "non-finite"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    groups = dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows)
+    for name, impl, dtype in groups:
+        mine = {r["T"]: r for r in rows if (r["formulation"], r["impl"], r["dtype"]) == (name, impl, dtype)}
+        measured = sorted((T, r["rel_err"]) for T, r in mine.items() if r["rel_err"] is not None)
+        slope = growth_exponent([T for T, _ in measured], [e for _, e in measured])
+        worst = max((e for _, e in measured), default=None)
+        floors = [r["floor"] for r in mine.values() if r["floor"] is not None]
+        nonfinite = sum(r["nonfinite"] or 0 for r in mine.values())
+        cells = [name, f"`{impl}`", dtype, *[_format_excess(mine.get(T)) for T in lengths],
+                 "" if slope is None else f"T^{slope:.2f}", _format_number(worst),
+                 _format_number(max(floors)) if floors else "", str(nonfinite)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def headline(rows: Sequence[Row]) -> list[str]:
+    """Markdown bullets: the worst kernel excess, which curves grow with T and which formulations' kernels are flat."""
+    lines = []
+    kernels = [r for r in rows if r["impl"].startswith("attnlab:") and r["error"] is None]
+    measured = [r for r in kernels if r["excess"] is not None]
+    if measured:
+        worst = max(measured, key=lambda r: r["excess"])
+        lines.append(f"- Worst excess of an attnlab kernel: **{worst['excess']:.3g}** ({worst['formulation']}, "
+                     f"`{worst['impl']}`, {worst['dtype']}, T={worst['T']}).")
+    broken = sorted({(r["formulation"], r["impl"], r["dtype"]) for r in kernels if r["excess"] is None})
+    if broken:
+        lines.append("- Kernels with non-finite outputs: " + ", ".join(f"{n} `{i}` {d}" for n, i, d in broken) + ".")
+    slopes = {}
+    for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
+        mine = sorted((r["T"], r["rel_err"]) for r in rows
+                      if (r["formulation"], r["impl"], r["dtype"]) == key and r["rel_err"] is not None)
+        slopes[key] = growth_exponent([T for T, _ in mine], [e for _, e in mine])
+    for kind, is_kernel in (("attnlab kernels", True), ("Baselines", False)):
+        growing = [f"{n} `{i}` {d} (T^{p:.2f})" for (n, i, d), p in slopes.items()
+                   if p is not None and p > GROWTH_SLOPE and i.startswith("attnlab:") == is_kernel]
+        if growing:
+            lines.append(f"- {kind} whose error grows with T (fitted exponent > {GROWTH_SLOPE}): "
+                         + ", ".join(growing) + ".")
+    kernel_slopes = [(n, p) for (n, i, _), p in slopes.items() if i.startswith("attnlab:")]
+    flat = [n for n in dict.fromkeys(n for n, _ in kernel_slopes)
+            if all(p is not None and p <= GROWTH_SLOPE for m, p in kernel_slopes if m == n)]
+    if flat:
+        lines.append(f"- Formulations whose kernels are all flat in T (exponent <= {GROWTH_SLOPE}): {', '.join(flat)}.")
+    failed = sum(1 for r in rows if r["error"])
+    if failed:
+        lines.append(f"- {failed} point(s) failed; their errors are listed under *Failures*.")
+    return lines
+
+
+def failures(rows: Sequence[Row]) -> list[str]:
+    """Markdown bullets, one per distinct (formulation, implementation, dtype, error), with the lengths it hit."""
+    hits: dict[tuple[str, str, str, str], list[int]] = {}
+    for r in rows:
+        if r["error"]:
+            hits.setdefault((r["formulation"], r["impl"], r["dtype"], r["error"]), []).append(r["T"])
+    return [f"- {n} `{i}` {d}, T={','.join(map(str, sorted(Ts)))}: {e}" for (n, i, d, e), Ts in hits.items()]
+
+
+def write_index(out: Path) -> Path:
+    """(Re)write ``out/index.md`` from the folder's report.json and map-*.json; return its path."""
+    from attnlab.stability import index_sections
+
+    lines = ["# attnlab report", ""]
+    report_path = out / "report.json"
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        rows, settings = report["rows"], report["settings"]
+        versions_text = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
+        oracle_info = report["oracle"]
+        check = oracle_info["mpmath_check"]
+        sizes = settings["sizes"]
+        lines += [
+            f"- Device: {report['device']['name']}",
+            f"- Versions: {versions_text}",
+            f"- Inputs: the registry's default distributions, seed {report['seed']}, B={sizes['B']}, H={sizes['H']}, "
+            f"K={sizes['K']}, V={sizes['V']}, rounded to each dtype; every implementation sees the same rounded inputs.",
+            f"- Reference: {oracle_info['reference']}, at every T ({', '.join(map(str, oracle_info['reference_lengths']))}).",
+            "- Oracle check: " + (f"float64 agrees with mpmath to {check['max_rel_diff']:.1e} (max rel diff) at "
+                                  f"T={', '.join(map(str, check['lengths']))}." if check["max_rel_diff"] is not None
+                                  else "none (no length within the mpmath limit)."),
+            f"- Reproduce: `{settings['command']}`" + (f" ({len(report['runs'])} runs merged with --append)"
+                                                       if len(report["runs"]) > 1 else ""),
+            "",
+            "Implementations: `attnlab:<form>` are attnlab's Triton kernels; `fp32-recurrent` is the naive recurrence "
+            "in float32 with its output rounded to the dtype (plain fp32 accumulation); `fp16-recurrent` and "
+            "`bf16-recurrent` run the same recurrence entirely in the dtype (the naive same-precision baseline).",
+            "",
+            "`excess = rel_err / floor`, with `floor = max(floor_round, floor_cond)`: 1.0 is a perfect kernel; "
+            "*∞ (n nf)* marks n non-finite outputs; *growth* is the fitted exponent p of rel_err ∝ T^p.",
+            "",
+            "## Summary",
+            "",
+            *headline(rows),
+            "",
+            "## Excess by length",
+            "",
+            *summary_table(rows),
+            "",
+            "## Error vs T",
+            "",
+            "Log-log; dashed: the rounding floor (the exact answer rounded once to the dtype); grey: the textbook "
+            "guides γ_T = Tu/(1−Tu) (recursive summation, worst case) and √T·u (random rounding errors); "
+            "X: non-finite output.",
+            "",
+        ]
+        for name in dict.fromkeys(r["formulation"] for r in rows):
+            lines += [f"### {name}: {formulation(name).title}", "", f"![{name}: error vs T]({name}.png)", ""]
+        problems = failures(rows)
+        if problems:
+            lines += ["## Failures", "", *problems, ""]
+    lines += index_sections(out)
+    path = out / "index.md"
+    path.write_text("\n".join(lines).rstrip() + "\n")
+    return path
+
+
+# --- command line -----------------------------------------------------------------
+
+
+def _comma_list(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def formulations_arg(text: str) -> list[str]:
+    """argparse type: ``all`` or a comma-separated list of known formulations."""
+    if text == "all":
+        return names()
+    chosen = _comma_list(text)
+    unknown = [n for n in chosen if n not in names()]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown formulation(s) {', '.join(unknown) or repr(text)}; expected 'all' or some of {', '.join(names())}")
+    return chosen
+
+
+def dtypes_arg(text: str) -> list[str]:
+    """argparse type: a comma-separated list of float16, bfloat16, float32."""
+    chosen = _comma_list(text)
+    unknown = [d for d in chosen if d not in DTYPES]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype(s) {', '.join(unknown) or repr(text)}; expected some of {', '.join(DTYPES)}")
+    return chosen
+
+
+def lengths_arg(text: str) -> list[int]:
+    """argparse type: a comma-separated list of positive integers."""
+    try:
+        lengths = [int(item) for item in _comma_list(text)]
+    except ValueError:
+        lengths = []
+    if not lengths or any(T <= 0 for T in lengths):
+        raise argparse.ArgumentTypeError(f"lengths must be positive integers, comma-separated; got {text!r}")
+    return sorted(set(lengths))
+
+
+def shape_arg(text: str) -> Sizes:
+    """argparse type: ``B,H,K,V``, four positive integers."""
+    try:
+        values = [int(item) for item in _comma_list(text)]
+    except ValueError:
+        values = []
+    if len(values) != 4 or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"shape must be B,H,K,V (four positive integers); got {text!r}")
+    return Sizes(*values)
+
+
+def resolve_device(parser: argparse.ArgumentParser, requested: str | None) -> str:
+    """``cuda`` when asked for (and present) or when present by default, else ``cpu``; exits 2 on cuda without a GPU."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible to torch here; use --device cpu (kernels then run "
+                     "under the Triton interpreter, fp16 and fp32 only)")
+    return requested or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options ``attnlab report`` and ``attnlab map`` share."""
+    parser.add_argument("--formulations", type=formulations_arg, default=None,
+                        help="'all' or a comma-separated list (default: all)")
+    parser.add_argument("--dtypes", type=dtypes_arg, default=None,
+                        help="comma-separated, from float16, bfloat16, float32 (default: float16,float32 on the CPU, "
+                             "bfloat16,float16 on a GPU)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where inputs, kernels and the float64 oracle run (default: cuda when present)")
+    parser.add_argument("--shape", type=shape_arg, default=None, metavar="B,H,K,V",
+                        help="batch, heads and head dimensions (default: 1,2,16,16 on the CPU, 1,4,64,64 on a GPU)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the registry's input sampling (default 0)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: reports/<device>, e.g. reports/cpu)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``attnlab report`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "report", help="error vs sequence length for every kernel and baseline, with plots (report.json, index.md)",
+        description="Measure attnlab's kernels (attnlab:<form>) and the naive recurrences (fp32-recurrent, "
+                    "<dtype>-recurrent) against the float64 oracle at each length, and write report.json, one "
+                    "error-vs-T plot per formulation and index.md into --out. With no options on a machine without "
+                    "a GPU it runs the short default (fp16 and fp32, T=16..128, about two minutes on 2 cores); on a "
+                    "GPU the default is the gallery (bf16 and fp16, T=64..65536). Stability maps: see `attnlab map`.",
+    )
+    add_common_arguments(parser)
+    parser.add_argument("--lengths", type=lengths_arg, default=None,
+                        help="comma-separated sequence lengths (default: 16,32,64,128 on the CPU, 64,256,...,65536 on a GPU)")
+    parser.add_argument("--mpmath-check-max-T", type=int, default=MPMATH_CHECK_MAX_T, metavar="T",
+                        help=f"check the float64 oracle against mpmath at lengths up to T (default {MPMATH_CHECK_MAX_T}; 0: never)")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the folder's report.json (rows recomputed here replace the old ones), "
+                             "for a gallery built in several runs")
+    parser.set_defaults(func=partial(cmd_report, parser))
+    return parser
+
+
+def cmd_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    device = resolve_device(parser, args.device)
+    defaults = DEFAULTS[device]
+    settings = Settings(
+        formulations=tuple(args.formulations or names()),
+        dtypes=tuple(args.dtypes or defaults.dtypes),
+        lengths=tuple(args.lengths or defaults.lengths),
+        device=device,
+        seed=args.seed,
+        sizes=args.shape or defaults.sizes,
+        mpmath_check_max_T=args.mpmath_check_max_T,
+    )
+    out = args.out or Path("reports") / device_slug(device)
+    started = time.time()
+    index = run_report(settings, out, append=args.append)
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    failed = sum(1 for r in rows if r["error"])
+    print(f"report: {index} ({len(rows)} rows, {failed} failed, {time.time() - started:.0f} s); "
+          f"data in {out / 'report.json'}, plots beside it")
+    return 0

@@ -1,0 +1,50 @@
+"""The error measures of DESIGN.md, on cases whose answers are known exactly."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import attnlab
+from attnlab.metrics import conditioning_floor, max_err, measure, nonfinite_count, rel_err, rounding_floor
+
+
+def test_rel_err_and_max_err_of_a_known_perturbation():
+    ref = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    o = torch.tensor([3.0, 4.5], dtype=torch.float64)
+    assert rel_err(o, ref) == 0.5 / 5.0
+    assert max_err(o, ref) == 0.5 / 4.0
+    assert rel_err(ref, ref) == 0.0
+
+
+def test_non_finite_outputs_are_counted_and_never_averaged_away():
+    ref = torch.ones(4, dtype=torch.float64)
+    o = torch.tensor([1.0, math.nan, math.inf, 1.0])
+    assert nonfinite_count(o, ref) == 2
+    assert rel_err(o, ref) == math.inf and max_err(o, ref) == math.inf
+    m = measure(o, ref, torch.float16)
+    assert m.excess == math.inf and m.nonfinite == 2
+
+
+def test_rounding_floor_of_gaussian_outputs_matches_the_design_figures():
+    ref = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert 1.5e-3 < rounding_floor(ref, torch.bfloat16) < 1.9e-3
+    assert 1.9e-4 < rounding_floor(ref, torch.float16) < 2.3e-4
+
+
+def test_rounding_once_has_excess_one():
+    ref = torch.randn(4096, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    m = measure(ref.to(torch.bfloat16), ref, torch.bfloat16)
+    assert m.excess == 1.0
+
+
+def test_conditioning_floor_grows_with_rwkv_key_shift():
+    """Shifted keys make the exponentials' arguments large: relative fp32 perturbations of k move the output more."""
+    f = attnlab.formulation("rwkv4")
+    x = f.sample(B=1, T=32, H=1, V=8)
+    reference = attnlab.oracle("rwkv4", "chunkwise", chunk_size=8)
+    base = conditioning_floor(reference, x)
+    shifted = conditioning_floor(reference, {**x, "k": x["k"] + 200})
+    assert 1e-9 < base < 1e-6
+    assert shifted > 20 * base

@@ -1,0 +1,172 @@
+"""``attnlab report`` and ``attnlab map``, run the way a user runs them, on tiny configurations (CPU)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnlab.report import METRIC_KEYS, growth_exponent, textbook_guides
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROW_KEYS = {"formulation", "impl", "dtype", "T", *METRIC_KEYS, "ref_nonfinite", "oracle", "oracle_check", "error"}
+TINY = ("--shape", "1,1,16,16", "--seed", "3")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "attnlab.cli", *args], capture_output=True, text=True, timeout=600)
+
+
+def assert_png(path: Path) -> None:
+    """A readable PNG with a plausible size (matplotlib can load it back)."""
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_SIGNATURE, path
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width >= 400 and height >= 300, (path, width, height)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """gla (kernels present) in fp16 and bf16 at two lengths: on the CPU bf16 kernels refuse, which must be recorded."""
+    out = tmp_path_factory.mktemp("report")
+    result = run_cli("report", "--formulations", "gla", "--dtypes", "float16,bfloat16", "--lengths", "8,16",
+                     "--device", "cpu", "--out", str(out), "--mpmath-check-max-T", "8", *TINY)
+    return out, result
+
+
+def test_report_writes_json_plots_and_index(tiny_report):
+    out, result = tiny_report
+    assert result.returncode == 0, result.stderr
+    assert str(out / "index.md") in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert {"settings", "seed", "versions", "device", "oracle", "rows", "runs"} <= set(report)
+    assert report["seed"] == 3 and report["device"]["type"] == "cpu"
+    assert report["settings"]["lengths"] == [8, 16] and report["settings"]["formulations"] == ["gla"]
+    assert {"torch", "triton", "attnlab"} <= set(report["versions"])
+    rows = report["rows"]
+    assert all(set(row) >= ROW_KEYS for row in rows)
+    impls = {(row["impl"], row["dtype"]) for row in rows}
+    assert impls == {("attnlab:chunkwise", "float16"), ("attnlab:recurrent", "float16"), ("fp32-recurrent", "float16"),
+                     ("fp16-recurrent", "float16"), ("attnlab:chunkwise", "bfloat16"), ("attnlab:recurrent", "bfloat16"),
+                     ("fp32-recurrent", "bfloat16"), ("bf16-recurrent", "bfloat16")}
+    assert len(rows) == len(impls) * 2
+    for row in rows:
+        if row["error"] is None:
+            assert row["floor"] == max(row["floor_round"], row["floor_cond"])
+            assert row["excess"] == pytest.approx(row["rel_err"] / row["floor"])
+            assert row["nonfinite"] == 0 and row["oracle"] == "float64-chunkwise"
+    baseline = next(r for r in rows if r["impl"] == "fp32-recurrent" and r["dtype"] == "float16")
+    assert 0.9 <= baseline["excess"] <= 1.5  # fp32 accumulation, one rounding: at the floor
+    # The float64 oracle is certified by mpmath at T <= 8 (first dtype only), not above.
+    checks = report["oracle"]["mpmath_check"]
+    assert checks["lengths"] == [8] and checks["max_rel_diff"] < 1e-12
+    assert all((r["oracle_check"] is not None) == (r["T"] == 8 and r["dtype"] == "float16") for r in rows)
+
+
+def test_bf16_kernels_on_the_cpu_are_recorded_not_fatal(tiny_report):
+    out, result = tiny_report
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    bf16_kernels = [r for r in rows if r["dtype"] == "bfloat16" and r["impl"].startswith("attnlab:")]
+    assert bf16_kernels and all("bfloat16 kernels need a GPU" in r["error"] for r in bf16_kernels)
+    assert all(r["rel_err"] is None for r in bf16_kernels)
+    bf16_baseline = [r for r in rows if r["impl"] == "bf16-recurrent"]
+    assert all(r["error"] is None and r["rel_err"] > 0 for r in bf16_baseline)
+    index = (out / "index.md").read_text()
+    assert "## Failures" in index and "bfloat16 kernels need a GPU" in index
+
+
+def test_index_links_every_plot_and_tabulates_every_implementation(tiny_report):
+    out, _ = tiny_report
+    index = (out / "index.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index)
+    assert links == ["gla.png"]
+    for link in links:
+        assert_png(out / link)
+    for impl in ("attnlab:chunkwise", "attnlab:recurrent", "fp32-recurrent", "fp16-recurrent", "bf16-recurrent"):
+        assert f"`{impl}`" in index
+    assert "| formulation | impl | dtype | T=8 | T=16 |" in index
+    assert "Reproduce: `attnlab report --formulations gla --dtypes float16,bfloat16 --lengths 8,16" in index
+
+
+def test_missing_kernel_module_is_an_error_row(tmp_path):
+    """A kernel whose module cannot be imported fails its rows only; the baselines are still measured."""
+    hide_retnet_kernels = (
+        "import sys\n"
+        "sys.modules['attnlab.kernels.retnet'] = None  # importing it now raises ModuleNotFoundError\n"
+        "from attnlab.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-c", hide_retnet_kernels, "report", "--formulations", "retnet", "--dtypes", "float32",
+         "--lengths", "8", "--device", "cpu", "--out", str(out), "--mpmath-check-max-T", "0", *TINY],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    kernels = [r for r in rows if r["impl"].startswith("attnlab:")]
+    assert kernels and all(r["error"].startswith("ModuleNotFoundError") for r in kernels)
+    assert [r["impl"] for r in rows if r["error"] is None] == ["fp32-recurrent"]
+    assert_png(out / "retnet.png")
+    assert "ModuleNotFoundError" in (out / "index.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("report", "--formulations", "gla,flash"), "unknown formulation(s) flash"),
+        (("report", "--dtypes", "float8"), "unknown dtype(s) float8"),
+        (("report", "--lengths", "64,-5"), "lengths must be positive integers"),
+        (("report", "--lengths", "0"), "lengths must be positive integers"),
+        (("report", "--shape", "1,2,16"), "shape must be B,H,K,V"),
+        (("map", "delta", "--formulations", "gla"), "gla take(s) no part in the delta map"),
+        (("map", "wobble"), "invalid choice: 'wobble'"),
+        (("map", "gate", "--steps", "1"), "--steps must be at least 2"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(args, message, tmp_path):
+    result = run_cli(*args, "--out", str(tmp_path))
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("command", [("report",), ("map", "shift")])
+def test_cuda_without_a_gpu_exits_2(command, tmp_path):
+    result = run_cli(*command, "--device", "cuda", "--out", str(tmp_path))
+    assert result.returncode == 2 and "no CUDA GPU" in result.stderr, result.stderr
+
+
+def test_map_writes_heatmaps_and_links_them_from_the_index(tmp_path):
+    """A one-column shift map of rwkv4 in fp16 (four shifts): the naive exp(k) recurrence overflows past the threshold, the kernels do not."""
+    result = run_cli("map", "shift", "--formulations", "rwkv4", "--dtypes", "float16", "--lengths", "8",
+                     "--steps", "2", "--device", "cpu", "--out", str(tmp_path), *TINY)
+    assert result.returncode == 0, result.stderr
+    document = json.loads((tmp_path / "map-shift.json").read_text())
+    rows = document["rows"]
+    assert {r["impl"] for r in rows} == {"attnlab:chunkwise", "attnlab:recurrent", "fp32-recurrent", "fp16-recurrent"}
+    assert all(set(r) >= ROW_KEYS | {"x", "y", "family"} for r in rows)
+    shifts = document["axes"]["y"]["values"]
+    assert min(shifts) == 0 and max(shifts) > 11.09
+    naive = {r["y"]: r for r in rows if r["impl"] == "fp16-recurrent"}
+    assert naive[0.0]["nonfinite"] == 0 and naive[max(shifts)]["nonfinite"] > 0
+    assert all(r["nonfinite"] == 0 for r in rows if r["impl"].startswith("attnlab:"))
+    figure = document["figures"][0]
+    assert figure["png"] == "map-shift-rwkv4-T8.png" and figure["boundaries"][0]["ys"] == [pytest.approx(11.09, abs=0.01)]
+    assert_png(tmp_path / figure["png"])
+    index = (tmp_path / "index.md").read_text()
+    assert "## Stability map: shift" in index and "](map-shift-rwkv4-T8.png)" in index
+
+
+def test_growth_exponent_and_guides():
+    assert growth_exponent([16, 64, 256], [1e-3, 2e-3, 4e-3]) == pytest.approx(0.5)
+    assert growth_exponent([16, 64], [1e-3, None]) is None
+    guides = textbook_guides([16, 4096], 2.0**-11)
+    gamma, root = guides.values()
+    assert gamma[0] == pytest.approx(16 * 2.0**-11 / (1 - 16 * 2.0**-11)) and gamma[1] != gamma[1]  # vacuous: NaN
+    assert root == [pytest.approx(4 * 2.0**-11), pytest.approx(64 * 2.0**-11)]
