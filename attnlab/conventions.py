@@ -56,6 +56,8 @@ class Convention:
       so the adapter applies phi to q and k first (in fp32, rounded back to their dtype).
     - ``rwkv_decay``: "w" (decay exp(-w)) or "log_w" (fla: decay exp(-exp(w'))).
     - ``rwkv_state``: "tuple" (a, b, p) or "stacked" ``[B, 3, 1, C]`` (fla).
+    - ``state_dtype``: the dtype the kernel wants its initial state in (fla: fp32);
+      None passes it as given.
     """
 
     name: str = "attnlab"
@@ -73,6 +75,7 @@ class Convention:
     feature_map_outside: bool = False
     rwkv_decay: Literal["w", "log_w"] = "w"
     rwkv_state: Literal["tuple", "stacked"] = "tuple"
+    state_dtype: torch.dtype | None = None
 
     def describe(self) -> str:
         """One line saying how this convention differs from attnlab's."""
@@ -88,6 +91,11 @@ ATTNLAB = Convention()
 def _is_log_gate(f: Formulation, name: str) -> bool:
     arg = f.arg(name)
     return arg.high == 0.0 and arg.low is None
+
+
+def _in_fp32_at_least(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """``fn(t)`` evaluated in fp32 (or t's dtype when wider), rounded back to t's dtype."""
+    return fn(t.to(torch.promote_types(t.dtype, torch.float32))).to(t.dtype)
 
 
 def fixed_scale(convention: Convention, K: int) -> float | None:
@@ -136,9 +144,9 @@ class Adapted:
         out = {n: t for n, t in inputs.items() if n in f.arg_names and t is not None and n not in c.derived}
         for name in list(out):
             if _is_log_gate(f, name) and c.gates == "linear":
-                out[name] = torch.exp(out[name].float()).to(out[name].dtype)
+                out[name] = _in_fp32_at_least(torch.exp, out[name])
         if f.name == "rwkv4" and c.rwkv_decay == "log_w":
-            out["w"] = torch.log(out["w"].float())
+            out["w"] = _in_fp32_at_least(torch.log, out["w"])
         options = {o.name: inputs.get(o.name, o.default) for o in f.options}
         if "scale" in options:
             K = inputs["q"].shape[-1]
@@ -153,26 +161,29 @@ class Adapted:
             if options.pop(name) != value:
                 raise ValueError(f"{c.name} always computes with {name}={value!r}")
         if f.name == "linear_attn" and c.feature_map_outside:
-            backend = Float64(out["q"].device, torch.float32)
             feature_map = options.pop("feature_map")
-            out["q"], out["k"] = (feature(backend, t.float(), feature_map).to(t.dtype) for t in (out["q"], out["k"]))
+            for name in ("q", "k"):
+                t = out[name]
+                backend = Float64(t.device, torch.promote_types(t.dtype, torch.float32))
+                out[name] = feature(backend, backend.asarray(t), feature_map).to(t.dtype)
         return {**out, **options}
 
     def _state_in(self, state: Any) -> Any:
         f = self.formulation
-        parts = tuple(s.float().contiguous() for s in f.state.split(state))
+        dtype = self.convention.state_dtype
+        parts = tuple((s if dtype is None else s.to(dtype)).contiguous() for s in f.state.split(state))
         if self.convention.state == "VK":
             parts = tuple(p.transpose(-1, -2).contiguous() if p.dim() == 4 else p for p in parts)
         return f.state.join(parts)
 
-    @staticmethod
-    def _rwkv_stacked(state: Any, k: torch.Tensor) -> torch.Tensor:
+    def _rwkv_stacked(self, state: Any, k: torch.Tensor) -> torch.Tensor:
         """(a, b, p) -> fla's [B, 3, 1, C]; the empty state's p = -inf becomes -1e38 (fla's log zero)."""
+        dtype = self.convention.state_dtype or torch.float64
         if state is None:
             B, _, C = k.shape
-            zeros = torch.zeros(B, C, device=k.device, dtype=torch.float32)
+            zeros = torch.zeros(B, C, device=k.device, dtype=dtype)
             state = (zeros, zeros, torch.full_like(zeros, -math.inf))
-        a, b, p = (s.float() for s in state)
+        a, b, p = (s.to(dtype) for s in state)
         return torch.stack([a, b, torch.clamp(p, min=-1e38)], dim=1)[:, :, None, :].contiguous()
 
     def _result(self, result: Any, want_state: bool) -> Any:
@@ -207,7 +218,7 @@ def _accepts(kernel: Callable[..., Any], keyword: str) -> bool:
 
 # ----------------------------------------------------------------------------- flash-linear-attention 0.6.0
 
-_FLA_STATE = dict(state_keyword="initial_state", final_state_flag="output_final_state", returns="o_state")
+_FLA_STATE = dict(state_keyword="initial_state", final_state_flag="output_final_state", returns="o_state", state_dtype=torch.float32)
 
 FLA: dict[str, dict[str, Convention]] = {
     "softmax": {"parallel_attn": Convention("fla:parallel_attn", implied={"causal": True}, state_keyword=None,
@@ -240,7 +251,7 @@ FLA: dict[str, dict[str, Convention]] = {
     "rwkv4": {
         "fused_recurrent_rwkv4": Convention(
             "fla:fused_recurrent_rwkv4", positional=("w", "u", "k", "v"), rwkv_decay="log_w", rwkv_state="stacked",
-            state_keyword="state", final_state_flag=None, returns="o_state",
+            state_keyword="state", final_state_flag=None, returns="o_state", state_dtype=torch.float32,
         )
     },
 }
