@@ -1,0 +1,258 @@
+"""aft (AFT-full): the chunkwise form as an online reduction over key blocks (no state).
+
+    o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)   (elementwise over D; all i when causal=False)
+
+Conventions: w [T, T], k, v [B, T, H, D], o [B, T, H, D] in the input dtype
+(fp16, bf16 or fp32). One program owns BLOCK_Q queries x BLOCK_D channels of
+one (batch, head); grid (query blocks, B*H, channel blocks).
+
+Algorithm (tensor cores). exp(w_ti + k_id) factorizes, so a key block of
+BLOCK_K keys is two matrix products:
+
+    A_ti = exp(w_ti - m_t)     m_t = max_i w_ti over the block (per query row)
+    E_id = exp(k_id - m_d)     m_d = max_i k_id over the block (per channel)
+    num_td = (A @ (E * v))_td,   den_td = (A @ E)_td   (both relative to exp(m_t + m_d))
+
+Across blocks the references are running maxima R_t = max m_t and R_d = max
+m_d, kept apart, so the online rescale is exp(R_t,old - R_t) exp(R_d,old -
+R_d): vectors, not a [BLOCK_Q, BLOCK_D] exponential per block. Every
+exponent is <= 0 (masked logits are -inf before the exp). Adding a constant
+to k moves m_d and R_d with it and changes nothing else.
+
+Where the factorization loses: R_t + R_d bounds max_i (w_ti + k_id) from
+above, but the row's best w and the channel's best k may sit at different
+keys, so every term of (t, d) can be far below exp(R_t + R_d), i.e. den
+(relative to that reference) far below 1. fp32 keeps relative precision down
+to 2^-126, but the 16-bit dot operands flush tiny values, and the product of
+two shifted exps can underflow outright (w = [0, -100], k = [-100, 0] gives
+two terms of e^-100 relative to the reference: 0/0 in any dtype). The kernel
+detects it: if any den_td of the tile ends below DEN_FLOOR (2^-12 with fp16
+operands, 2^-60 with fp32), it discards the tile and recomputes it exactly,
+one key at a time with a running maximum per (t, d) (fp32, one exp per entry
+and key). That is slow but only meets inputs whose bias and keys together
+span more than about 8 nats against each other; for the registry's N(0, 1)
+inputs den_td is near n_keys * e^-7 and the fallback never runs. Above the
+floor, every term that matters keeps the operands' relative precision.
+
+Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
+
+- 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in
+  [0, 1] and are scaled by 2^15, E * v is scaled per channel and block by a
+  power of two to a maximum in [2^14, 2^15) (exact; divided out after the
+  dot), so fp16's range holds them and its 11-bit mantissa is 8x finer than
+  bf16's (bf16 values convert to fp16 exactly once scaled).
+- "single": one fp16 rounding per operand, two dots per block.
+- "split": each operand is hi + lo (lo the remainder, scaled by 2^11 before
+  rounding so it stays normal), three dots per product (hi.hi, hi.lo, lo.hi),
+  six per block; operands are then exact to about 2^-22.
+- "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs.
+  Emulated in float64 on the registry's inputs (T = 64 to 512): single gives
+  excess 1.01 in bf16 and 1.54 to 1.71 in fp16; split gives 1.00 in both
+  (bf16 operands rounded once would give 1.5 to 1.64 in bf16). Under the
+  interpreter (fp16, T = 150, D = 100): single 1.47 to 1.52, split 1.00.
+- fp32 inputs use fp32 operands with input_precision="ieee" (exact
+  products); precision has no effect there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels._util import block_size
+
+# fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
+OPERAND_MAX = tl.constexpr(32768.0)
+LO_SCALE = tl.constexpr(2048.0)
+DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
+
+OPTIONS = {
+    "chunkwise": {
+        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block
+        "block_q": (64, (16, 32, 64, 128)),  # queries per program
+        "block_d": (128, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
+        "num_warps": (8, (1, 2, 4, 8, 16)),
+        "num_stages": (2, (1, 2, 3, 4, 5)),
+        "precision": ("auto", ("auto", "single", "split")),
+    }
+}
+
+
+@triton.jit
+def _to_operand(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr):
+    """x (fp32, within fp16's range) as a dot operand: (hi, lo * LO_SCALE), lo zero unless SPLIT."""
+    hi = x.to(OP_DTYPE)
+    if SPLIT:
+        lo = ((x - hi.to(tl.float32)) * LO_SCALE).to(OP_DTYPE)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _power_of_two_scale(x):
+    """2^j with x * 2^j in [2^14, 2^15) for x >= 2^-86, capped at 2^100 (so 2^-j stays normal): an exact rescale.
+
+    Built from x's exponent bits rather than log2/exp2, whose GPU approximations could miss by one binade.
+    """
+    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return (tl.minimum(268 - exponent, 227) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b in fp32; with SPLIT, (a_hi + a_lo / LO_SCALE) @ (b_hi + b_lo / LO_SCALE) without the lo.lo term."""
+    product = tl.dot(a_hi, b_hi, input_precision=DOT_PRECISION)
+    if SPLIT:
+        cross = tl.dot(a_hi, b_lo, input_precision=DOT_PRECISION)
+        cross = tl.dot(a_lo, b_hi, cross, input_precision=DOT_PRECISION)
+        product += cross * (1.0 / LO_SCALE)
+    return product
+
+
+@triton.jit
+def _aft_tile_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_end, row_stride,
+                    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The fallback: the tile's outputs one key at a time, with a running maximum per (t, d).
+
+    Per key the larger of (running max, logit) becomes the reference and the
+    other side is multiplied by exp(-|logit - running max|) <= 1: one exp.
+    """
+    running_max = tl.full([BLOCK_Q, BLOCK_D], -float("inf"), tl.float32)
+    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    for i in range(0, key_end):
+        w_col = tl.load(w_ptr + offs_t * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
+        if CAUSAL:
+            w_col = tl.where(i <= offs_t, w_col, -float("inf"))
+        k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
+        v_row = tl.load(v_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
+        logit = w_col[:, None] + k_row[None, :]
+        # Key 0 is visible to every row, so running_max is finite from the first key on.
+        shrink = tl.exp(-tl.abs(logit - running_max))
+        grew = logit > running_max
+        den = tl.where(grew, den * shrink + 1.0, den + shrink)
+        num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
+        running_max = tl.maximum(running_max, logit)
+    return num / den
+
+
+@triton.jit
+def _aft_fwd_kernel(
+    w_ptr, k_ptr, v_ptr, o_ptr,
+    T, H, D, den_floor,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    batch = (pid_bh // H).to(tl.int64)
+    head = pid_bh % H
+    base = batch * T * H * D + head * D
+    row_stride = H * D
+    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
+
+    offs_t = pid_t * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_i = tl.arange(0, BLOCK_K)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    w_ptrs = w_ptr + offs_t[:, None] * T + offs_i[None, :]
+    k_ptrs = k_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
+    v_ptrs = v_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
+
+    row_ref = tl.full([BLOCK_Q], -float("inf"), tl.float32)  # R_t
+    col_ref = tl.full([BLOCK_D], -float("inf"), tl.float32)  # R_d
+    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # relative to exp(R_t + R_d)
+    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+
+    if CAUSAL:
+        key_end = tl.minimum((pid_t + 1) * BLOCK_Q, T)
+    else:
+        key_end = T
+    for start in range(0, key_end, BLOCK_K):
+        keys = start + offs_i
+        key_in = keys < T
+        w = tl.load(w_ptrs + start, mask=(offs_t[:, None] < T) & key_in[None, :], other=0.0).to(tl.float32)
+        visible = key_in[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_t[:, None])
+        w = tl.where(visible, w, -float("inf"))
+        k = tl.load(k_ptrs + start * row_stride, mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+        k = tl.where(key_in[:, None], k, -float("inf"))
+        v = tl.load(v_ptrs + start * row_stride, mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+
+        row_max = tl.max(w, 1)  # -inf for rows that see no key of this block (causal, BLOCK_Q > BLOCK_K)
+        col_max = tl.max(k, 0)  # finite: every block starts inside T
+        a = tl.exp(w - tl.where(row_max > -float("inf"), row_max, 0.0)[:, None])  # [0, 1]; 0 where masked
+        e = tl.exp(k - col_max[None, :])
+        ev = e * v
+        if HALF_OPERANDS:
+            a = a * OPERAND_MAX
+            e = e * OPERAND_MAX
+            ev_scale = _power_of_two_scale(tl.max(tl.abs(ev), 0))
+            ev = ev * ev_scale[None, :]
+            e_unscale = 1.0 / OPERAND_MAX
+            a_unscale = 1.0 / OPERAND_MAX
+        else:
+            ev_scale = tl.full([BLOCK_D], 1.0, tl.float32)
+            e_unscale = 1.0
+            a_unscale = 1.0
+        a_hi, a_lo = _to_operand(a, SPLIT, OP_DTYPE)
+        e_hi, e_lo = _to_operand(e, SPLIT, OP_DTYPE)
+        ev_hi, ev_lo = _to_operand(ev, SPLIT, OP_DTYPE)
+        den_block = _product(a_hi, a_lo, e_hi, e_lo, SPLIT, DOT_PRECISION)
+        num_block = _product(a_hi, a_lo, ev_hi, ev_lo, SPLIT, DOT_PRECISION)
+
+        new_row_ref = tl.maximum(row_ref, row_max)
+        new_col_ref = tl.maximum(col_ref, col_max)
+        # The first block has key 0 visible to every row, so the references are
+        # finite after it; exp(-inf - finite) = 0 clears the empty accumulators.
+        keep = tl.exp(row_ref - new_row_ref)[:, None] * tl.exp(col_ref - new_col_ref)[None, :]
+        row_factor = tl.exp(row_max - new_row_ref) * a_unscale
+        col_factor = tl.exp(col_max - new_col_ref)
+        den = den * keep + den_block * row_factor[:, None] * (col_factor * e_unscale)[None, :]
+        num = num * keep + num_block * row_factor[:, None] * (col_factor / ev_scale)[None, :]
+        row_ref = new_row_ref
+        col_ref = new_col_ref
+
+    o = num / den
+    in_tile = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+    if tl.min(tl.where(in_tile, den, float("inf"))) < den_floor:
+        o = _aft_tile_exact(w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d,
+                            T, D, key_end, row_stride, CAUSAL, BLOCK_Q, BLOCK_D)
+    tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=in_tile)
+
+
+def chunkwise(
+    *,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    chunk_size: int = 64,
+    block_q: int = 64,
+    block_d: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    precision: str = "auto",
+) -> tuple[torch.Tensor, None]:
+    """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None)."""
+    B, T, H, D = k.shape
+    half_operands = k.dtype != torch.float32
+    if precision == "auto":
+        precision = "split" if k.dtype == torch.float16 else "single"
+    BLOCK_D = min(block_size(D), block_d)
+    o = torch.empty_like(v)
+    grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
+    _aft_fwd_kernel[grid](
+        w, k, v, o,
+        T, H, D, DEN_FLOOR[half_operands],
+        CAUSAL=causal,
+        SPLIT=half_operands and precision == "split",
+        HALF_OPERANDS=half_operands,
+        DOT_PRECISION="tf32" if half_operands else "ieee",
+        BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, None

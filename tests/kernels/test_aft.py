@@ -1,0 +1,182 @@
+"""AFT kernel behaviour beyond the generic oracle test (tests/test_kernels.py).
+
+Runs under the Triton interpreter in fp16 and fp32 (bf16 needs a GPU). Bounds
+are multiples of the floor ``max(floor_round, floor_cond)`` (attnlab.metrics)
+with tests/test_kernels.py's multiples (excess <= 2 in fp16, <= 4 in fp32),
+or exact identities.
+
+- causal=False, a non-power-of-two D (100) split over several channel blocks.
+- Keys shifted by +-60 (fp16) and +-200 (fp32): finite, within the bound,
+  every output inside [min v, max v] of the values it averages.
+- Shift invariance: keys on a 1/8 grid plus a constant (so k + c is exact)
+  give bit-identical outputs (the kernel only ever sees k - max k).
+- T = 1 returns v exactly, in both precisions.
+- The fallback: bias and keys whose maxima sit at different keys
+  (w = [0, -100], k = [-100, 0]) make the factorized block sums underflow to
+  0/0; the kernel detects it and recomputes the tile exactly. Forcing the
+  fallback on ordinary inputs matches the oracle too.
+- precision "single" and "split", block shapes, bad options.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.kernels import aft as aft_kernels
+from attnlab.metrics import conditioning_floor, measure, unit_roundoff
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
+
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+REFERENCE = attnlab.oracle("aft", "chunkwise", "float64")
+
+
+def _inputs(dtype, T, D, H=2, B=1, seed=0, key_shift=0.0, spread=1.0):
+    x = attnlab.formulation("aft").sample(B=B, T=T, H=H, K=D, V=D, seed=seed)
+    x["w"] = x["w"] * spread
+    x["k"] = x["k"] * spread + key_shift
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def _measure(o, x, dtype, causal):
+    ref = REFERENCE(**x, causal=causal)
+    m = measure(o, ref, dtype, conditioning_floor(REFERENCE, {**x, "causal": causal}))
+    assert m.nonfinite == 0, m.as_dict()
+    return m
+
+
+def _excess(x, dtype, causal=True, **opts):
+    o = kernel("aft", **opts)(**x, causal=causal)
+    assert o.dtype == dtype and o.shape == x["v"].shape
+    return _measure(o, x, dtype, causal).excess
+
+
+def _assert_convex(o, v, causal, dtype):
+    """Each o[b, t, h, d] lies in [min, max] of v[b, i, h, d] over the keys it averages (up to a few roundings)."""
+    v64, o64 = v.to(torch.float64), o.to(torch.float64)
+    if causal:
+        low, high = torch.cummin(v64, dim=1).values, torch.cummax(v64, dim=1).values
+    else:
+        low, high = v64.amin(dim=1, keepdim=True), v64.amax(dim=1, keepdim=True)
+    slack = 4 * unit_roundoff(dtype) * v64.abs().max()
+    assert bool((o64 >= low - slack).all()) and bool((o64 <= high + slack).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_matches_oracle_odd_channel_count_over_several_blocks(dtype, causal):
+    x = _inputs(dtype, T=40, D=100, H=1)
+    assert _excess(x, dtype, causal, block_q=32, block_d=32) <= EXCESS_BOUND[dtype]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize(
+    "dtype,shift",
+    [(torch.float16, 60.0), (torch.float16, -60.0), (torch.float32, 200.0), (torch.float32, -200.0)],
+    ids=["fp16+60", "fp16-60", "fp32+200", "fp32-200"],
+)
+def test_shifted_keys_stay_finite_accurate_and_convex(dtype, shift, causal):
+    x = _inputs(dtype, T=48, D=16, key_shift=shift)
+    o = kernel("aft")(**x, causal=causal)
+    assert _measure(o, x, dtype, causal).excess <= EXCESS_BOUND[dtype]
+    _assert_convex(o, x["v"], causal, dtype)
+
+
+@pytest.mark.parametrize("dtype,shift", [(torch.float16, 32.0), (torch.float32, 128.0)], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("precision", ["single", "split"])
+def test_key_shift_invariance_is_exact(dtype, shift, precision):
+    x = _inputs(dtype, T=40, D=16)
+    x["k"] = (x["k"].to(torch.float64) * 8).round().clamp(-32, 32).div(8).to(dtype)  # |k| <= 4 on a 1/8 grid
+    shifted = {**x, "k": x["k"] + shift}
+    assert torch.equal(shifted["k"].to(torch.float64) - shift, x["k"].to(torch.float64))  # k + c is exact
+    for causal in (True, False):
+        run = kernel("aft", precision=precision)
+        assert torch.equal(run(**shifted, causal=causal), run(**x, causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("precision", ["single", "split"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_single_token_returns_v_exactly(dtype, precision, causal):
+    x = _inputs(dtype, T=1, D=20, B=2)
+    assert torch.equal(kernel("aft", precision=precision)(**x, causal=causal), x["v"])
+
+
+def _mismatched_maxima(dtype):
+    """T = 2: every row's largest bias is at key 0, every channel's largest key at key 1; both logits are -100."""
+    x = _inputs(dtype, T=2, D=16, H=1)
+    x["w"] = torch.tensor([[0.0, -100.0], [0.0, -100.0]], dtype=dtype)
+    x["k"][:, 0] = -100.0
+    x["k"][:, 1] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_mismatched_maxima_take_the_exact_fallback(dtype):
+    x = _mismatched_maxima(dtype)
+    o = kernel("aft")(**x, causal=False)
+    assert _measure(o, x, dtype, causal=False).excess <= EXCESS_BOUND[dtype]
+
+
+def test_without_the_fallback_mismatched_maxima_give_nan(monkeypatch):
+    """The factorized sums alone underflow to 0 / 0 here: the fallback is what the previous test exercised."""
+    monkeypatch.setitem(aft_kernels.DEN_FLOOR, True, 0.0)
+    o = kernel("aft")(**_mismatched_maxima(torch.float16), causal=False)
+    assert bool(torch.isnan(o).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_forced_fallback_matches_oracle(dtype, causal, monkeypatch):
+    monkeypatch.setitem(aft_kernels.DEN_FLOOR, dtype != torch.float32, float("inf"))
+    x = _inputs(dtype, T=20, D=16, H=1)
+    assert _excess(x, dtype, causal) <= EXCESS_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_wide_bias_and_keys(dtype):
+    # w, k ~ N(0, 8^2): some (t, d) have their best bias and best key far apart, some tiles fall back.
+    x = _inputs(dtype, T=40, D=16, H=1, spread=8.0)
+    assert _excess(x, dtype, causal=True, block_q=16, chunk_size=16) <= EXCESS_BOUND[dtype]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("precision", ["single", "split"])
+def test_precisions_fp16(precision, causal):
+    x = _inputs(torch.float16, T=64, D=32)
+    bound = 1.05 if precision == "split" else EXCESS_BOUND[torch.float16]
+    assert _excess(x, torch.float16, causal, precision=precision) <= bound
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    T=st.integers(1, 80),
+    D=st.integers(1, 40),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+    block_q=st.sampled_from([16, 32, 64]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+)
+def test_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
+    x = _inputs(torch.float16, T=T, D=D, H=1, seed=seed)
+    assert _excess(x, torch.float16, causal, block_q=block_q, chunk_size=chunk_size) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "opts,error",
+    [
+        ({"chunk_size": 24}, ValueError),
+        ({"block_d": 512}, ValueError),
+        ({"precision": "bf16"}, ValueError),
+        ({"num_stages": 0}, ValueError),
+        ({"block_k": 64}, TypeError),
+    ],
+)
+def test_bad_options(opts, error):
+    with pytest.raises(error):
+        kernel("aft", **opts)

@@ -1,0 +1,111 @@
+"""Softmax kernel behaviour beyond the generic oracle test (tests/test_kernels.py).
+
+Runs under the Triton interpreter in fp16 and fp32 (bf16 needs a GPU). Bounds
+are multiples of the floor ``max(floor_round, floor_cond)`` (attnlab.metrics)
+with tests/test_kernels.py's multiples (excess <= 2 in fp16, <= 4 in fp32),
+or exact identities.
+
+- causal=False, separate q/k and v head dims, non-powers of two (K=40, V=100).
+- T = 1 returns v exactly (one key: P = 2^15 exactly, l = 2^15).
+- precision="split" (P as hi + lo) brings fp16 to within 1.05 of the floor.
+- Query blocks smaller than key blocks (the causal unmasked range must end on
+  a key-block boundary), several chunk sizes, negative and zero scale,
+  near-one-hot rows (scores spanning ~80 nats).
+- Bad options give a clear ValueError / TypeError before any launch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.metrics import conditioning_floor, measure
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
+
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+REFERENCE = attnlab.oracle("softmax", "chunkwise", "float64")
+
+
+def _inputs(dtype, T, K, V, H=2, B=1, seed=0, q_std=1.0):
+    x = attnlab.formulation("softmax").sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+    x["q"] = x["q"] * q_std
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def _excess(x, dtype, causal=True, scale=None, **opts):
+    o = kernel("softmax", **opts)(**x, causal=causal, scale=scale)
+    assert o.dtype == dtype and o.shape == x["v"].shape
+    ref = REFERENCE(**x, causal=causal, scale=scale)
+    m = measure(o, ref, dtype, conditioning_floor(REFERENCE, {**x, "causal": causal, "scale": scale}))
+    assert m.nonfinite == 0, m.as_dict()
+    return m.excess
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_matches_oracle_with_separate_odd_head_dims(dtype, causal):
+    x = _inputs(dtype, T=70, K=40, V=100)
+    assert _excess(x, dtype, causal) <= EXCESS_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_single_token_returns_v_exactly(dtype, causal):
+    x = _inputs(dtype, T=1, K=16, V=24, B=2)
+    o = kernel("softmax")(**x, causal=causal)
+    assert torch.equal(o, x["v"])
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_split_precision_reaches_the_rounding_floor_in_fp16(causal):
+    x = _inputs(torch.float16, T=80, K=32, V=32)
+    assert _excess(x, torch.float16, causal, precision="split") <= 1.05
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("block_m,chunk_size", [(16, 64), (32, 128), (64, 16), (128, 32)])
+def test_block_shapes(block_m, chunk_size, causal):
+    x = _inputs(torch.float16, T=75, K=16, V=16, H=1)
+    assert _excess(x, torch.float16, causal, block_m=block_m, chunk_size=chunk_size) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 3.0], ids=["negative", "zero", "peaked"])
+def test_scales(dtype, scale):
+    # scale 3 with |q|, |k| ~ 4 puts scores ~ +-50 apart: near one-hot rows.
+    x = _inputs(dtype, T=40, K=16, V=16)
+    assert _excess(x, dtype, causal=True, scale=scale) <= EXCESS_BOUND[dtype]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    T=st.integers(1, 90),
+    K=st.integers(1, 70),
+    V=st.integers(1, 70),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+    q_std=st.sampled_from([0.5, 1.0, 4.0]),
+)
+def test_random_shapes_fp16(T, K, V, causal, seed, q_std):
+    x = _inputs(torch.float16, T=T, K=K, V=V, H=1, seed=seed, q_std=q_std)
+    assert _excess(x, torch.float16, causal) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize(
+    "opts,error",
+    [
+        ({"chunk_size": 48}, ValueError),
+        ({"block_m": 256}, ValueError),
+        ({"precision": "fp8"}, ValueError),
+        ({"num_warps": 3}, ValueError),
+        ({"block_n": 64}, TypeError),
+    ],
+)
+def test_bad_options(opts, error):
+    with pytest.raises(error):
+        kernel("softmax", **opts)
