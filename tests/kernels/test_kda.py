@@ -1,0 +1,159 @@
+"""kda kernels (kernels/kda.py): behaviour specific to Kimi Delta Attention.
+
+Runs under the Triton interpreter on CPU in fp16 and fp32 (the generic
+oracle and resume tests are in tests/test_kernels.py). Accuracy bounds are
+the lab's excess bounds, rel_err / max(rounding floor, conditioning floor):
+2 in fp16, 4 in fp32. Shapes stay tiny: the interpreter runs programs one by
+one at about a millisecond per Triton op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attnlab
+from attnlab.kernel import kernel as make_kernel
+from attnlab.metrics import conditioning_floor, measure, rel_err
+from attnlab.kernels import kda as kda_module
+
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+FORMS = ("chunkwise", "recurrent")
+# Small chunks keep the interpreter quick and put several chunks (a carried state) in T = 24.
+FAST = {"chunkwise": {"chunk_size": 16}, "recurrent": {}}
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
+
+
+def _inputs(T: int, K: int = 16, V: int = 16, H: int = 1, B: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    return attnlab.formulation("kda").sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+
+
+def _cast(x: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def _assert_matches_oracle(o: torch.Tensor, x: dict[str, torch.Tensor], dtype: torch.dtype, **chunk) -> None:
+    reference = attnlab.oracle("kda", "chunkwise", "float64", **chunk)
+    m = measure(o, reference(**x), dtype, conditioning_floor(reference, x))
+    assert m.nonfinite == 0, m.as_dict()
+    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("low,high", [(0.0, 1e-3), (1.99, 1.998)], ids=["beta~0", "beta~2"])
+def test_beta_extremes(form, low, high):
+    """beta near 0 (almost no write) and near 2 (I - 2 k k^T, a reflection) stay at the floor.
+
+    (The top stays below 2 after fp16 rounding: the conditioning floor perturbs
+    inputs upward by one fp32 ulp, and validation refuses beta > 2.)"""
+    x = _inputs(T=24, seed=1)
+    x["beta"] = low + (high - low) * torch.rand(x["beta"].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x = _cast(x, torch.float16)
+    _assert_matches_oracle(make_kernel("kda", form, **FAST[form])(**x), x, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gates_at_minus_20_per_step(form, dtype):
+    """Log gates of -20 per step on half the channels (decay e^-20 per token, e^-1280 per chunk)
+    only underflow: the output is finite and at the floor, and so is the final state."""
+    x = _inputs(T=24, seed=2)
+    strong = torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(2)) < 0.5
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    x = _cast(x, dtype)
+    o, state = make_kernel("kda", form, **FAST[form])(**x, return_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    _assert_matches_oracle(o, x, dtype)
+    _, ref_state = attnlab.oracle("kda", "chunkwise", "float64")(**x, return_state=True)
+    assert rel_err(state, ref_state) <= 1e-5
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gate_constant_across_channels_is_gated_deltanet(form):
+    """A gate equal on every key channel is gated DeltaNet's scalar gate: compare with its oracle."""
+    x = _inputs(T=24, seed=3)
+    head_gate = F.logsigmoid(torch.randn(x["beta"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    x = _cast(x, torch.float16)
+    head_gate = head_gate.to(torch.float16)
+    x["g"] = head_gate[..., None].expand_as(x["q"]).contiguous()
+    o = make_kernel("kda", form, **FAST[form])(**x)
+    gdn_inputs = {n: t for n, t in x.items() if n != "g"} | {"g": head_gate}
+    reference = attnlab.oracle("gated_deltanet", "recurrent", "float64")
+    m = measure(o, reference(**gdn_inputs), torch.float16, conditioning_floor(reference, gdn_inputs))
+    assert m.nonfinite == 0 and m.excess <= EXCESS_BOUND[torch.float16], m.as_dict()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_single_step_with_initial_state(form):
+    """T = 1 from a nonzero state: one masked row in a 64-row chunk."""
+    x = _cast(_inputs(T=1, seed=4), torch.float32)
+    initial = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(4))
+    o, state = make_kernel("kda", form)(**x, initial_state=initial, return_state=True)
+    ref, ref_state = attnlab.oracle("kda", "recurrent", "float64")(**x, initial_state=initial, return_state=True)
+    assert rel_err(o, ref) <= 1e-6
+    assert rel_err(state, ref_state) <= 1e-6
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_non_power_of_two_head_dims(form):
+    """K = 40 and V = 100 (several V blocks, the last one partial) are masked correctly."""
+    x = _cast(_inputs(T=19, K=40, V=100, seed=5), torch.float16)
+    _assert_matches_oracle(make_kernel("kda", form, **FAST[form])(**x), x, torch.float16)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_chunk_sizes(chunk_size):
+    """Every chunk size gives the oracle's answer, with partial chunks and a partial sub-chunk (T = 45)."""
+    x = _cast(_inputs(T=45, seed=6), torch.float32)
+    o = make_kernel("kda", "chunkwise", chunk_size=chunk_size)(**x)
+    _assert_matches_oracle(o, x, torch.float32, chunk_size=chunk_size)
+
+
+def test_causality_in_partial_trailing_sub_chunk():
+    """Changing every input at positions >= 36 leaves the outputs before 36 bit-identical.
+
+    T = 45 ends inside the third sub-chunk (rows 32..47) of the only chunk, the
+    case where an intra-chunk decay anchored on a later row would leak the future.
+    """
+    x = _cast(_inputs(T=45, seed=7), torch.float16)
+    y = {n: t.clone() for n, t in x.items()}
+    generator = torch.Generator().manual_seed(7)
+    y["g"][:, 36:] = -torch.rand(y["g"][:, 36:].shape, generator=generator).to(torch.float16) * 5
+    y["beta"][:, 36:] = 2 * torch.rand(y["beta"][:, 36:].shape, generator=generator).to(torch.float16)
+    for name in ("q", "k", "v"):
+        y[name][:, 36:] = torch.randn(y[name][:, 36:].shape, generator=generator).to(torch.float16)
+    kernel = make_kernel("kda", "chunkwise")
+    assert torch.equal(kernel(**x)[:, :36], kernel(**y)[:, :36])
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x3", "ieee", "tf32"])
+def test_precision_options_run(precision):
+    """Every precision choice launches; the interpreter computes fp32 dots exactly, so all match the oracle."""
+    x = _cast(_inputs(T=16, seed=8), torch.float16)
+    _assert_matches_oracle(make_kernel("kda", "chunkwise", precision=precision, chunk_size=16)(**x), x, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "form,option,value",
+    [
+        ("chunkwise", "chunk_size", 48),
+        ("chunkwise", "chunk_size", 128),
+        ("chunkwise", "precision", "fp8"),
+        ("chunkwise", "block_v", 24),
+        ("recurrent", "block_v", 8),
+    ],
+)
+def test_bad_options_raise_value_error(form, option, value):
+    with pytest.raises(ValueError, match=option):
+        make_kernel("kda", form, **{option: value})
+    x = _cast(_inputs(T=4), torch.float32)
+    call = {n: t for n, t in x.items()} | {"scale": 0.25, "state": None, "return_state": False, option: value}
+    with pytest.raises(ValueError, match=option):
+        getattr(kda_module, form)(**call)
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(TypeError, match="chunk_size"):
+        make_kernel("kda", "recurrent", chunk_size=16)
