@@ -45,10 +45,13 @@ def _sdpa(x: Inputs) -> Callable[[], Any]:
 
 
 def _fla(op: str, build: Callable[[Inputs], dict[str, Any]]) -> Callable[[Inputs], Callable[[], Any]]:
-    def make(x: Inputs) -> Callable[[], Any]:
-        import fla.ops
+    """A peer from fla.ops; ``op`` is a function of fla.ops, or ``submodule.function`` for one it doesn't export."""
 
-        fn = getattr(fla.ops, op)
+    def make(x: Inputs) -> Callable[[], Any]:
+        import importlib
+
+        module, _, function = f"fla.ops.{op}".rpartition(".")
+        fn = getattr(importlib.import_module(module), function)
         kwargs = build(x)
         return lambda: fn(**kwargs)
 
@@ -74,7 +77,7 @@ PEERS: dict[str, Peer] = {
     "retnet": Peer("fla chunk_simple_gla(g_gamma)", _fla("chunk_simple_gla", lambda x: {**_qkv(x), "g_gamma": x["g"].float()})),
     "gla": Peer("fla chunk_gla", _fla("chunk_gla", lambda x: {**_qkv(x), "g": x["g"]})),
     "general": Peer("fla fused_recurrent_gla(gk, gv)", _fla("fused_recurrent_gla", lambda x: {**_qkv(x), "gk": x["gk"], "gv": x["gv"]})),
-    "rwkv4": Peer("fla fused_recurrent_rwkv4", _fla("fused_recurrent_rwkv4", _rwkv4_fla)),
+    "rwkv4": Peer("fla fused_recurrent_rwkv4", _fla("rwkv4.fused_recurrent_rwkv4", _rwkv4_fla)),
     "deltanet": Peer("fla chunk_delta_rule", _fla("chunk_delta_rule", lambda x: {**_qkv(x), "beta": x["beta"]})),
     "gated_deltanet": Peer("fla chunk_gated_delta_rule", _fla("chunk_gated_delta_rule", lambda x: {**_qkv(x), "g": x["g"], "beta": x["beta"]})),
     "kda": Peer("fla chunk_kda", _fla("chunk_kda", lambda x: {**_qkv(x), "g": x["g"], "beta": x["beta"]})),
@@ -95,10 +98,22 @@ def measured_bandwidth(device: str = "cuda") -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+def _timed(call: Callable[[], Any]) -> tuple[float, Any, str | None]:
+    """(median ms, the output, None) or (nan, None, the error) when the call fails."""
+    import triton.testing
+
+    try:
+        out = call()
+        return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"), out, None
+    except Exception as error:  # one implementation's failure is recorded, the run goes on
+        return math.nan, None, f"{type(error).__name__}: {error}"[:300]
+
+
 def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, form: str = "chunkwise",
         progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Time each formulation's kernel and its peer at one shape; one result row per formulation."""
-    import triton.testing
+    """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
+    setting) and its peer at one shape; one result row per kernel setting."""
+    import importlib
 
     from attnlab.kernel import kernel
 
@@ -108,26 +123,27 @@ def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torc
         f = formulation(name)
         peer = PEERS.get(name)
         x = {n: t.to(device="cuda", dtype=dtype) for n, t in f.sample(B=B, T=T, H=H, K=K, V=V, seed=0).items()}
-        options = dict(peer.our_options or {}) if peer else {}
-        ours = kernel(name, form if form in f.kernel_forms else f.kernel_forms[0])
-        call = lambda: ours(**x, **options)  # noqa: E731
-        out = call()
-        row: dict[str, Any] = {"formulation": name, "kernel": repr(ours), "options": options,
-                               "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth}
-        row["ours_ms"] = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-        row["peer"] = peer.label if peer else None
-        row["peer_ms"] = math.nan
-        if peer is not None:
-            try:
-                peer_call = peer.make(x)
-                peer_call()
-                row["peer_ms"] = triton.testing.do_bench(peer_call, warmup=25, rep=100, return_mode="median")
-            except Exception as error:  # the peer's failure is recorded, not fatal
-                row["peer_error"] = f"{type(error).__name__}: {error}"[:300]
-        row["ratio"] = row["ours_ms"] / row["peer_ms"] if row["peer_ms"] == row["peer_ms"] else math.nan
-        progress(f"{name:15s} ours {row['ours_ms']:8.3f} ms  peer {row['peer_ms']:8.3f} ms  ratio {row['ratio']:.2f}")
-        rows.append(row)
-        del x, out
+        inputs = {**x, **(peer.our_options or {})} if peer else x
+        peer_ms, _, peer_error = _timed(peer.make(x)) if peer else (math.nan, None, None)
+        chosen = form if form in f.kernel_forms else f.kernel_forms[0]
+        speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get(chosen, {})
+        for setting, opts in (("default", {}), ("speed", speed)):
+            if setting == "speed" and not opts:
+                continue
+            ours = kernel(name, chosen, **opts)
+            ours_ms, out, error = _timed(lambda: ours(**inputs))  # noqa: B023
+            row: dict[str, Any] = {
+                "formulation": name, "setting": setting, "kernel": repr(ours), "ours_ms": ours_ms,
+                "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
+                "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
+            }
+            if error:
+                row["error"] = error
+            if peer_error:
+                row["peer_error"] = peer_error
+            progress(f"{name:15s} {setting:8s} ours {ours_ms:8.3f} ms  peer {peer_ms:8.3f} ms  ratio {row['ratio']:.2f}")
+            rows.append(row)
+        del x, inputs
         torch.cuda.empty_cache()
     return rows
 
@@ -135,13 +151,15 @@ def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torc
 def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
     lines = ["# attnlab kernel benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| formulation | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | ours / floor |",
-              "|---|---:|---|---:|---:|---:|---:|"]
+    lines += ["", "| formulation | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | ours / floor |",
+              "|---|---|---:|---|---:|---:|---:|---:|"]
+    def cell(value: float, digits: int, otherwise: str = "n/a") -> str:
+        return f"{value:.{digits}f}" if value == value else otherwise
+
     for r in rows:
-        peer_ms = f"{r['peer_ms']:.3f}" if r["peer_ms"] == r["peer_ms"] else r.get("peer_error", "n/a")
-        ratio = f"{r['ratio']:.2f}" if r["ratio"] == r["ratio"] else "n/a"
-        lines.append(f"| {r['formulation']} | {r['ours_ms']:.3f} | {r['peer'] or 'none'} | {peer_ms} | {ratio} | "
-                     f"{r['floor_ms']:.3f} | {r['ours_ms'] / r['floor_ms']:.1f} |")
+        ours = cell(r["ours_ms"], 3, r.get("error", "n/a"))
+        lines.append(f"| {r['formulation']} | `{r['kernel']}` | {ours} | {r['peer'] or 'none'} | {cell(r['peer_ms'], 3, r.get('peer_error', 'n/a'))} | "
+                     f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} |")
     return "\n".join(lines) + "\n"
 
 

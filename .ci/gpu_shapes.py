@@ -1,0 +1,51 @@
+"""Each kernel over awkward shapes on the GPU, one process per kernel so a crash stays contained.
+
+    python .ci/gpu_shapes.py NAME FORM     one kernel: a line per case, printed as it completes
+    python .ci/gpu_shapes.py               every kernel, six processes at a time
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+SHAPES = [(1, 1, 70), (12, 44, 300), (44, 12, 2627), (100, 72, 1000), (128, 128, 300), (256, 256, 200), (64, 64, 1)]
+
+
+def one(name: str, form: str) -> None:
+    import torch
+
+    import attnlab
+    from attnlab.evaluate import measure_against_oracle, rounded_inputs
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for K, V, T in SHAPES:
+            x = rounded_inputs(name, dtype, "cuda", B=2, T=T, H=3, K=K, V=V, seed=K + V + T)
+            try:
+                m, _ = measure_against_oracle(name, attnlab.kernel(name, form), x, out_dtype=dtype)
+                torch.cuda.synchronize()
+                verdict = "ok" if m.excess <= (1.5 if dtype == torch.bfloat16 else 2.0) and m.nonfinite == 0 else "BAD"
+                print(f"{name:15s} {form:9s} {str(dtype)[6:]:9s} K={K:3d} V={V:3d} T={T:5d} excess={m.excess:9.3f} nonfinite={m.nonfinite} {verdict}", flush=True)
+            except Exception as error:
+                print(f"{name:15s} {form:9s} {str(dtype)[6:]:9s} K={K:3d} V={V:3d} T={T:5d} ERROR {type(error).__name__}: {str(error)[:160]}", flush=True)
+                if "illegal memory access" in str(error):
+                    return
+
+
+def everything() -> None:
+    import attnlab
+
+    jobs = [(f.name, form) for f in attnlab.REGISTRY for form in f.kernel_forms]
+
+    def run(job):
+        result = subprocess.run([sys.executable, __file__, *job], capture_output=True, text=True, timeout=540)
+        return result.stdout + (result.stderr[-400:] if result.returncode else "")
+
+    with ThreadPoolExecutor(6) as pool:
+        for text in pool.map(run, jobs):
+            print(text, end="", flush=True)
+
+
+if __name__ == "__main__":
+    one(*sys.argv[1:]) if len(sys.argv) == 3 else everything()
