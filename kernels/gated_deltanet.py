@@ -1,0 +1,30 @@
+"""Gated DeltaNet kernels: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+
+q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (log gate <= 0), beta [B, T, H]
+in [0, 2]; state S [B, H, K, V] in fp32. The Triton code (chunkwise UT
+transform with chunk-local cumulative gates, recurrent loop) and the meaning
+of the options are in kernels/_delta.py, shared with deltanet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _delta
+
+OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
+SPEED_OPTIONS = _delta.SPEED_OPTIONS
+
+
+def chunkwise(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
+              **options) -> tuple[torch.Tensor, tuple | None]:
+    return _delta.chunkwise(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state,
+                            return_state=return_state, **options)
+
+
+def recurrent(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
+              **options) -> tuple[torch.Tensor, tuple | None]:
+    return _delta.recurrent(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state,
+                            return_state=return_state, **options)

@@ -1,0 +1,114 @@
+"""deltanet kernels (kernels/deltanet.py, kernels/_delta.py) beyond the generic test: beta at the
+ends of [0, 2] with unit keys, T=1 from a state, non-power-of-two head dims over several V blocks,
+every chunk size and dot precision, the bf16 hi/lo split's accuracy, bad options.
+CPU (Triton interpreter), fp16 and fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.metrics import conditioning_floor, measure, rel_err
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
+
+NAME = "deltanet"
+# The targets of the generic test (tests/test_kernels.py): excess over max(rounding, conditioning) floor.
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
+FORMS = ("chunkwise", "recurrent")
+
+
+def _sample(T: int, K: int = 16, V: int = 16, B: int = 1, H: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    return attnlab.formulation(NAME).sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+
+
+def _check(x: dict, dtype: torch.dtype, form: str, **opts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel on x rounded to dtype; assert finite output, the excess bound and the final state."""
+    x = {n: t.to(dtype) for n, t in x.items()}
+    reference = attnlab.oracle(NAME, "chunkwise", "float64")
+    o, state = kernel(NAME, form, **opts)(**x, return_state=True)
+    ref, ref_state = reference(**x, return_state=True)
+    assert o.dtype == dtype and o.shape == ref.shape and state.dtype == torch.float32
+    m = measure(o, ref, dtype, conditioning_floor(reference, x))
+    assert m.nonfinite == 0, m.as_dict()
+    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
+    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
+    return o, state
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("beta,dtype", [(0.0, torch.float16), (1e-3, torch.float16), (2.0, torch.float16),
+                                        (2.0, torch.float32)])
+def test_beta_at_the_ends_with_unit_keys(beta, dtype, form):
+    """beta = 2 reflects the state across k (eigenvalue -1); beta near 0 barely writes. Three chunks of 16."""
+    x = _sample(T=40)
+    x["beta"] = torch.full_like(x["beta"], beta)
+    _check(x, dtype, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_single_step_from_a_state(form):
+    """T = 1 with two batches and two heads, each with its own initial state."""
+    x = _sample(T=1, B=2, H=2)
+    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    _check(x, torch.float32, form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_head_dims_not_powers_of_two(form):
+    """K = 20 (one padded 32-wide tile) and V = 100 (two 64-column programs, the second partial)."""
+    _check(_sample(T=19, K=20, V=100), torch.float16, form)
+
+
+@pytest.mark.parametrize("chunk_size,precision", [(16, "auto"), (64, "auto"), (32, "split"), (32, "tf32x3"),
+                                                  (32, "ieee")])
+def test_chunk_sizes_and_precisions(chunk_size, precision):
+    """Every chunk size (1, 2 and 4 diagonal blocks merged in the UT inverse) and precision mode."""
+    _check(_sample(T=40), torch.float16, "chunkwise", chunk_size=chunk_size, precision=precision)
+
+
+def test_split_precision_is_near_fp32():
+    """The bf16 hi/lo split keeps the fp32 state to about 2^-16 (a dropped lo part would cost 2^-9)."""
+    x = {n: t.half() for n, t in _sample(T=48, K=32, V=32).items()}
+    ref_state = attnlab.oracle(NAME, "chunkwise", "float64")(**x, return_state=True)[1]
+    split = kernel(NAME, "chunkwise", chunk_size=16, precision="split")(**x, return_state=True)[1]
+    exact = kernel(NAME, "chunkwise", chunk_size=16, precision="ieee")(**x, return_state=True)[1]
+    assert rel_err(split, ref_state) <= 2.0**-14
+    assert rel_err(exact, ref_state) <= 1e-6
+
+
+def test_forms_agree_in_fp32():
+    """The chunkwise and recurrent kernels compute one function: they agree to fp32 accuracy."""
+    x = {n: t.float() for n, t in _sample(T=45, K=16, V=24, H=2).items()}
+    o_chunk, s_chunk = kernel(NAME, "chunkwise", chunk_size=16)(**x, return_state=True)
+    o_rec, s_rec = kernel(NAME, "recurrent")(**x, return_state=True)
+    assert rel_err(o_chunk, o_rec) <= 1e-6 and rel_err(s_chunk, s_rec) <= 1e-6
+
+
+@pytest.mark.parametrize("form,opts", [
+    ("chunkwise", {"chunk_size": 48}),
+    ("chunkwise", {"precision": "fp64"}),
+    ("chunkwise", {"num_stages": 0}),
+    ("recurrent", {"block_v": 24}),
+    ("recurrent", {"num_warps": 3}),
+])
+def test_bad_options_are_refused(form, opts):
+    with pytest.raises(ValueError, match=next(iter(opts))):
+        kernel(NAME, form, **opts)
+
+
+@pytest.mark.parametrize("name", [NAME, "gated_deltanet"])
+def test_input_precision_rounds_like_fla(name):
+    """precision="input" (SPEED_OPTIONS) rounds S, Delta and the stored blocks to the input dtype: it
+    stays finite and within twice the target (fla's 1.4 to 2.9), and "split" stays at the rounding floor."""
+    x = {n: t.half() for n, t in attnlab.formulation(name).sample(B=1, T=40, H=1, K=16, V=16, seed=0).items()}
+    reference = attnlab.oracle(name, "chunkwise", "float64")
+    floor = conditioning_floor(reference, x)
+    ref = reference(**x)
+    fast = measure(kernel(name, "chunkwise", chunk_size=16, precision="input")(**x), ref, torch.float16, floor)
+    split = measure(kernel(name, "chunkwise", chunk_size=16, precision="split")(**x), ref, torch.float16, floor)
+    assert fast.nonfinite == 0 and fast.excess <= 2 * EXCESS_BOUND[torch.float16], fast.as_dict()
+    assert split.excess <= 1.1 < fast.excess, (split.as_dict(), fast.as_dict())

@@ -1,0 +1,98 @@
+"""gated_deltanet kernels (kernels/gated_deltanet.py, kernels/_delta.py) beyond the generic test:
+g = 0 reproduces the deltanet kernels exactly, log gates of -20 per step stay finite and accurate,
+beta at 2, T=1 from a state, non-power-of-two head dims, every chunk size.
+CPU (Triton interpreter), fp16 and fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.kernel import kernel
+from attnlab.metrics import conditioning_floor, measure, rel_err
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
+
+NAME = "gated_deltanet"
+# The targets of the generic test (tests/test_kernels.py): excess over max(rounding, conditioning) floor.
+EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
+STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
+FORMS = ("chunkwise", "recurrent")
+
+
+def _sample(T: int, K: int = 16, V: int = 16, B: int = 1, H: int = 1, seed: int = 0) -> dict[str, torch.Tensor]:
+    return attnlab.formulation(NAME).sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+
+
+def _check(x: dict, dtype: torch.dtype, form: str, **opts) -> None:
+    """Run the kernel on x rounded to dtype; assert finite output, the excess bound and the final state."""
+    x = {n: t.to(dtype) for n, t in x.items()}
+    reference = attnlab.oracle(NAME, "chunkwise", "float64")
+    o, state = kernel(NAME, form, **opts)(**x, return_state=True)
+    ref, ref_state = reference(**x, return_state=True)
+    assert o.dtype == dtype and o.shape == ref.shape and state.dtype == torch.float32
+    m = measure(o, ref, dtype, conditioning_floor(reference, x))
+    assert m.nonfinite == 0, m.as_dict()
+    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
+    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_zero_gate_is_deltanet(form):
+    """g = 0 runs the gated code path with every decay exactly 1: bit-identical to the deltanet kernel."""
+    x = {n: t.half() for n, t in _sample(T=37, H=2).items()}
+    x["g"] = torch.zeros_like(x["g"])
+    opts = {"chunk_size": 16} if form == "chunkwise" else {}
+    o, state = kernel(NAME, form, **opts)(**x, return_state=True)
+    ungated = {n: t for n, t in x.items() if n != "g"}
+    o_delta, state_delta = kernel("deltanet", form, **opts)(**ungated, return_state=True)
+    assert torch.equal(o, o_delta) and torch.equal(state, state_delta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gates_of_minus_20_stay_finite_and_exact(form, dtype):
+    """A third of the steps (and every fourth) decay by exp(-20), beta = 2 on some: three chunks of 16."""
+    x = _sample(T=40)
+    generator = torch.Generator().manual_seed(1)
+    strong = torch.rand(x["g"].shape, generator=generator, dtype=torch.float64) < 0.3
+    strong[:, ::4] = True
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    x["beta"] = torch.where(torch.rand(x["beta"].shape, generator=generator, dtype=torch.float64) < 0.2, 2.0, x["beta"])
+    _check(x, dtype, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+def test_every_gate_minus_20_in_a_long_chunk():
+    """G reaches -1280 inside one 64-chunk: every exponent stays <= 0, the output stays finite and exact."""
+    x = _sample(T=64)
+    x["g"] = torch.full_like(x["g"], -20.0)
+    _check(x, torch.float16, "chunkwise", chunk_size=64)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_single_step_from_a_state(form):
+    """T = 1 with two batches and two heads, each with its own initial state."""
+    x = _sample(T=1, B=2, H=2)
+    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    _check(x, torch.float32, form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_head_dims_not_powers_of_two(form):
+    """K = 20 (one padded 32-wide tile) and V = 100 (two 64-column programs, the second partial)."""
+    _check(_sample(T=19, K=20, V=100), torch.float16, form)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+def test_chunk_sizes(chunk_size):
+    """1, 2 and 4 diagonal blocks merged in the UT inverse; a partial last chunk."""
+    _check(_sample(T=40), torch.float16, "chunkwise", chunk_size=chunk_size)
+
+
+def test_forms_agree_in_fp32():
+    """The chunkwise and recurrent kernels compute one function: they agree to fp32 accuracy."""
+    x = {n: t.float() for n, t in _sample(T=45, K=16, V=24, H=2).items()}
+    o_chunk, s_chunk = kernel(NAME, "chunkwise", chunk_size=16)(**x, return_state=True)
+    o_rec, s_rec = kernel(NAME, "recurrent")(**x, return_state=True)
+    assert rel_err(o_chunk, o_rec) <= 1e-6 and rel_err(s_chunk, s_rec) <= 1e-6
