@@ -63,7 +63,9 @@ the left operand and the columns of the right one are first scaled to a
 maximum of 1 (the state can exceed 65504; tiny decayed values would lose
 their low part to underflow) and the scales reapplied to the fp32 product.
 
-Intermediates stay in fp32: the per-chunk states h and the scores A.
+Intermediates stay in fp32: the per-chunk states h and the scores A; only with
+"input" on bf16 are they stored in bf16 (every dot reading them rounds them to
+bf16 anyway), which halves the dominant memory traffic (h: B H T K V / BT).
 """
 
 from __future__ import annotations
@@ -77,16 +79,22 @@ from attnlab.kernels._util import block_size, triton_dtype
 PRECISIONS = ("split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
 
+# The fastest chunkwise setting (one bf16/fp16 tensor-core dot per product, h and A stored in
+# bf16 for bf16 inputs), as flash-linear-attention computes; ``attnlab bench`` times it beside
+# the default.
+SPEED_OPTIONS = {"precision": "input"}
+
 # The chunkwise kernels' tunables (name -> (default, allowed values)); attnlab.kernel checks
 # them before a launch. chunk_size is the largest chunk (short sequences use one chunk of
 # next_pow2(T), at least 16); block_k / block_v are the K and V tiles (head dimensions above
-# them are looped over or split across programs); num_warps / num_stages go to every launch.
+# them are looped over or split across programs); num_warps / num_stages go to every launch
+# (8 warps: at 4 the sm_90 build of the scores kernel spills ~1 KB a thread at 64-wide tiles).
 CHUNKWISE_OPTIONS = {
     "chunk_size": (64, CHUNK_SIZES),
     "precision": ("split", PRECISIONS),
     "block_k": (64, (16, 32, 64, 128)),
     "block_v": (64, (16, 32, 64, 128)),
-    "num_warps": (4, (1, 2, 4, 8)),
+    "num_warps": (8, (1, 2, 4, 8)),
     "num_stages": (2, (1, 2, 3, 4)),
 }
 
@@ -151,14 +159,28 @@ def _dot_narrow(a, b, acc, SPLIT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _level_exponents(g, g_next, local, HALF: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Log decays to the reference rows of one level (module docstring), per row x of a chunk tile.
+def _level_masks(local, LEVEL: tl.constexpr):
+    """The masks of level HALF = 2^LEVEL over chunk rows: ``upper`` [BT, 1] (the row lies in the
+    upper half of its aligned block of 2 HALF rows) and ``same_block`` [BT, BT] (both rows lie in
+    one such block)."""
+    HALF: tl.constexpr = 1 << LEVEL
+    upper = ((local % (2 * HALF)) >= HALF)[:, None]
+    same_block = (local[:, None] // (2 * HALF)) == (local[None, :] // (2 * HALF))
+    return upper, same_block
+
+
+@triton.jit
+def _level_exponents(g, g_next, local, LEVEL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Log decays to the reference rows of level HALF = 2^LEVEL (module docstring), per row x of a
+    chunk tile. (LEVEL, not HALF, is the argument: a static_range loop variable stays a constexpr
+    only as such; ``1 << level`` in the loop body would be a tensor on the GPU compiler.)
 
     Rows pair up in aligned halves of HALF rows; r is the last row of a lower half. A row x of an
     upper half gets sum_{s in (r, x]} g_s (an inclusive prefix sum within its half), a row of a
     lower half sum_{s in (x, r]} g_s (a suffix sum of ``g_next``, g_next[x] = g[x + 1], within its
     half). Sums of gates <= 0, so every result is <= 0.
     """
+    HALF: tl.constexpr = 1 << LEVEL
     upper = (local % (2 * HALF)) >= HALF
     if HALF == 1:
         # (r, x] = {x} on an upper row; (x, r] is empty on a lower one.
@@ -221,7 +243,7 @@ def _chunk_states_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     for c in range(0, NT):
-        tl.store(h_ptr + (bh64 * NT + c) * K * V + state_offsets, S, mask=state_mask)
+        tl.store(h_ptr + (bh64 * NT + c) * K * V + state_offsets, S.to(h_ptr.dtype.element_ty), mask=state_mask)
         rows = c * BT + local
         row_mask = rows < T
         k = tl.load(k_ptr + ((b * T + rows[:, None]) * H + h) * K + keys[None, :],
@@ -279,12 +301,10 @@ def _chunk_scores_kernel(
             k = k.to(tl.float32)
             diagonal += tl.sum(q * k, axis=1)
             for level in tl.static_range(LEVELS):
-                HALF: tl.constexpr = 1 << level
-                upper = ((local % (2 * HALF)) >= HALF)[:, None]
-                decay = tl.exp(_level_exponents(gk, gk_next, local, HALF, BT, BK))
+                upper, same_block = _level_masks(local, level)
+                decay = tl.exp(_level_exponents(gk, gk_next, local, level, BT, BK))
                 q_decayed = tl.where(upper, q * decay, 0.0)
                 k_decayed = tl.where(upper, 0.0, k * decay)
-                same_block = (local[:, None] // (2 * HALF)) == (local[None, :] // (2 * HALF))
                 level_scores = _dot(q_decayed, tl.trans(k_decayed), tl.zeros([BT, BT], dtype=tl.float32),
                                     PRECISION, DT)
                 scores += tl.where(same_block, level_scores, 0.0)
@@ -295,7 +315,7 @@ def _chunk_scores_kernel(
         scores = tl.where(local[:, None] == local[None, :], diagonal[:, None], scores)
     scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
     A_offsets = (bh.to(tl.int64) * NT + c) * BT * BT + local[:, None] * BT + local[None, :]
-    tl.store(A_ptr + A_offsets, scores)
+    tl.store(A_ptr + A_offsets, scores.to(A_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -344,7 +364,7 @@ def _chunk_output_kernel(
     v_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
     v_mask = row_mask[:, None] & value_mask[None, :]
     v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
-    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :])
+    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :]).to(tl.float32)
 
     if HAS_GV:
         gv, gv_next = _load_gate(gv_ptr, b, h, rows, values, T, H, V, c * BT + BT)
@@ -352,10 +372,8 @@ def _chunk_output_kernel(
         diagonal = tl.sum(tl.where(local[:, None] == local[None, :], A, 0.0), axis=1)
         o = inter * tl.exp(tl.cumsum(gv, axis=0)) + diagonal[:, None] * v
         for level in tl.static_range(LEVELS):
-            HALF: tl.constexpr = 1 << level
-            upper = ((local % (2 * HALF)) >= HALF)[:, None]
-            decay = tl.exp(_level_exponents(gv, gv_next, local, HALF, BT, BV))
-            same_block = (local[:, None] // (2 * HALF)) == (local[None, :] // (2 * HALF))
+            upper, same_block = _level_masks(local, level)
+            decay = tl.exp(_level_exponents(gv, gv_next, local, level, BT, BV))
             level_o = _dot(tl.where(same_block, A, 0.0), tl.where(upper, 0.0, v * decay),
                            tl.zeros([BT, BV], dtype=tl.float32), PRECISION, DT)
             o += tl.where(upper, decay, 0.0) * level_o
@@ -437,7 +455,7 @@ def chunkwise(
     precision: str = "split",
     block_k: int = 64,
     block_v: int = 64,
-    num_warps: int = 4,
+    num_warps: int = 8,
     num_stages: int = 2,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
@@ -459,9 +477,14 @@ def chunkwise(
     gk_arg = gk if gk is not None else q  # never read when absent
     gv_arg = gv if gv is not None else v
     initial = state[0] if state is not None else q
-    h = torch.empty((B * H, NT, K, V), dtype=torch.float32, device=device)
+    # "input" rounds h and A to the input dtype before every dot that reads them, so storing them
+    # rounded changes nothing and halves their memory traffic (h alone is B*H*T*K*V/BT floats).
+    # Not for fp16, whose "input" dots first normalise the fp32 values (the state may exceed 65504).
+    rounded = precision == "input" and DT == tl.bfloat16
+    intermediate_dtype = q.dtype if rounded else torch.float32
+    h = torch.empty((B * H, NT, K, V), dtype=intermediate_dtype, device=device)
     final = torch.empty((B, H, K, V), dtype=torch.float32, device=device) if return_state else h
-    A = torch.empty((B * H, NT, BT, BT), dtype=torch.float32, device=device)
+    A = torch.empty((B * H, NT, BT, BT), dtype=intermediate_dtype, device=device)
     o = torch.empty_like(v)
     flags = dict(HAS_GK=gk is not None, PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
 

@@ -13,6 +13,7 @@ import torch
 from attnlab.kernels import _gated
 
 OPTIONS = {"chunkwise": dict(_gated.CHUNKWISE_OPTIONS), "recurrent": {}}
+SPEED_OPTIONS = {"chunkwise": dict(_gated.SPEED_OPTIONS)}
 
 
 def chunkwise(
