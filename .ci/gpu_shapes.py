@@ -14,23 +14,30 @@ SHAPES = [(1, 1, 70), (12, 44, 300), (44, 12, 2627), (100, 72, 1000), (128, 128,
 
 
 def one(name: str, form: str) -> None:
+    import importlib
+
     import torch
 
     import attnlab
     from attnlab.evaluate import measure_against_oracle, rounded_inputs
 
-    for dtype in (torch.bfloat16, torch.float16):
-        for K, V, T in SHAPES:
-            x = rounded_inputs(name, dtype, "cuda", B=2, T=T, H=3, K=K, V=V, seed=K + V + T)
-            try:
-                m, _ = measure_against_oracle(name, attnlab.kernel(name, form), x, out_dtype=dtype)
-                torch.cuda.synchronize()
-                verdict = "ok" if m.excess <= (1.5 if dtype == torch.bfloat16 else 2.0) and m.nonfinite == 0 else "BAD"
-                print(f"{name:15s} {form:9s} {str(dtype)[6:]:9s} K={K:3d} V={V:3d} T={T:5d} excess={m.excess:9.3f} nonfinite={m.nonfinite} {verdict}", flush=True)
-            except Exception as error:
-                print(f"{name:15s} {form:9s} {str(dtype)[6:]:9s} K={K:3d} V={V:3d} T={T:5d} ERROR {type(error).__name__}: {str(error)[:160]}", flush=True)
-                if "illegal memory access" in str(error):
-                    return
+    f = attnlab.formulation(name)
+    speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get(form, {})
+    settings = {"default": {}, **({"speed": speed} if speed else {})}
+    for setting, opts in settings.items():
+        for dtype in (torch.bfloat16, torch.float16):
+            for K, V, T in SHAPES:
+                x = rounded_inputs(name, dtype, "cuda", B=2, T=T, H=3, K=K, V=V, seed=K + V + T)
+                label = f"{name:15s} {form:9s} {setting:7s} {str(dtype)[6:]:9s} K={K:3d} V={V:3d} T={T:5d}"
+                try:
+                    m, _ = measure_against_oracle(name, attnlab.kernel(name, form, **opts), x, out_dtype=dtype)
+                    torch.cuda.synchronize()
+                    verdict = "ok" if m.excess <= (1.5 if dtype == torch.bfloat16 else 2.0) and m.nonfinite == 0 else "BAD"
+                    print(f"{label} excess={m.excess:9.3f} nonfinite={m.nonfinite} {verdict}", flush=True)
+                except Exception as error:
+                    print(f"{label} ERROR {type(error).__name__}: {str(error)[:300]}", flush=True)
+                    if "illegal memory access" in str(error):
+                        return
 
 
 def everything() -> None:
