@@ -13,6 +13,18 @@ before the exp2. The grid is (query blocks, B*H), query blocks in reverse
 order so the longest causal rows start first, and the blocks of one head run
 side by side and share its keys and values in L2.
 
+Speed (sm_90, no TMA): the block sizes come from _DEFAULT_CONFIGS, checked
+with ptxas for registers, spills and shared memory; for 16-bit inputs with
+head dims <= 128, 128 queries x 128 keys on 8 warps (the smallest tile
+Triton's attention tutorial admits for 8 warps on Hopper) (two warpgroups of 64 rows, whose softmax and
+tensor-core phases interleave) with 3 stages of K/V in shared memory, which
+halves the per-key cost of the accumulator rescale and of the dot waits
+against 64-key blocks. Unmasked key blocks (all but the diagonal or the
+tail) load without masks when the head dims fill their tiles (EVEN_K,
+EVEN_V constexpr). Key pointers are rebuilt from the base each block rather
+than carried and incremented: carried pointers across the two loops made the
+pipeliner keep more buffers (196 KB and spills at 128 x 64, offline).
+
 Numerics (OPTIONS["chunkwise"]["precision"]):
 
 - P = exp2(s - m) is computed in fp32. With 16-bit inputs it is
@@ -52,41 +64,88 @@ P_EXP2_SHIFT_16BIT = 15.0
 
 OPTIONS = {
     "chunkwise": {
-        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_N: keys per block
-        "block_m": (None, (None, 16, 32, 64, 128)),  # queries per program; None: 128, or 64 for head dims > 128
-        "num_warps": (None, (None, 1, 2, 4, 8, 16)),  # None: 8 for 128 x 128 tiles and larger, else 4
-        "num_stages": (None, (None, 1, 2, 3, 4, 5)),  # None: 3 for head dims <= 128, else 2
+        "chunk_size": (128, (16, 32, 64, 128)),  # BLOCK_N, keys per block, at most the cap in _DEFAULT_CONFIGS
+        "block_m": (None, (None, 16, 32, 64, 128)),  # queries per program; None: see _launch_config
+        "num_warps": (None, (None, 1, 2, 4, 8, 16)),
+        "num_stages": (None, (None, 1, 2, 3, 4, 5)),
         "precision": ("input", ("input", "split")),
     }
 }
+# The default already is the fastest setting ("split" only adds work; the
+# chunk_size cap keeps every explicit value inside the compiled-and-checked configs).
+SPEED_OPTIONS: dict[str, dict[str, object]] = {}
+
+# Default (block_m, largest chunk_size, num_warps, num_stages) by input width and the
+# wider head-dim tile, chosen by compiling for sm_90 (ptxas -v): no spills and
+# shared memory under 227 KB. 16-bit, tile <= 128: 128 x 128 score tiles on two
+# warpgroups (one 64-row wgmma each), 3 stages of K and V (224 KB with D = 128),
+# 252 registers, no spills. fp32 runs its
+# "ieee" dots on CUDA cores, whose operands sit in registers: small tiles.
+_DEFAULT_CONFIGS = {
+    (2, 128): (128, 128, 8, 3),
+    (2, 256): (128, 32, 8, 3),
+    (4, 64): (32, 32, 4, 2),
+    (4, 128): (32, 16, 4, 2),
+    (4, 256): (32, 16, 8, 2),
+}
+
+
+def _launch_config(
+    itemsize: int, widest: int, block_m: int | None, chunk_size: int, num_warps: int | None, num_stages: int | None
+) -> tuple[int, int, int, int]:
+    """(block_m, BLOCK_N, num_warps, num_stages): the entry above for the narrowest listed tile >= widest,
+    for whatever the caller left None, and BLOCK_N = chunk_size capped by the entry."""
+    width = min(w for (size, w) in _DEFAULT_CONFIGS if size == itemsize and w >= widest)
+    default_m, largest_n, default_warps, default_stages = _DEFAULT_CONFIGS[(itemsize, width)]
+    return (
+        default_m if block_m is None else block_m,
+        min(chunk_size, largest_n),
+        default_warps if num_warps is None else num_warps,
+        default_stages if num_stages is None else num_stages,
+    )
+
+
+@triton.jit
+def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking only the dimensions that can run out of range (zeros there)."""
+    if CHECK_ROWS and CHECK_COLS:
+        tile = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    elif CHECK_ROWS:
+        tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    elif CHECK_COLS:
+        tile = tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
 def _online_softmax_step(
-    acc, row_max, row_sum, q, k_ptrs, v_ptrs, k_mask, v_mask,
-    offs_m, offs_n, T, qk_scale,
+    acc, row_max, row_sum, q, k_ptrs, v_ptrs,
+    offs_m, offs_n, offs_k, offs_v, T, K, V, qk_scale,
     MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    P_EXP2_SHIFT: tl.constexpr,
+    P_EXP2_SHIFT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     """One key block: fold exp2(s - m) v into the running (acc, row_max, row_sum).
 
     MASK_KEYS: the block may hold keys past T or (causal) after a query; their
-    scores become -inf before the max and the exp2.
+    scores become -inf before the max and the exp2. EVEN_K / EVEN_V: the head
+    dims fill their tiles, so those loads need no mask.
     """
+    key_ok = offs_n < T
+    # k is read as k^T tiles [BLOCK_K, BLOCK_N], v as [BLOCK_N, BLOCK_V].
+    k_block = _load_tile(k_ptrs, offs_k < K, key_ok, not EVEN_K, MASK_KEYS)
+    v_block = _load_tile(v_ptrs, key_ok, offs_v < V, MASK_KEYS, not EVEN_V)
+    scores = tl.dot(q, k_block, input_precision=DOT_PRECISION)
     if MASK_KEYS:
-        k_block = tl.load(k_ptrs, mask=k_mask & (offs_n[None, :] < T), other=0.0)
-        v_block = tl.load(v_ptrs, mask=v_mask & (offs_n[:, None] < T), other=0.0)
-        scores = tl.dot(q, k_block, input_precision=DOT_PRECISION) * qk_scale
-        visible = offs_n[None, :] < T
+        scores = scores * qk_scale
+        visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
         scores = tl.where(visible, scores, -float("inf"))
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         p = tl.exp2(scores - (new_max - P_EXP2_SHIFT)[:, None])
     else:
-        k_block = tl.load(k_ptrs, mask=k_mask, other=0.0)
-        v_block = tl.load(v_ptrs, mask=v_mask, other=0.0)
-        scores = tl.dot(q, k_block, input_precision=DOT_PRECISION)
         # qk_scale >= 0 (the wrapper folds a negative scale into q), so max(s) * qk_scale = max(s * qk_scale)
         # and the scaling and the shift fuse into one FMA per score.
         new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
@@ -112,6 +171,7 @@ def _softmax_fwd_kernel(
     T, H, K, V, qk_scale,
     CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, P_EXP2_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     # Reverse order: with causal masking the last query blocks have the most keys; start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -125,13 +185,9 @@ def _softmax_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
-    k_mask = offs_k[:, None] < K  # [BLOCK_K, BLOCK_N] tiles of k^T
-    v_mask = offs_v[None, :] < V  # [BLOCK_N, BLOCK_V] tiles of v
 
-    q = tl.load(
-        q_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :],
-        mask=(offs_m[:, None] < T) & (offs_k[None, :] < K), other=0.0,
-    )
+    q = _load_tile(q_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :], offs_m < T, offs_k < K, True, not EVEN_K)
+    # One block of keys further is a fixed pointer step (int64 via the pointers: no int32 overflow at long T).
     k_ptrs = k_ptr + qk_base + offs_n[None, :] * (H * K) + offs_k[:, None]
     v_ptrs = v_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
 
@@ -150,25 +206,23 @@ def _softmax_fwd_kernel(
         end = T
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q,
-            k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), k_mask, v_mask,
-            offs_m, start_n + offs_n, T, qk_scale,
-            False, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT,
+            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V),
+            offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
+            False, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
         )
     for start_n in range(unmasked_end, end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q,
-            k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), k_mask, v_mask,
-            offs_m, start_n + offs_n, T, qk_scale,
-            True, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT,
+            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V),
+            offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
+            True, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
         )
 
     o = acc / row_sum[:, None]
-    tl.store(
-        o_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=(offs_m[:, None] < T) & (offs_v[None, :] < V),
-    )
+    o_ptrs = o_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :]
+    if EVEN_V:
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
+    else:
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & (offs_v < V)[None, :])
 
 
 def chunkwise(
@@ -178,7 +232,7 @@ def chunkwise(
     v: torch.Tensor,
     scale: float,
     causal: bool,
-    chunk_size: int = 64,
+    chunk_size: int = 128,
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -188,13 +242,9 @@ def chunkwise(
     B, T, H, K = q.shape
     V = v.shape[-1]
     BLOCK_K, BLOCK_V = block_size(K), block_size(V)
-    widest = max(BLOCK_K, BLOCK_V)
-    if block_m is None:
-        block_m = 128 if widest <= 128 else 64
-    if num_warps is None:
-        num_warps = 8 if block_m * widest >= 128 * 128 else 4
-    if num_stages is None:
-        num_stages = 3 if widest <= 128 else 2
+    block_m, chunk_size, num_warps, num_stages = _launch_config(
+        q.element_size(), max(BLOCK_K, BLOCK_V), block_m, chunk_size, num_warps, num_stages
+    )
     if scale < 0:
         # Negating q is exact; it keeps qk_scale >= 0, which the unmasked step relies on.
         q, scale = -q, -scale
@@ -209,6 +259,7 @@ def chunkwise(
         DOT_PRECISION="ieee" if fp32 else "tf32",
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
         BLOCK_M=block_m, BLOCK_N=chunk_size, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
+        EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, None

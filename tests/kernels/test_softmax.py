@@ -12,6 +12,9 @@ or exact identities.
   a key-block boundary), several chunk sizes, negative and zero scale,
   near-one-hot rows (scores spanning ~80 nats).
 - Bad options give a clear ValueError / TypeError before any launch.
+- The default launch configs are allowed option values, chunk_size is capped
+  by them, and the 16-bit ones keep q plus the K/V stages under sm_90's
+  227 KB of shared memory.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
+from attnlab.kernels.softmax import OPTIONS, _launch_config
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
@@ -109,3 +113,15 @@ def test_random_shapes_fp16(T, K, V, causal, seed, q_std):
 def test_bad_options(opts, error):
     with pytest.raises(error):
         kernel("softmax", **opts)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("widest", [16, 64, 128, 256])
+def test_default_launch_configs(itemsize, widest):
+    block_m, block_n, num_warps, num_stages = _launch_config(itemsize, widest, None, 128, None, None)
+    allowed = {name: choices for name, (_, choices) in OPTIONS["chunkwise"].items()}
+    assert block_m in allowed["block_m"] and block_n in allowed["chunk_size"]
+    assert num_warps in allowed["num_warps"] and num_stages in allowed["num_stages"]
+    if itemsize == 2:
+        assert itemsize * widest * (block_m + 2 * num_stages * block_n) <= 232448
+    assert _launch_config(itemsize, widest, 16, 16, 2, 1) == (16, 16, 2, 1)
