@@ -1,7 +1,7 @@
 """Each kernel over awkward shapes on the GPU, one process per kernel so a crash stays contained.
 
     python .ci/gpu_shapes.py NAME FORM     one kernel: a line per case, printed as it completes
-    python .ci/gpu_shapes.py               every kernel, six processes at a time
+    python .ci/gpu_shapes.py [a,b,...]     every kernel (of those formulations), six processes at a time
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def one(name: str, form: str) -> None:
                         return
 
 
-def everything() -> None:
+def everything(names: list[str]) -> None:
     import attnlab
 
-    jobs = [(f.name, form) for f in attnlab.REGISTRY for form in f.kernel_forms]
+    jobs = [(f.name, form) for f in attnlab.REGISTRY for form in f.kernel_forms if not names or f.name in names]
 
     def run(job):
         result = subprocess.run([sys.executable, __file__, *job], capture_output=True, text=True, timeout=540)
@@ -55,4 +55,7 @@ def everything() -> None:
 
 
 if __name__ == "__main__":
-    one(*sys.argv[1:]) if len(sys.argv) == 3 else everything()
+    if len(sys.argv) == 3 and sys.argv[2] in ("chunkwise", "recurrent"):
+        one(*sys.argv[1:])
+    else:
+        everything(sys.argv[1].split(",") if len(sys.argv) > 1 else [])

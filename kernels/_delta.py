@@ -23,13 +23,11 @@ own size even when |G| reaches C * 20 inside a chunk.
 
 Two launches. ``_chunk_prepare_kernel`` (one program per chunk and head, all
 in parallel) builds the two state-independent C x C matrices of each chunk,
-T and the gated causal score block scale Q K^T * Gamma * M, in fp32, and
-stores them already in the form the scan's dots take: bf16 hi + lo parts
-for "split" (the same bytes as fp32), the input dtype for "input", else fp32,
-into [B*H, NT, C, C] buffers. ``_chunk_scan_kernel`` (one program per head and
+T and the gated causal score block scale Q K^T * Gamma * M, in fp32, into
+[B*H, NT, C, C] buffers. ``_chunk_scan_kernel`` (one program per head and
 block of V columns) walks the chunks in order with S in fp32 registers and
-writes O; it reads q, k, v, g and those blocks, whose parts load straight into
-tensor-core operands (no fp32 tile and no split of them in the sequential loop).
+writes O; it reads q, k, v, g and those two blocks, so besides them only the
+output goes through memory, and no intermediate is rounded to 16 bits.
 
 Dot precision. Products of two input tiles (Q K^T, K K^T) are exact in fp32
 on tensor cores for fp16/bf16 inputs. Every other dot has an fp32 operand
@@ -39,12 +37,6 @@ on tensor cores for fp16/bf16 inputs. Every other dot has an fp32 operand
   + O(2^-17 |x|)) and the dot is hi*hi + hi*lo + lo*hi on bf16 tensor cores
   (a bf16 input operand needs no lo part: two dots). Relative error ~2^-16,
   far below the bf16/fp16 output rounding.
-- "input": the fp32 operand is rounded to the input dtype and one dot is
-  done, as flash-linear-attention does (its T and score blocks are stored in
-  the input dtype). About 2.2x fewer tensor-core products in the scan, at
-  the cost of ~2^-9 (bf16) relative error in S's contribution: excess ~2 on
-  the CPU tests (fp16), so it is the SPEED_OPTIONS setting, not the default.
-  The parallel prepare pass keeps its own fp32 x fp32 dots on "split".
 - "tf32x3", "tf32", "ieee": passed to ``tl.dot`` as ``input_precision``
   (~2^-22, 2^-11 and exact fp32).
 - "auto" (default): "split" for fp16/bf16 inputs, "ieee" for fp32 inputs
@@ -72,7 +64,7 @@ from attnlab.kernel import interpreter_active
 
 from ._util import block_size
 
-PRECISIONS = ("auto", "split", "input", "tf32x3", "tf32", "ieee")
+PRECISIONS = ("auto", "split", "tf32x3", "tf32", "ieee")
 CHUNK_SIZES = (16, 32, 64)
 BLOCK_VS = (None, 16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
@@ -88,13 +80,6 @@ def options(chunkwise: bool) -> dict[str, tuple]:
         return common
     # num_stages 1: the scan's shared memory then fits two programs per H100 SM (sm_90 ptxas, K=V=128).
     return {"chunk_size": (64, CHUNK_SIZES), "precision": ("auto", PRECISIONS), "num_stages": (1, NUM_STAGES), **common}
-
-
-# The fastest setting offered (attnlab bench times it beside the default): single dots with
-# fp32 operands rounded to the input dtype (fla's numerics) and 32 V columns per scan program,
-# which compiles without spills for sm_90 at K=V=128 (194/228 registers, 41 KB shared memory:
-# two programs per SM, 512 programs at B*H=128).
-SPEED_OPTIONS = {"chunkwise": {"precision": "input", "block_v": 32}}
 
 
 # --------------------------------------------------------------------------- dots
@@ -126,16 +111,10 @@ def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
     Two 16-bit tiles of one dtype go straight to the tensor cores (exact
     products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo parts
-    (a bf16 operand is its own hi part), "input" rounds the fp32 operand to the
-    other's dtype (one dot), anything else is tl.dot's input_precision.
+    (a bf16 operand is its own hi part), anything else is tl.dot's input_precision.
     """
     if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
         out = tl.dot(a, b)
-    elif PRECISION == "input":
-        if tl.constexpr(a.dtype == tl.float32):
-            out = tl.dot(a.to(b.dtype), b)
-        else:
-            out = tl.dot(a, b.to(a.dtype))
     elif PRECISION == "split":
         if tl.constexpr(a.dtype == tl.bfloat16):
             b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
@@ -149,36 +128,6 @@ def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
             out = tl.dot(a_hi, b_hi) + (tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi))
     else:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    return out
-
-
-@triton.jit
-def _store_block(hi_ptr, lo_ptr, offsets, x, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """Store an fp32 [C, C] block for _mm_block: as bf16 parts hi + lo ("split"), else as one tile."""
-    if PRECISION == "split":
-        hi, lo = _bf16_parts(x, EMULATE_BF16)
-        tl.store(hi_ptr + offsets, hi.to(hi_ptr.dtype.element_ty))
-        tl.store(lo_ptr + offsets, lo.to(lo_ptr.dtype.element_ty))
-    else:
-        tl.store(hi_ptr + offsets, x.to(hi_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _mm_block(hi_ptr, lo_ptr, offsets, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """A @ b for a block A stored by _store_block and an fp32 tile b.
-
-    The stored parts load straight into the tensor-core operands (no fp32 tile
-    in registers, no split in the sequential loop): "split" is
-    A_hi b_hi + A_hi b_lo + A_lo b_hi, "input" one dot in the input dtype.
-    """
-    a = tl.load(hi_ptr + offsets)
-    if PRECISION == "split":
-        b_hi, b_lo = _bf16_parts(b, EMULATE_BF16)
-        out = tl.dot(a, b_hi) + (tl.dot(a, b_lo) + tl.dot(tl.load(lo_ptr + offsets), b_hi))
-    elif PRECISION == "input":
-        out = tl.dot(a, b.to(a.dtype))
-    else:
-        out = tl.dot(a, b, input_precision=PRECISION)
     return out
 
 
@@ -245,7 +194,7 @@ def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, beta_ptr, g_ptr, ut_hi_ptr, ut_lo_ptr, scores_hi_ptr, scores_lo_ptr,
+    q_ptr, k_ptr, beta_ptr, g_ptr, ut_ptr, scores_ptr,
     T, H, K, scale,
     GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
     PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -255,12 +204,9 @@ def _chunk_prepare_kernel(
       T      = (I + L)^-1 Diag(beta),  L = tril(Diag(beta) (K K^T * Gamma), -1)
       scores = scale Q K^T * Gamma * M
 
-    Both are stored for the scan's _mm_block (bf16 hi + lo parts for "split").
     Grid (NT, B*H). Rows past the sequence end load q = k = beta = g = 0, so
     their rows and columns of both are 0.
     """
-    # This pass is parallel and cheap: its own fp32 x fp32 dots stay near-fp32 under "input" too.
-    INNER: tl.constexpr = "split" if PRECISION == "input" else PRECISION
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -275,8 +221,8 @@ def _chunk_prepare_kernel(
 
     rows = tl.arange(0, BC)[:, None]
     cols = tl.arange(0, BC)[None, :]
-    L = beta[:, None] * _mm(k, tl.trans(k), INNER, EMULATE_BF16)
-    scores = scale * _mm(q, tl.trans(k), INNER, EMULATE_BF16)
+    L = beta[:, None] * _mm(k, tl.trans(k), PRECISION, EMULATE_BF16)
+    scores = scale * _mm(q, tl.trans(k), PRECISION, EMULATE_BF16)
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         pairwise = _gate_difference(G_hi[:, None], G_lo[:, None], G_hi[None, :], G_lo[None, :])
@@ -286,10 +232,10 @@ def _chunk_prepare_kernel(
     L = tl.where(rows > cols, L, 0.0)
     scores = tl.where(rows >= cols, scores, 0.0)
 
-    ut = _unit_lower_inverse(L, BC, LEVELS, INNER, EMULATE_BF16) * beta[None, :]
+    ut = _unit_lower_inverse(L, BC, LEVELS, PRECISION, EMULATE_BF16) * beta[None, :]
     block = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * (BC * BC) + rows * BC + cols
-    _store_block(ut_hi_ptr, ut_lo_ptr, block, ut, PRECISION, EMULATE_BF16)
-    _store_block(scores_hi_ptr, scores_lo_ptr, block, scores, PRECISION, EMULATE_BF16)
+    tl.store(ut_ptr + block, ut)
+    tl.store(scores_ptr + block, scores)
 
 
 # --------------------------------------------------------------------------- chunk scan
@@ -297,7 +243,7 @@ def _chunk_prepare_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, ut_hi_ptr, ut_lo_ptr, scores_hi_ptr, scores_lo_ptr, s0_ptr, o_ptr, s_out_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, ut_ptr, scores_ptr, s0_ptr, o_ptr, s_out_ptr,
     T, H, K, V, scale,
     GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -344,13 +290,13 @@ def _chunk_scan_kernel(
             v = v - decay_in[:, None] * _mm(k, S, PRECISION, EMULATE_BF16)
         else:
             v = v - _mm(k, S, PRECISION, EMULATE_BF16)
-        delta = _mm_block(ut_hi_ptr, ut_lo_ptr, block, v, PRECISION, EMULATE_BF16)
+        delta = _mm(tl.load(ut_ptr + block), v, PRECISION, EMULATE_BF16)
 
         q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=qk_mask, other=0.0)
         o = scale * _mm(q, S, PRECISION, EMULATE_BF16)
         if GATED:
             o = o * decay_in[:, None]
-        o += _mm_block(scores_hi_ptr, scores_lo_ptr, block, delta, PRECISION, EMULATE_BF16)
+        o += _mm(tl.load(scores_ptr + block), delta, PRECISION, EMULATE_BF16)
         tl.store(o_ptr + token[:, None] * V + vcol[None, :], o.to(o_ptr.dtype.element_ty), mask=ov_mask)
 
         if GATED:
@@ -456,26 +402,17 @@ def chunkwise(
     n_chunks = triton.cdiv(T, BC)
     gated = g is not None
     o, final = _outputs(q, v, return_state)
-    # The [C, C] blocks as _mm_block reads them: bf16 hi + lo parts for "split" (fp32 carriers
-    # under the interpreter, whose bf16 is broken), the input dtype for "input", else fp32.
-    if dot_precision == "split":
-        block_dtype = torch.float32 if emulate_bf16 else torch.bfloat16
-    else:
-        block_dtype = q.dtype if dot_precision == "input" else torch.float32
-    n_parts = 2 if dot_precision == "split" else 1
-    blocks = torch.empty((2, n_parts, B * H, n_chunks, BC, BC), dtype=block_dtype, device=q.device)
-    ut, scores = blocks[0], blocks[1]
-    ut_lo, scores_lo = ut[n_parts - 1], scores[n_parts - 1]
+    ut = torch.empty((B * H, n_chunks, BC, BC), dtype=torch.float32, device=q.device)
+    scores = torch.empty_like(ut)
     g_arg = g if gated else beta  # an unused pointer when ungated
     _chunk_prepare_kernel[(n_chunks, B * H)](
-        q, k, beta, g_arg, ut[0], ut_lo, scores[0], scores_lo, T, H, K, float(scale),
+        q, k, beta, g_arg, ut, scores, T, H, K, float(scale),
         GATED=gated, BC=BC, BK=BK, LEVELS=int(math.log2(BC // SUB.value)),
-        PRECISION=dot_precision, EMULATE_BF16=emulate_bf16, num_warps=4,
+        PRECISION=dot_precision, EMULATE_BF16=emulate_bf16, num_warps=num_warps,
     )
     initial = state[0] if state is not None else None
     _chunk_scan_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g_arg, ut[0], ut_lo, scores[0], scores_lo, o if initial is None else initial, o,
-        o if final is None else final,
+        q, k, v, g_arg, ut, scores, ut if initial is None else initial, o, ut if final is None else final,
         T, H, K, V, float(scale),
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
         BC=BC, BK=BK, BV=BV, PRECISION=dot_precision, EMULATE_BF16=emulate_bf16,

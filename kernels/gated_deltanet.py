@@ -13,7 +13,6 @@ import torch
 from . import _delta
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
-SPEED_OPTIONS = _delta.SPEED_OPTIONS
 
 
 def chunkwise(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
