@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab import report, stability
+from attnlab import report, selftest, stability
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     report.add_parser(sub)
     stability.add_parser(sub)
+    selftest.add_parser(sub)
     return parser
 
 

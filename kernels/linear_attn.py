@@ -7,42 +7,38 @@
 phi is elu(x)+1 ("elu1", evaluated in fp32 inside the kernels) or the
 identity. Conventions: q, k [B, T, H, K], v and o [B, T, H, V], one dtype
 (fp16, bf16 or fp32); the state (S [B, H, K, V], z [B, H, K]) is fp32 in and
-out; o is returned in the input dtype.
+out; o is returned in the input dtype. Grids are (V blocks, B*H): every
+program owns one V block of one head's state and loops over time, keeping its
+state in fp32 registers; the V blocks of a head recompute the same z.
 
-The chunkwise form runs in two passes, as flash-linear-attention does:
+Numerics of the chunkwise kernel (the knobs are ``OPTIONS``):
 
-1. ``_chunk_states_kernel``, grid (K blocks, V blocks, B*H): walks the chunks
-   in order with the state tile in fp32 registers, writes the state before
-   every chunk (fp32, [B, H, chunks, K, V], and z [B, H, chunks, K]) and adds
-   the chunk's phi(K)^T V (one exact tensor-core dot: both operands are in
-   the input dtype, accumulated in fp32). This is the only sequential work.
-2. ``_chunk_output_kernel``, grid (V blocks, chunks, B*H): every chunk at once,
-   from the state before it: with A = tril(phi(Q) phi(K)^T) in fp32,
-   o = (A V + phi(Q) S) / (rowsum(A) + phi(Q) z), or scale (A V + phi(Q) S).
-
-Numerics (the knobs are ``OPTIONS``):
-
-- A and S are fp32 operands of tensor-core dots; ``precision`` decides how
-  they enter them (kernels/_dots.py): "split" (default) as hi + lo in the
-  input dtype, two dots each, no intermediate rounded to the input dtype;
-  "round" rounds them once to the input dtype (one dot each, the fast
-  setting of ``SPEED_OPTIONS``, about as accurate as flash-linear-attention:
-  the output is an average over many values, so one rounding of every weight
-  adds about one more rounding floor in quadrature, excess ~1.4-1.6 in
-  bf16); "tf32" one tf32 dot (operands to 10 mantissa bits); "ieee" one
-  exact fp32 dot (slow, the accuracy reference). fp32 inputs always use
-  "ieee" unless "tf32" is asked for.
+- Within a chunk the score block A = tril(phi(Q) phi(K)^T) is formed in fp32
+  and kept there; the output is A V + phi(Q) S (over the denominator
+  rowsum(A) + phi(Q) z when normalized). A and S are fp32 operands of
+  tensor-core dots, so ``precision`` decides how they enter them:
+  "split" (default) writes each as hi + lo in the input dtype and does two
+  dots (the fp32 operand is carried to ~2^-16 relative in bf16, ~2^-22 in
+  fp16: no intermediate is rounded to the input dtype; fp16 tiles are first
+  scaled per row or column to a peak of 16384, so that states above fp16's
+  65504 cannot overflow);
+  "tf32" does one tf32 dot (operands rounded to 10 mantissa bits: about 1/8
+  of bf16's rounding, comparable to fp16's); "ieee" one exact fp32 dot
+  (slow, the accuracy reference). fp32 inputs always use "ieee" unless
+  "tf32" is asked for.
 - phi(q), phi(k) of elu1 are not exact input-dtype values.
   ``feature_precision="round"`` (default) rounds them once to the input
   dtype and uses those same rounded values in numerator, denominator and z,
   so the kernel computes the exact function of slightly perturbed features:
-  the output is an average over many keys and the perturbation costs about
-  u / sqrt(K) relative (measured in float64 emulation: 0.15-0.2 of the
-  rounding floor at K=128, 0.35-0.55 at K=16, adding in quadrature: excess
-  +2% at K=128). "split" keeps them in fp32 as hi + lo (three dots for
-  phi(Q) phi(K)^T and phi(Q) S, two for phi(K)^T V).
-- Tiles are at least 32 wide (kernels/_dots.py, ``tile``); K is covered in
-  blocks of at most 64 (the output pass loops over them).
+  the output is an average over many keys, and the perturbation costs about
+  u / sqrt(K) relative (measured in float64 emulation: 0.15-0.2 of the bf16
+  or fp16 rounding floor at K=128, 0.2-0.3 at K=64, 0.35-0.55 at K=16, which
+  adds in quadrature to the floor: excess +2% at K=128). "split" keeps them
+  in fp32 as hi + lo (three dots for phi(Q) phi(K)^T and phi(Q) S, two for
+  phi(K)^T V: about 1.8x the tensor-core work).
+
+The helpers under "fp32 operands of tensor-core dots" are shared with
+kernels/retnet.py.
 """
 
 from __future__ import annotations
@@ -51,17 +47,16 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._dots import PRECISIONS, dot_config, dot_f32_f32, dot_f32_lowp, dot_lowp_f32, expm1, tile
 from attnlab.kernels._util import block_size
 
-__all__ = ["OPTIONS", "SPEED_OPTIONS", "chunkwise", "recurrent", "expm1"]
+PRECISIONS = ("split", "tf32", "ieee")
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64, 128)),
         "precision": ("split", PRECISIONS),
         "feature_precision": ("round", ("round", "split")),
-        "block_v": (None, (None, 32, 64, 128)),
+        "block_v": (None, (None, 16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8)),
         "num_stages": (2, (1, 2, 3, 4)),
     },
@@ -71,8 +66,101 @@ OPTIONS = {
     },
 }
 
-# The fastest setting offered: A and S rounded once to the input dtype before their dots.
-SPEED_OPTIONS = {"chunkwise": {"precision": "round"}}
+
+# --- fp32 operands of tensor-core dots (shared with retnet.py) --------------------------------
+#
+# Each helper returns acc + x @ y in fp32, accumulating into acc in place where
+# it can (a state or an output tile), so that no second fp32 tile is live.
+# PRECISION "split": an fp32 operand x becomes hi + lo in the input dtype
+# (hi = round(x), lo = round(x - hi)), carrying x to ~2^-16 (bf16) or ~2^-22
+# (fp16) relative, in two dots against an exact input-dtype operand. With
+# RESCALE (fp16 inputs) x is first scaled per row (left operand) or per column
+# (right operand) to a peak of 16384 (fp16's maximum is 65504) and the product
+# scaled back, which commutes with the dot and keeps both parts finite.
+# Otherwise PRECISION ("tf32", "ieee") is the input_precision of one fp32 dot.
+
+
+@triton.jit
+def split(x, DTYPE: tl.constexpr):
+    """fp32 x = hi + lo (to ~2^-16 relative for bf16), hi and lo in DTYPE."""
+    hi = x.to(DTYPE)
+    return hi, (x - hi.to(tl.float32)).to(DTYPE)
+
+
+@triton.jit
+def dot_f32_lowp(x, b, acc, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
+    """acc + x @ b for fp32 x [M, N] and b [N, P] in the input dtype."""
+    if PRECISION != "split":
+        return tl.dot(x, b.to(tl.float32), acc, input_precision=PRECISION)
+    elif RESCALE:
+        peak = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
+        hi, lo = split(x * (16384.0 / peak)[:, None], b.dtype)
+        return acc + tl.dot(lo, b, tl.dot(hi, b)) * (peak * (1.0 / 16384.0))[:, None]
+    else:
+        hi, lo = split(x, b.dtype)
+        return tl.dot(lo, b, tl.dot(hi, b, acc))
+
+
+@triton.jit
+def dot_lowp_f32(a, x, acc, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
+    """acc + a @ x for a [M, N] in the input dtype and fp32 x [N, P]."""
+    if PRECISION != "split":
+        return tl.dot(a.to(tl.float32), x, acc, input_precision=PRECISION)
+    elif RESCALE:
+        peak = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+        hi, lo = split(x * (16384.0 / peak)[None, :], a.dtype)
+        return acc + tl.dot(a, lo, tl.dot(a, hi)) * (peak * (1.0 / 16384.0))[None, :]
+    else:
+        hi, lo = split(x, a.dtype)
+        return tl.dot(a, lo, tl.dot(a, hi, acc))
+
+
+@triton.jit
+def dot_f32_f32(x, y, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
+    """acc + x @ y for fp32 x [M, N], y [N, P]: x_hi y_hi + x_hi y_lo + x_lo y_hi in DTYPE (x_lo y_lo < 2^-16)."""
+    if PRECISION != "split":
+        return tl.dot(x, y, acc, input_precision=PRECISION)
+    elif RESCALE:
+        x_peak = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
+        y_peak = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30)
+        x_hi, x_lo = split(x * (16384.0 / x_peak)[:, None], DTYPE)
+        y_hi, y_lo = split(y * (16384.0 / y_peak)[None, :], DTYPE)
+        product = tl.dot(x_lo, y_hi, tl.dot(x_hi, y_lo, tl.dot(x_hi, y_hi)))
+        return acc + product * (x_peak * (1.0 / 16384.0))[:, None] * (y_peak * (1.0 / 16384.0))[None, :]
+    else:
+        x_hi, x_lo = split(x, DTYPE)
+        y_hi, y_lo = split(y, DTYPE)
+        return tl.dot(x_lo, y_hi, tl.dot(x_hi, y_lo, tl.dot(x_hi, y_hi, acc)))
+
+@triton.jit
+def expm1(x):
+    """exp(x) - 1 in fp32 for x <= 0 without cancellation near 0 (a few ulps relative everywhere).
+
+    Taylor to x^9 for x > -0.5 (truncation below 1e-9 relative), else exp(x) - 1 (|result| > 0.39).
+    """
+    taylor = x * (1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (
+        1.0 / 720 + x * (1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880)))))))))
+    return tl.where(x > -0.5, taylor, tl.exp(tl.minimum(x, 0.0)) - 1.0)
+
+
+def dot_config(dtype: torch.dtype, precision: str) -> tuple[str | None, str, bool]:
+    """(INPUT_PRECISION, PRECISION, RESCALE) constexprs of a kernel for inputs of ``dtype``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
+    if dtype == torch.float32:
+        fp32_precision = "tf32" if precision == "tf32" else "ieee"
+        return fp32_precision, fp32_precision, False
+    return None, precision, precision == "split" and dtype == torch.float16
+
+
+def default_block_v(V: int, BK: int, block_v: int | None) -> int:
+    """The V tile: the caller's, else at most 64 (32 when K > 128, to bound the fp32 state's registers)."""
+    if block_v is not None:
+        return block_v
+    return min(block_size(V), 64 if BK <= 128 else 32)
+
+
+# --- linear attention ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -82,144 +170,94 @@ def elu1(x):
 
 
 @triton.jit
-def _features(x, mask, ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
-    """phi(x) of a loaded tile: elu1 in fp32 (zero where masked, since phi(0) = 1), rounded to x's dtype
-    unless FP32_FEATURES; the identity leaves x as loaded."""
-    if ELU1:
-        f = tl.where(mask, elu1(x.to(tl.float32)), 0.0)
-        if not FP32_FEATURES:
-            f = f.to(x.dtype)
-        return f
-    else:
-        return x
-
-
-@triton.jit
-def _chunk_states_kernel(
-    k, v, initial_S, initial_z, chunk_S, chunk_z, final_S, final_z,
-    T, H, K, V, NT,
+def _chunkwise_kernel(
+    q, k, v, o,
+    initial_S, initial_z, final_S, final_z,
+    T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
-    # One program: key block pid_k and value block pid_v of head (b, h). For chunk c = 0, 1, ...:
-    #   chunk_S[c] = S,  chunk_z[c] = z;   then  S += phi(K_c)^T V_c,  z += colsum(phi(K_c))
-    pid_k = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    cols = tl.arange(0, CHUNK)
-    keys = pid_k * BK + tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-
-    # phi(K)^T is loaded transposed, [BK, CHUNK]: column j is row j of k, H * K elements after row 0.
-    kT_tile = keys[:, None] + cols[None, :] * (H * K)
-    v_tile = cols[:, None] * (H * V) + values[None, :]
-    k_chunk = (b.to(tl.int64) * T * H + h) * K  # element (b, chunk start, h, 0) of k, stepped per chunk
-    v_chunk = (b.to(tl.int64) * T * H + h) * V
-    S_tile = keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
-    z_mask = key_ok & (pid_v == 0)  # the V blocks of a head compute the same z; the first one writes it
-    if HAS_INITIAL_STATE:
-        S = tl.load(initial_S + pid_bh.to(tl.int64) * K * V + S_tile, mask=S_mask, other=0.0)
-        z = tl.load(initial_z + pid_bh.to(tl.int64) * K + keys, mask=key_ok, other=0.0)
-    else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
-        z = tl.zeros([BK], dtype=tl.float32)
-
-    S_out = chunk_S + pid_bh.to(tl.int64) * NT * K * V
-    z_out = chunk_z + pid_bh.to(tl.int64) * NT * K
-    for c in range(0, NT):
-        tl.store(S_out + S_tile, S, mask=S_mask)
-        if NORMALIZE:
-            tl.store(z_out + keys, z, mask=z_mask)
-        col_ok = cols < T - c * CHUNK
-        kT_mask = key_ok[:, None] & col_ok[None, :]
-        kT = tl.load(k + k_chunk + kT_tile, mask=kT_mask, other=0.0)
-        v_c = tl.load(v + v_chunk + v_tile, mask=col_ok[:, None] & value_ok[None, :], other=0.0)
-        fkT = _features(kT, kT_mask, ELU1, FP32_FEATURES)
-        if FP32_FEATURES:
-            S = dot_f32_lowp(fkT, v_c, S, PRECISION, RESCALE)
-        else:
-            S = tl.dot(fkT, v_c, S, input_precision=INPUT_PRECISION)
-        z += tl.sum(fkT.to(tl.float32), axis=1)  # part of the returned state even when not normalizing
-        S_out += K * V
-        z_out += K
-        k_chunk += CHUNK * H * K
-        v_chunk += CHUNK * H * V
-
-    if STORE_FINAL_STATE:
-        tl.store(final_S + pid_bh.to(tl.int64) * K * V + S_tile, S, mask=S_mask)
-        tl.store(final_z + pid_bh.to(tl.int64) * K + keys, z, mask=z_mask)
-
-
-@triton.jit
-def _chunk_output_kernel(
-    q, k, v, o, chunk_S, chunk_z,
-    T, H, K, V, NT, scale,
-    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
-):
-    # One program: value block pid_v of chunk c of head (b, h), rows i, j; S, z the state before the chunk:
-    #   A = tril(fq fk^T)  (fp32),  num = A v + fq S,  den = rowsum(A) + fq . z
-    #   o = num / den  (normalize)  or  scale * num
+    # One program: V block pid_v of head (b, h). Per chunk of rows i, j (features fq = phi(q), fk = phi(k)):
+    #   A   = tril(fq fk^T)                               (fp32)
+    #   num = A v + fq S,   den = rowsum(A) + fq . z      (S, z: the state before the chunk)
+    #   o   = num / den  (normalize)  or  scale * num
+    #   S  += fk^T v,   z += colsum(fk)
     pid_v = tl.program_id(0)
-    c = tl.program_id(1)
-    pid_bh = tl.program_id(2)
+    pid_bh = tl.program_id(1)
     b = pid_bh // H
     h = pid_bh % H
     dtype = q.dtype.element_ty
 
     rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
     values = pid_v * BV + tl.arange(0, BV)
-    row_ok = rows < T - c * CHUNK
+    key_ok = keys < K
     value_ok = values < V
+    causal = rows[:, None] >= rows[None, :]
 
-    start = b.to(tl.int64) * T + c * CHUNK  # the chunk's first row of batch b, as a row of [B*T]
-    qk_chunk = (start * H + h) * K
-    v_rows = (start * H + h) * V + rows[:, None] * (H * V) + values[None, :]
-    v_mask = row_ok[:, None] & value_ok[None, :]
-    state = pid_bh.to(tl.int64) * NT + c
-
-    A = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
-    numerator = tl.zeros([CHUNK, BV], dtype=tl.float32)
-    query_dot_z = tl.zeros([CHUNK], dtype=tl.float32)
-    for key_start in range(0, K, BK):
-        keys = key_start + tl.arange(0, BK)
-        key_ok = keys < K
-        q_mask = row_ok[:, None] & key_ok[None, :]
-        kT_mask = key_ok[:, None] & row_ok[None, :]
-        q_c = tl.load(q + qk_chunk + rows[:, None] * (H * K) + keys[None, :], mask=q_mask, other=0.0)
-        kT = tl.load(k + qk_chunk + keys[:, None] + rows[None, :] * (H * K), mask=kT_mask, other=0.0)
-        S = tl.load(chunk_S + state * K * V + keys[:, None] * V + values[None, :],
-                    mask=key_ok[:, None] & value_ok[None, :], other=0.0)
-        fq = _features(q_c, q_mask, ELU1, FP32_FEATURES)
-        fkT = _features(kT, kT_mask, ELU1, FP32_FEATURES)
-        if FP32_FEATURES:
-            A = dot_f32_f32(fq, fkT, A, dtype, PRECISION, RESCALE)
-            numerator = dot_f32_f32(fq, S, numerator, dtype, PRECISION, RESCALE)
-        else:
-            A = tl.dot(fq, fkT, A, input_precision=INPUT_PRECISION)
-            numerator = dot_lowp_f32(fq, S, numerator, PRECISION, RESCALE)
-        if NORMALIZE:
-            z = tl.load(chunk_z + state * K + keys, mask=key_ok, other=0.0)
-            query_dot_z += tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
-
-    A = tl.where(rows[:, None] >= rows[None, :], A, 0.0)
-    v_c = tl.load(v + v_rows, mask=v_mask, other=0.0)
-    numerator = dot_f32_lowp(A, v_c, numerator, PRECISION, RESCALE)
-    if NORMALIZE:
-        # Padded rows have A = 0 and fq = 0: their denominator is replaced by 1 (they are not stored).
-        o_c = numerator / tl.where(row_ok, tl.sum(A, axis=1) + query_dot_z, 1.0)[:, None]
+    # Within a chunk, row i of q and k is i * H * K elements after row 0 (int32 tiles, fixed);
+    # the chunk's first row is a scalar int64 offset stepped per chunk, so no 64-bit tile is carried.
+    qk_tile = rows[:, None] * (H * K) + keys[None, :]
+    v_tile = rows[:, None] * (H * V) + values[None, :]
+    qk_chunk = (b.to(tl.int64) * T * H + h) * K  # element (b, start, h, 0) of q and k
+    v_chunk = (b.to(tl.int64) * T * H + h) * V
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    z_offsets = pid_bh.to(tl.int64) * K + keys
+    if HAS_INITIAL_STATE:
+        S = tl.load(initial_S + S_offsets, mask=S_mask, other=0.0)
+        z = tl.load(initial_z + z_offsets, mask=key_ok, other=0.0)
     else:
-        o_c = scale * numerator
-    tl.store(o + v_rows, o_c.to(o.dtype.element_ty), mask=v_mask)
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        z = tl.zeros([BK], dtype=tl.float32)
+
+    for start in range(0, T, CHUNK):
+        row_ok = rows < T - start
+        qk_mask = row_ok[:, None] & key_ok[None, :]
+        v_mask = row_ok[:, None] & value_ok[None, :]
+        q_c = tl.load(q + qk_chunk + qk_tile, mask=qk_mask, other=0.0)
+        k_c = tl.load(k + qk_chunk + qk_tile, mask=qk_mask, other=0.0)
+        v_c = tl.load(v + v_chunk + v_tile, mask=v_mask, other=0.0)
+        if ELU1:
+            # phi(0) = 1: padded rows and key columns must be zeroed after the map.
+            fq = tl.where(qk_mask, elu1(q_c.to(tl.float32)), 0.0)
+            fk = tl.where(qk_mask, elu1(k_c.to(tl.float32)), 0.0)
+            if not FP32_FEATURES:
+                fq = fq.to(dtype)
+                fk = fk.to(dtype)
+        else:
+            fq = q_c
+            fk = k_c
+
+        zeros = tl.zeros([CHUNK, BV], dtype=tl.float32)
+        if FP32_FEATURES:
+            A = dot_f32_f32(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION, RESCALE)
+            numerator = dot_f32_f32(fq, S, zeros, dtype, PRECISION, RESCALE)
+        else:
+            A = tl.dot(fq, tl.trans(fk), input_precision=INPUT_PRECISION)
+            numerator = dot_lowp_f32(fq, S, zeros, PRECISION, RESCALE)
+        A = tl.where(causal, A, 0.0)
+        numerator = dot_f32_lowp(A, v_c, numerator, PRECISION, RESCALE)
+        if NORMALIZE:
+            denominator = tl.sum(A, axis=1) + tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+            o_c = numerator / tl.where(row_ok, denominator, 1.0)[:, None]
+        else:
+            o_c = scale * numerator
+        tl.store(o + v_chunk + v_tile, o_c.to(o.dtype.element_ty), mask=v_mask)
+
+        if FP32_FEATURES:
+            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
+        else:
+            S = tl.dot(tl.trans(fk), v_c, S, input_precision=INPUT_PRECISION)
+        z += tl.sum(fk.to(tl.float32), axis=0)
+        qk_chunk += CHUNK * H * K
+        v_chunk += CHUNK * H * V
+
+    if STORE_FINAL_STATE:
+        tl.store(final_S + S_offsets, S, mask=S_mask)
+        tl.store(final_z + z_offsets, z, mask=key_ok & (pid_v == 0))
 
 
 @triton.jit
@@ -309,33 +347,23 @@ def chunkwise(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Chunkwise linear attention in two passes; see the module docstring for the options."""
+    """Chunkwise linear attention; see the module docstring for the options."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    NT = triton.cdiv(T, chunk_size)
+    BK = block_size(K)
+    BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
-    flags = dict(
+    o = torch.empty_like(v)
+    initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
+    grid = (triton.cdiv(V, BV), B * H)
+    _chunkwise_kernel[grid](
+        q, k, v, o, initial_S, initial_z, final_S, final_z,
+        T, H, K, V, scale,
+        CHUNK=chunk_size, BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
         FP32_FEATURES=feature_map == "elu1" and feature_precision == "split" and q.dtype != torch.float32,
+        HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
-    )
-    initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
-    chunk_S = torch.empty(B, H, NT, K, V, dtype=torch.float32, device=q.device)
-    chunk_z = torch.empty(B, H, NT, K, dtype=torch.float32, device=q.device)
-    BK, BV = tile(K, 64), tile(V, 64)
-    _chunk_states_kernel[(triton.cdiv(K, BK), triton.cdiv(V, BV), B * H)](
-        k, v, initial_S, initial_z, chunk_S, chunk_z, final_S, final_z,
-        T, H, K, V, NT,
-        CHUNK=chunk_size, BK=BK, BV=BV,
-        HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state, **flags,
-        num_warps=4, num_stages=num_stages,
-    )
-    o = torch.empty_like(v)
-    BK, BV = tile(K, 64), block_v if block_v is not None else tile(V, 64)
-    _chunk_output_kernel[(triton.cdiv(V, BV), NT, B * H)](
-        q, k, v, o, chunk_S, chunk_z,
-        T, H, K, V, NT, scale,
-        CHUNK=chunk_size, BK=BK, BV=BV, **flags,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, ((final_S, final_z) if return_state else None)
