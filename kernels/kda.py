@@ -37,8 +37,10 @@ Two kernels do it:
    channel), which keeps the M=16 dot operands small: compiled offline for
    sm_90 (ptxas) at K=128 it uses 255 registers at 4 warps and does not spill.
 2. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
-   the fp32 state stays in registers; per chunk it forms Delta, writes O and
-   advances S. Fusing the output here saves storing per-chunk states (fp32
+   the fp32 state stays in registers as up to four blocks of 64 key channels
+   (as fla does: a whole [K, BV] fp32 tile and its [C, K] operands do not fit
+   the registers and shared memory at K >= 128); per chunk it forms Delta,
+   writes O and advances S, one key-channel block at a time. Fusing the output here saves storing per-chunk states (fp32
    [B, H, T/C, K, V] would cost more traffic than q, k, v and o together).
 
 Every exponent evaluated is <= 0 (cross-time factors exp(G_t - G_j) with
@@ -54,16 +56,23 @@ cancellation, which at -20 per step tripled the fp32 error).
 OPTIONS (chunkwise):
 - ``chunk_size`` (64; 16, 32 or 64): C, a multiple of the 16-row sub-chunk.
 - ``precision`` ("auto"): tl.dot input precision of the fp32 x fp32 dots.
-  "auto" is "tf32x3" for fp16/bf16 inputs (three TF32 products, about 2^-21
-  relative per product, far below the 16-bit rounding floors) and "ieee" for
-  fp32 inputs (whose floor tf32x3 would exceed). "bf16x3" (three bf16
-  products, about 2^-16) is the faster tensor-core split; "tf32" (2^-11) is
-  fast but costs accuracy; "ieee" is exact fp32 on CUDA cores. The Triton
-  interpreter computes every fp32 dot exactly whatever is asked (its builder
-  does not know "bf16x3", which is passed to it as "ieee").
-- ``block_v`` (64; 16, 32, 64 or 128): V columns per program of the state pass
-  (64 gives B*H*2 programs at V=128; use 32 for K > 128 to limit registers).
-- ``num_warps`` (8) and ``num_stages`` (2) of the state pass.
+  "auto" is "bf16x3" for fp16/bf16 inputs (each fp32 operand split into bf16
+  hi + lo, three bf16 tensor-core products, about 2^-16 relative per product:
+  far below the rounding floors 2^-9 of bf16 and 2^-11 of fp16) and "ieee"
+  for fp32 inputs (whose floor no split reaches). "tf32x3" (three TF32
+  products, about 2^-21) costs twice "bf16x3" on tensor cores and spills more
+  registers; "tf32" (2^-11) is faster but costs accuracy (fp16 especially);
+  "bf16" rounds both operands to bf16 and does one product, fla's own choice
+  and the fastest (SPEED_OPTIONS), at about fla's accuracy; "ieee" is exact
+  fp32 on CUDA cores (slow). The Triton interpreter computes every fp32 dot
+  exactly whatever is asked (its builder does not know "bf16x3", which is
+  passed to it as "ieee").
+- ``block_v`` (32; 16, 32, 64 or 128): V columns per program of the state
+  pass (32 gives B*H*4 programs at V=128, two resident per SM at 4 warps).
+- ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128, else 1) of the
+  state pass. Compiled offline for sm_90 (ptxas, bf16 inputs, defaults): K=V=128
+  255 registers, no spills, 140 KB shared memory; K=V=256 (1 stage) 96 bytes
+  of spills, 24 KB shared memory; the limit is 227 KB.
 
 Recurrent form (``_kda_recurrent_kernel``): one program per (B*H, V block),
 the literal recurrence token by token with the fp32 state in registers.
@@ -82,20 +91,25 @@ from ._util import block_size, zero_state
 
 SUB_CHUNK = 16
 INTRA_CHANNEL_SLICE = 32  # key channels per step of the intra-chunk kernel (register budget)
+STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64)),
-        "precision": ("auto", ("auto", "tf32x3", "bf16x3", "ieee", "tf32")),
-        "block_v": (64, (16, 32, 64, 128)),
-        "num_warps": (8, (1, 2, 4, 8, 16)),
-        "num_stages": (2, (1, 2, 3, 4)),
+        "precision": ("auto", ("auto", "tf32x3", "bf16x3", "ieee", "tf32", "bf16")),
+        "block_v": (32, (16, 32, 64, 128)),
+        "num_warps": (4, (1, 2, 4, 8, 16)),
+        "num_stages": ("auto", ("auto", 1, 2, 3, 4)),
     },
     "recurrent": {
         "block_v": (32, (16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
+
+# The fastest setting (bench times it beside the default): fla's own rounding of every dot operand
+# to bf16, about fla's accuracy (excess 1.4 to 2.9), not the lab's target.
+SPEED_OPTIONS: dict[str, dict[str, object]] = {"chunkwise": {"precision": "bf16"}}
 
 # Dot precisions the Triton interpreter's builder accepts; it computes all of them exactly in fp32.
 _INTERPRETER_PRECISIONS = ("tf32", "tf32x3", "ieee")
@@ -110,15 +124,31 @@ def _check_choice(form: str, name: str, value: object) -> None:
 def _dot_precision(precision: str, dtype: torch.dtype) -> str:
     """The tl.dot input_precision for fp32 operands (see the module docstring)."""
     if precision == "auto":
-        precision = "ieee" if dtype == torch.float32 else "tf32x3"
+        precision = "ieee" if dtype == torch.float32 else "bf16x3"
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and precision not in _INTERPRETER_PRECISIONS:
-        precision = "ieee"
+        # "bf16" is no input_precision (_dot casts the operands itself), and the interpreter's
+        # bf16 dots are wrong: round the operands to bf16 and multiply them in fp32 instead.
+        precision = "bf16_emulated" if precision == "bf16" else "ieee"
     return precision
 
 
 # ---------------------------------------------------------------------------
 # Chunkwise, kernel 1: the intra-chunk blocks T = (I + L)^-1 Diag(beta) and A_qk
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """a @ b of fp32 tiles: "bf16" rounds both operands to bf16 first (one bf16 tensor-core
+    product, as fla does); "bf16_emulated" is the same rounding for the Triton interpreter,
+    whose bf16 dots are wrong (it multiplies the values as fp32 exactly after rounding);
+    any other PRECISION is tl.dot's input_precision."""
+    if PRECISION == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PRECISION == "bf16_emulated":
+        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -188,8 +218,8 @@ def _kda_intra_chunk_kernel(
                 # Key rows j < r only (earlier sub-chunks); rows from r on are 0 here.
                 k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & row_ok)[:, None] & channel_ok[None, :], other=0.0)
                 keys_before = tl.trans(k_before.to(tl.float32) * from_anchor)  # [BKC, C]
-                aqk_strip += tl.dot(q_I * to_anchor, keys_before, input_precision=PRECISION)
-                akk_before += tl.dot(k_I * to_anchor, keys_before, input_precision=PRECISION)
+                aqk_strip += _dot(q_I * to_anchor, keys_before, PRECISION)
+                akk_before += _dot(k_I * to_anchor, keys_before, PRECISION)
             # Diagonal block, one key column jj at a time, elementwise in fp32.
             for jj in range(SUB):
                 pick = local[:, None] == jj
@@ -212,8 +242,8 @@ def _kda_intra_chunk_kernel(
             X_II -= l_col[:, None] * x_row[None, :]
         rhs = (cols[None, :] == r + local[:, None]).to(tl.float32)  # E_I
         if I > 0:
-            rhs -= tl.dot(beta_I[:, None] * akk_before, tl.reshape(X3, (C, C)), input_precision=PRECISION)
-        X_I = tl.dot(X_II, rhs, input_precision=PRECISION)
+            rhs -= _dot(beta_I[:, None] * akk_before, tl.reshape(X3, (C, C)), PRECISION)
+        X_I = _dot(X_II, rhs, PRECISION)
         X3 = tl.where((blocks == I)[:, None, None], X_I[None, :, :], X3)
 
         out_ptrs = out_base + (r + local)[:, None] * C + cols[None, :]
@@ -227,16 +257,52 @@ def _kda_intra_chunk_kernel(
 
 
 @triton.jit
+def _project_block(q_ptr, k_ptr, g_ptr, S, token, row_ok, channel_start, K, scale, ks, qs,
+                   BKB: tl.constexpr, PRECISION: tl.constexpr):
+    """Adds one block of BKB key channels to ks = (K * exp(G)) S and qs = (scale Q * exp(G)) S."""
+    channels = channel_start + tl.arange(0, BKB)
+    ptrs = token[:, None] * K + channels[None, :]
+    mask = row_ok[:, None] & (channels < K)[None, :]
+    q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    # G_t = sum_{s <= t} g_s, chunk-local; rows past T have g = 0 and add nothing.
+    from_start = tl.exp(tl.cumsum(g, axis=0))
+    ks += _dot(k * from_start, S, PRECISION)
+    qs += _dot((q * scale) * from_start, S, PRECISION)
+    return ks, qs
+
+
+@triton.jit
+def _advance_block(k_ptr, g_ptr, S, delta, token, row_ok, next_ok, channel_start, H, K,
+                   BKB: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BKB key channels of S_next = exp(G_C) * S + (K * exp(G_C - G))^T Delta."""
+    channels = channel_start + tl.arange(0, BKB)
+    channel_ok = channels < K
+    ptrs = token[:, None] * K + channels[None, :]
+    mask = row_ok[:, None] & channel_ok[None, :]
+    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    # g_next[t] = g[t + 1] inside the chunk (the next token is H * K elements on).
+    g_next = tl.load(g_ptr + ptrs + H * K, mask=next_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
+    # G_C - G_t = sum_{s > t} g_s, summed over its own steps only (no cancellation).
+    k_to_end = k * tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
+    return tl.exp(tl.sum(g, axis=0))[:, None] * S + _dot(tl.trans(k_to_end), delta, PRECISION)
+
+
+@triton.jit
 def _kda_state_pass_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, t_in_ptr, aqk_in_ptr, o_ptr, state_in_ptr, state_out_ptr,
     T, H, K, V, scale, num_chunks,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """S [BK, BV] fp32 in registers; per chunk (G the chunk-local cumulative gates):
+    """S [NKB * BKB, BV] fp32 in registers, held as NKB (1, 2 or 4) blocks S0..S3 of BKB key
+    channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, with
+    G the chunk-local cumulative gates:
       Delta  = T (V - (K * exp(G)) S)
       O      = (scale Q * exp(G)) S + A_qk Delta
-      S_next = exp(G_C) * S + (K * exp(G_C - G))^T Delta
+      S_next = exp(G_C) * S + (K * exp(G_C - G))^T Delta      (block by block)
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -245,58 +311,73 @@ def _kda_state_pass_kernel(
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
-    channels = tl.arange(0, BK)
+    block_channels = tl.arange(0, BKB)
     values = v_block * BV + tl.arange(0, BV)
-    channel_ok = channels < K
     value_ok = values < V
 
-    state_ptrs = bh.to(tl.int64) * K * V + channels[:, None] * V + values[None, :]
-    state_mask = channel_ok[:, None] & value_ok[None, :]
+    state_ptrs = bh.to(tl.int64) * K * V + block_channels[:, None] * V + values[None, :]
+    S0 = tl.zeros((BKB, BV), dtype=tl.float32)
+    S1 = tl.zeros((BKB, BV), dtype=tl.float32)
+    S2 = tl.zeros((BKB, BV), dtype=tl.float32)
+    S3 = tl.zeros((BKB, BV), dtype=tl.float32)
     if HAS_INITIAL_STATE:
-        S = tl.load(state_in_ptr + state_ptrs, mask=state_mask, other=0.0)
-    else:
-        S = tl.zeros((BK, BV), dtype=tl.float32)
+        S0 = tl.load(state_in_ptr + state_ptrs, mask=(block_channels < K)[:, None] & value_ok[None, :], other=0.0)
+        if NKB > 1:
+            S1 = tl.load(state_in_ptr + state_ptrs + BKB * V,
+                         mask=(BKB + block_channels < K)[:, None] & value_ok[None, :], other=0.0)
+        if NKB > 2:
+            S2 = tl.load(state_in_ptr + state_ptrs + 2 * BKB * V,
+                         mask=(2 * BKB + block_channels < K)[:, None] & value_ok[None, :], other=0.0)
+            S3 = tl.load(state_in_ptr + state_ptrs + 3 * BKB * V,
+                         mask=(3 * BKB + block_channels < K)[:, None] & value_ok[None, :], other=0.0)
 
     for n in range(num_chunks):
         positions = n * C + rows
         row_ok = positions < T
+        next_ok = (rows + 1 < C) & (positions + 1 < T)
         token = (b * T + positions).to(tl.int64) * H + h
-        qk_ptrs = token[:, None] * K + channels[None, :]
-        qk_mask = row_ok[:, None] & channel_ok[None, :]
         vo_ptrs = token[:, None] * V + values[None, :]
         vo_mask = row_ok[:, None] & value_ok[None, :]
-        q = tl.load(q_ptr + qk_ptrs, mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + qk_ptrs, mask=qk_mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + qk_ptrs, mask=qk_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + vo_ptrs, mask=vo_mask, other=0.0).to(tl.float32)
-        next_ok = (rows + 1 < C) & (positions + 1 < T)  # g_next[t] = g[t+1] inside the chunk
-        g_next = tl.load(g_ptr + qk_ptrs + H * K, mask=next_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
+
+        ks = tl.zeros((C, BV), dtype=tl.float32)
+        qs = tl.zeros((C, BV), dtype=tl.float32)
+        ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S0, token, row_ok, 0, K, scale, ks, qs, BKB, PRECISION)
+        if NKB > 1:
+            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S1, token, row_ok, BKB, K, scale, ks, qs, BKB, PRECISION)
+        if NKB > 2:
+            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S2, token, row_ok, 2 * BKB, K, scale, ks, qs, BKB, PRECISION)
+            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S3, token, row_ok, 3 * BKB, K, scale, ks, qs, BKB, PRECISION)
+
         block_ptrs = (bh.to(tl.int64) * num_chunks + n) * C * C + rows[:, None] * C + cols[None, :]
-        T_blk = tl.load(t_in_ptr + block_ptrs)
-        A_qk = tl.load(aqk_in_ptr + block_ptrs)
-
-        # G_t = sum_{s <= t} g_s and G_C - G_t = sum_{s > t} g_s, each summed over its own steps
-        # only; rows past T have g = 0 and add nothing.
-        G = tl.cumsum(g, axis=0)
-        G_last = tl.sum(g, axis=0)
-        from_start = tl.exp(G)
-        k_from_start = k * from_start
-        q_from_start = (q * scale) * from_start
-        k_to_end = k * tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
-
-        delta = tl.dot(T_blk, v - tl.dot(k_from_start, S, input_precision=PRECISION), input_precision=PRECISION)
-        o = tl.dot(q_from_start, S, input_precision=PRECISION) + tl.dot(A_qk, delta, input_precision=PRECISION)
+        v = tl.load(v_ptr + vo_ptrs, mask=vo_mask, other=0.0).to(tl.float32)
+        delta = _dot(tl.load(t_in_ptr + block_ptrs), v - ks, PRECISION)
+        o = qs + _dot(tl.load(aqk_in_ptr + block_ptrs), delta, PRECISION)
         tl.store(o_ptr + vo_ptrs, o.to(o_ptr.dtype.element_ty), mask=vo_mask)
-        S = tl.exp(G_last)[:, None] * S + tl.dot(tl.trans(k_to_end), delta, input_precision=PRECISION)
+
+        S0 = _advance_block(k_ptr, g_ptr, S0, delta, token, row_ok, next_ok, 0, H, K, BKB, PRECISION)
+        if NKB > 1:
+            S1 = _advance_block(k_ptr, g_ptr, S1, delta, token, row_ok, next_ok, BKB, H, K, BKB, PRECISION)
+        if NKB > 2:
+            S2 = _advance_block(k_ptr, g_ptr, S2, delta, token, row_ok, next_ok, 2 * BKB, H, K, BKB, PRECISION)
+            S3 = _advance_block(k_ptr, g_ptr, S3, delta, token, row_ok, next_ok, 3 * BKB, H, K, BKB, PRECISION)
 
     if STORE_FINAL_STATE:
-        tl.store(state_out_ptr + state_ptrs, S, mask=state_mask)
+        tl.store(state_out_ptr + state_ptrs, S0, mask=(block_channels < K)[:, None] & value_ok[None, :])
+        if NKB > 1:
+            tl.store(state_out_ptr + state_ptrs + BKB * V, S1,
+                     mask=(BKB + block_channels < K)[:, None] & value_ok[None, :])
+        if NKB > 2:
+            tl.store(state_out_ptr + state_ptrs + 2 * BKB * V, S2,
+                     mask=(2 * BKB + block_channels < K)[:, None] & value_ok[None, :])
+            tl.store(state_out_ptr + state_ptrs + 3 * BKB * V, S3,
+                     mask=(3 * BKB + block_channels < K)[:, None] & value_ok[None, :])
 
 
 def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool,
-    chunk_size: int = 64, precision: str = "auto", block_v: int = 64, num_warps: int = 8, num_stages: int = 2,
+    chunk_size: int = 64, precision: str = "auto", block_v: int = 32, num_warps: int = 4,
+    num_stages: int | str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
@@ -306,8 +387,12 @@ def chunkwise(
     C = chunk_size
     num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
+    BKB = min(BK, STATE_CHANNEL_BLOCK)
     BV = min(block_v, block_size(V))
     dot_precision = _dot_precision(precision, q.dtype)
+    if num_stages == "auto":
+        # Prefetching the next chunk's tiles (2 stages) fits in shared memory up to K = 128 only.
+        num_stages = 2 if BK <= 128 else 1
 
     t_blocks = torch.empty((B * H, num_chunks, C, C), dtype=torch.float32, device=q.device)
     aqk_blocks = torch.empty_like(t_blocks)
@@ -323,7 +408,7 @@ def chunkwise(
         q, k, v, g, t_blocks, aqk_blocks, o,
         initial if initial is not None else t_blocks, final if final is not None else t_blocks,
         T, H, K, V, scale, num_chunks,
-        C=C, BK=BK, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
+        C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
         PRECISION=dot_precision, num_warps=num_warps, num_stages=num_stages,
     )
     return o, ((final,) if return_state else None)

@@ -103,6 +103,29 @@ def test_non_power_of_two_head_dims(form):
     _assert_matches_oracle(make_kernel("kda", form, **FAST[form])(**x), x, torch.float16)
 
 
+@pytest.mark.parametrize("K", [100, 200], ids=["K100-2blocks", "K200-4blocks"])
+def test_state_split_into_key_channel_blocks(K):
+    """K > 64 holds the state as 2 (K = 100) or 4 (K = 200) blocks of 64 key channels, the last
+    one partial: the output, an initial state loaded and the final state stored block by block
+    all match the oracle."""
+    x = _cast(_inputs(T=19, K=K, V=20, seed=9), torch.float32)
+    initial = torch.randn(1, 1, K, 20, generator=torch.Generator().manual_seed(9))
+    o, state = make_kernel("kda", "chunkwise", chunk_size=16)(**x, initial_state=initial, return_state=True)
+    ref, ref_state = attnlab.oracle("kda", "recurrent", "float64")(**x, initial_state=initial, return_state=True)
+    assert rel_err(o, ref) <= 1e-5
+    assert rel_err(state, ref_state) <= 1e-5
+
+
+def test_bf16_operand_rounding_speed_option():
+    """precision="bf16" (SPEED_OPTIONS) rounds every dot operand to bf16, as fla does: its error
+    is a few bf16 roundings (2^-9 relative each), not the fp32 dots' ~1e-7."""
+    assert kda_module.SPEED_OPTIONS == {"chunkwise": {"precision": "bf16"}}
+    x = _cast(_inputs(T=24, seed=10), torch.float32)
+    o = make_kernel("kda", "chunkwise", chunk_size=16, precision="bf16")(**x)
+    error = rel_err(o, attnlab.oracle("kda", "recurrent", "float64")(**x))
+    assert 1e-5 < error <= 8 * 2.0**-9
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_chunk_sizes(chunk_size):
     """Every chunk size gives the oracle's answer, with partial chunks and a partial sub-chunk (T = 45)."""

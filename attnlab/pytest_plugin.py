@@ -1,0 +1,153 @@
+"""The attnlab pytest plugin (entry point ``pytest11: attnlab``): run the property suites on any kernel.
+
+    pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mypkg.ops:my_gla \\
+        [--attnlab-device cpu|cuda] [--attnlab-dtype float16|bfloat16|float32] [--attnlab-profile ci|dev|gpu|thorough]
+
+A kernel given with ``--attnlab-kernel MODULE:FUNCTION`` follows the attnlab
+convention (attnlab.properties.targets): it is called with the
+formulation's inputs as keyword arguments (FORMULATIONS.md names) and
+returns ``o``; the state properties run when its signature names
+``initial_state`` and ``return_state``, the chunk-size property when it
+names ``chunk_size``. Without ``--attnlab-kernel`` the suites run on
+attnlab's own kernels (those that exist) and oracles. pytest exits 0 when
+every property holds and 1 when one fails; the failure report names the
+property, the measured figure, its bound and the reproducing input.
+
+Hypothesis profiles ``attnlab-ci`` (derandomized, bounded), ``attnlab-dev``,
+``attnlab-gpu`` and ``attnlab-thorough`` are registered at import; one is
+loaded (``--attnlab-profile``, else the ``HYPOTHESIS_PROFILE`` environment
+variable, else ``gpu`` on a CUDA device, ``ci`` when ``CI`` is set, ``dev``
+otherwise) only in sessions that run attnlab's suites or attnlab's own test
+tree, and never over an explicit ``--hypothesis-profile``. Likewise the
+``gpu`` marker skips tests only there, when no CUDA device is present.
+Other projects' test runs are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+PROFILE_PREFIX = "attnlab-"
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+PROFILES: dict[str, dict[str, Any]] = {
+    "ci": {"derandomize": True, "database": None, "max_examples": 25, "print_blob": True},
+    "dev": {"max_examples": 50},
+    "gpu": {"max_examples": 200},
+    "thorough": {"max_examples": 2000},
+}
+DTYPE_NAMES = ("float16", "bfloat16", "float32")
+# attnlab.properties: beside this module once installed, at the repository's top level in a source tree.
+_PROPERTIES_DIR = next(p for p in (Path(__file__).resolve().parent / "properties",
+                                   Path(__file__).resolve().parent.parent / "properties") if p.is_dir())
+
+for _name, _values in PROFILES.items():
+    settings.register_profile(PROFILE_PREFIX + _name, deadline=None, suppress_health_check=_SLOW_OK, **_values)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the session tests: the formulation filter, the kernel spec, device, dtypes and profile name."""
+
+    formulation: str | None
+    kernel: str | None
+    device: str
+    dtype: str | None
+    profile: str
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("attnlab", "attnlab property suites (pytest --pyargs attnlab.properties)")
+    group.addoption("--attnlab-formulation", metavar="NAME", default=None,
+                    help="the formulation (FORMULATIONS.md name); required with --attnlab-kernel")
+    group.addoption("--attnlab-kernel", metavar="MODULE:FUNCTION", default=None,
+                    help="the kernel to test (attnlab convention); default: attnlab's own kernels")
+    group.addoption("--attnlab-device", choices=("cpu", "cuda"), default=None,
+                    help="where inputs live (default: cuda if available, else cpu)")
+    group.addoption("--attnlab-dtype", choices=DTYPE_NAMES, default=None,
+                    help="input dtype (default: float16 and float32 on cpu, bfloat16 and float16 on cuda)")
+    group.addoption("--attnlab-profile", choices=tuple(PROFILES), default=None,
+                    help="hypothesis profile attnlab-NAME (default: HYPOTHESIS_PROFILE, else gpu on cuda, ci under CI, dev)")
+
+
+def selection(config: pytest.Config) -> Selection:
+    """The session's choices, with defaults resolved (works with the plugin disabled, too)."""
+    import torch
+
+    device = config.getoption("attnlab_device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    profile = (config.getoption("attnlab_profile", None) or os.environ.get("HYPOTHESIS_PROFILE", "").removeprefix(PROFILE_PREFIX)
+               or ("gpu" if device == "cuda" else "ci" if os.environ.get("CI") else "dev"))
+    return Selection(config.getoption("attnlab_formulation", None), config.getoption("attnlab_kernel", None),
+                     device, config.getoption("attnlab_dtype", None), profile)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "long_sequences: attnlab's kernel properties at long T (with gpu)")
+    if not _options_given(config):
+        return
+    chosen = selection(config)
+    if chosen.profile not in PROFILES:
+        raise pytest.UsageError(f"HYPOTHESIS_PROFILE={chosen.profile!r}: expected one of {', '.join(PROFILES)}")
+    from attnlab.registry import names
+
+    if chosen.formulation is not None and chosen.formulation not in names():
+        raise pytest.UsageError(f"--attnlab-formulation {chosen.formulation!r}: expected one of {', '.join(names())}")
+    if chosen.kernel is not None:
+        if chosen.formulation is None:
+            raise pytest.UsageError("--attnlab-kernel needs --attnlab-formulation NAME (which function the kernel computes)")
+        from attnlab.properties.targets import resolve
+
+        try:
+            resolve(chosen.kernel, chosen.formulation)
+        except ValueError as error:
+            raise pytest.UsageError(str(error)) from None
+    if chosen.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("--attnlab-device cuda: no CUDA device is available")
+
+
+def _options_given(config: pytest.Config) -> bool:
+    return any(config.getoption(f"attnlab_{o}", None) is not None
+               for o in ("formulation", "kernel", "device", "dtype", "profile"))
+
+
+def _own_tree(config: pytest.Config) -> bool:
+    """Whether this session runs in attnlab's own source tree (its test suite)."""
+    return (config.rootpath / "attnlab" / "pytest_plugin.py").resolve() == Path(__file__).resolve()
+
+
+def _in_scope(config: pytest.Config, item: pytest.Item) -> bool:
+    return _own_tree(config) or _PROPERTIES_DIR in Path(str(item.path)).resolve().parents
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if not (_own_tree(config) or _options_given(config) or any("attnlab.properties" in a for a in config.args)):
+        return None
+    chosen = selection(config)
+    return (f"attnlab: formulation={chosen.formulation or 'all'} kernel={chosen.kernel or 'attnlab'} "
+            f"device={chosen.device} dtype={chosen.dtype or 'default'} profile={PROFILE_PREFIX + chosen.profile} "
+            f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scoped = [item for item in items if _in_scope(config, item)]
+    if not scoped:
+        return
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile(PROFILE_PREFIX + selection(config).profile)
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in scoped:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,254 @@
+"""``attnlab selftest``: proof that the property suite catches broken kernels and passes correct ones.
+
+Runs the default kernel property suite (attnlab.properties.suite) on every
+known-bad specimen (attnlab.properties.specimens) and on every attnlab kernel
+that exists, in each dtype, and prints the sensitivity table: for each
+specimen, which properties caught it and after how many examples; for each
+correct kernel, whether any property flagged it. Exits 1 if a specimen
+escapes its expected property or a correct kernel is flagged, else 0.
+
+The search is derandomized (the same inputs every run) and does not shrink
+(the first failure is what is counted). On a machine without a GPU the
+kernels run under the Triton interpreter in fp16 and fp32 at small sizes;
+``--jobs`` spreads the targets over processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
+
+import torch
+from hypothesis import HealthCheck, Phase, settings
+
+from attnlab.evaluate import parse_dtype
+from attnlab.properties.strategies import Sizes
+
+__all__ = ["add_parser", "run_selftest", "Row", "SELFTEST_SIZES", "DEFAULT_EXAMPLES"]
+
+DEFAULT_EXAMPLES = 4
+# Small enough for the interpreter; T up to 40 still spans two 16-token chunks and a partial one.
+SELFTEST_SIZES = Sizes(max_T=40, max_dim=16, max_H=2)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One target in one dtype: ``kind`` is "specimen" (``name`` a specimen) or "kernel" (``name/form``)."""
+
+    kind: str
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One property's search on one job, reduced to what the table shows.
+
+    ``status`` is "held", "failed" (the property failed on an input) or
+    "error" (the harness itself broke: never counted as a catch).
+    """
+
+    property: str
+    status: str
+    examples: int
+    first_failure: int | None
+    message: str
+    worst: str = ""
+
+
+@dataclass(frozen=True)
+class Row:
+    """A job's findings, and for a specimen its defect and expected property."""
+
+    job: Job
+    label: str
+    findings: tuple[Finding, ...]
+    defect: str = ""
+    expected: str = ""
+    seconds: float = 0.0
+
+    @property
+    def caught_by(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == "failed"]
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == "error"]
+
+    @property
+    def passed(self) -> bool:
+        """A specimen passes when its expected property caught it; a correct kernel when nothing flagged it."""
+        if self.errors:
+            return False
+        if self.job.kind == "specimen":
+            return any(f.property == self.expected for f in self.caught_by)
+        return not self.caught_by
+
+
+def _selftest_settings(examples: int) -> settings:
+    return settings(max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=False,
+                    phases=(Phase.explicit, Phase.generate, Phase.target),
+                    suppress_health_check=list(HealthCheck))
+
+
+def _target(job: Job):
+    from attnlab.properties.specimens import SPECIMENS
+    from attnlab.properties.targets import function_target, own_kernel_target
+
+    if job.kind == "specimen":
+        specimen = next(s for s in SPECIMENS if s.name == job.name)
+        return function_target(specimen.function, specimen.formulation, f"specimen:{specimen.name}"), specimen
+    name, form = job.name.split("/")
+    return own_kernel_target(name, form), None
+
+
+def run_job(job: Job, examples: int, device: str) -> Row:
+    """Every applicable property on one target in one dtype (runs in a worker process)."""
+    from attnlab.properties import suite
+    from attnlab.properties.checks import RAISED
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    target, specimen = _target(job)
+    findings = []
+    for prop in suite.applicable(target):
+        outcome = suite.run(prop, target, job.dtype, device, SELFTEST_SIZES, _selftest_settings(examples))
+        if outcome.errors:
+            finding = Finding(prop.name, "error", outcome.examples, None, "\n".join(outcome.errors))
+        elif outcome.failure is not None and outcome.failure.measure == RAISED and job.kind == "specimen":
+            # A specimen that crashes has not been caught by the property: its harness is broken.
+            finding = Finding(prop.name, "error", outcome.examples, None, outcome.failure.message())
+        elif outcome.failure is not None:
+            finding = Finding(prop.name, "failed", outcome.examples, outcome.first_failure, outcome.failure.message())
+        else:
+            worst = outcome.worst
+            finding = Finding(prop.name, "held", outcome.examples, None, "",
+                              f"{worst.figure:.2g}/{worst.bound:.2g}" if worst is not None else "")
+        findings.append(finding)
+    return Row(job, target.label, tuple(findings), specimen.defect if specimen else "",
+               specimen.expected_property if specimen else "", time.perf_counter() - started)
+
+
+def _jobs(dtypes: list[torch.dtype], include: str, names: list[str] | None) -> list[Job]:
+    from attnlab.properties.specimens import SPECIMENS
+    from attnlab.properties.targets import own_kernel_targets
+
+    jobs = []
+    if include in ("all", "specimens"):
+        jobs += [Job("specimen", s.name, d) for s in SPECIMENS if names is None or s.formulation in names for d in dtypes]
+    if include in ("all", "kernels"):
+        for target in own_kernel_targets(names):
+            jobs += [Job("kernel", target.label.removeprefix("attnlab:"), d) for d in dtypes if d in target.dtypes]
+    return jobs
+
+
+def run_selftest(*, examples: int = DEFAULT_EXAMPLES, dtypes: list[torch.dtype] | None = None, include: str = "all",
+                 names: list[str] | None = None, jobs: int = 1, device: str | None = None,
+                 progress: bool = True) -> list[Row]:
+    """Run the suite on every specimen and kernel; the rows in a stable order (specimens, then kernels)."""
+    from tqdm import tqdm
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = dtypes or ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16, torch.float32])
+    work = _jobs(dtypes, include, names)
+    bar = tqdm(total=len(work), desc="selftest", unit="target", disable=not progress, file=sys.stderr)
+    rows: dict[Job, Row] = {}
+    if jobs <= 1 or device == "cuda":
+        for job in work:
+            bar.set_postfix_str(f"{job.name} {job.dtype}".replace("torch.", ""))
+            rows[job] = run_job(job, examples, device)
+            bar.update()
+    else:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(run_job, job, examples, device): job for job in work}
+            for future in as_completed(futures):
+                rows[futures[future]] = future.result()
+                bar.update()
+    bar.close()
+    return [rows[job] for job in work]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _findings_text(row: Row) -> str:
+    errors = [f"{f.property} ERROR" for f in row.errors]
+    if row.caught_by or row.job.kind == "specimen":
+        return ", ".join([f"{f.property} in {f.first_failure}" for f in row.caught_by] + errors) or "-"
+    return ", ".join([f"{f.property} {f.examples} ({f.worst})" for f in row.findings if f.status == "held"] + errors)
+
+
+def table(rows: list[Row]) -> str:
+    """The sensitivity table, plain text."""
+    lines = []
+    specimens = [r for r in rows if r.job.kind == "specimen"]
+    kernels = [r for r in rows if r.job.kind == "kernel"]
+    if specimens:
+        lines.append("Specimens (each must be caught by its expected property; 'in N' = examples to the first failure)")
+        header = ("specimen", "dtype", "defect", "expected", "verdict", "caught by")
+        body = [(r.job.name, _dtype_name(r.job.dtype), r.defect, r.expected, "caught" if r.passed else "ESCAPED",
+                 _findings_text(r)) for r in specimens]
+        lines += _aligned(header, body)
+        lines.append("")
+    if kernels:
+        lines.append("Correct kernels (none may be flagged; per property: examples run (worst figure/bound))")
+        header = ("kernel", "dtype", "seconds", "verdict", "properties")
+        body = [(r.label, _dtype_name(r.job.dtype), f"{r.seconds:.0f}", "ok" if r.passed else "FLAGGED", _findings_text(r))
+                for r in kernels]
+        lines += _aligned(header, body)
+    return "\n".join(lines)
+
+
+def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()  # noqa: E731
+    return [fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body)]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``attnlab selftest`` on the CLI's subparsers."""
+    parser = subparsers.add_parser("selftest", help="show that the property suite catches broken kernels and passes correct ones")
+    parser.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="examples per property and target")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated; default float16,float32 on the CPU, bfloat16,float16 on a GPU")
+    parser.add_argument("--only", choices=["all", "specimens", "kernels"], default="all", help="which targets")
+    parser.add_argument("--formulations", default=None, help="comma-separated formulation names (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (CPU only)")
+    parser.add_argument("--verbose", action="store_true", help="print every failure report")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_command)
+    return parser
+
+
+def _command(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    dtypes = [parse_dtype(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else None
+    names = [n.strip() for n in args.formulations.split(",")] if args.formulations else None
+    rows = run_selftest(examples=args.examples, dtypes=dtypes, include=args.only, names=names, jobs=args.jobs,
+                        progress=not args.no_progress)
+    print(table(rows))
+    bad = [r for r in rows if not r.passed]
+    for row in rows:
+        if args.verbose or not row.passed:
+            for finding in row.errors + (row.caught_by if args.verbose or row.job.kind == "kernel" else []):
+                print(f"\n--- {row.label} ({_dtype_name(row.job.dtype)}): {finding.property}\n{finding.message}")
+    where = "GPU" if torch.cuda.is_available() else "CPU, Triton interpreter"
+    print(f"\n{len(rows)} runs, {sum(not r.passed for r in rows)} failed; {time.perf_counter() - started:.0f} s ({where})")
+    return 0 if not bad else 1
+
+
+def _standalone(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attnlab")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["selftest", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())

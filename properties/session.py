@@ -1,0 +1,83 @@
+"""What the property suites run against in one pytest session, from the plugin's options.
+
+The targets are the ``--attnlab-kernel`` function, or every attnlab kernel
+that exists (filtered by ``--attnlab-formulation``); the dtypes are
+``--attnlab-dtype`` or the device's defaults (float16 and float32 on the
+CPU, bfloat16 and float16 on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import Phase, settings
+
+from attnlab.evaluate import parse_dtype
+from attnlab.properties import suite
+from attnlab.properties.strategies import Sizes
+from attnlab.properties.targets import Target, own_kernel_targets, resolve
+from attnlab.pytest_plugin import Selection, selection
+
+# Examples per (property, target, dtype) for kernels under the Triton interpreter, whatever the profile's count:
+# an interpreted call takes a good fraction of a second.
+INTERPRETER_EXAMPLES = 2
+LONG_SEQUENCE_EXAMPLES = 2
+
+
+@dataclass(frozen=True)
+class Session:
+    """What the suites run against in this session."""
+
+    selection: Selection
+    targets: tuple[Target, ...]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def device(self) -> str:
+        return self.selection.device
+
+    @property
+    def sizes(self) -> Sizes:
+        return suite.sizes_for(self.device, self.selection.profile)
+
+    def settings_for(self, target: Target, cap: int | None = None) -> settings:
+        """The loaded profile, with fewer examples (or below ``cap``) and no shrinking for interpreted kernels.
+
+        Shrinking a failure replays the kernel hundreds of times: minutes
+        under the interpreter. The unshrunk failing Case is reported instead.
+        """
+        from attnlab.kernel import interpreter_active
+
+        limit = settings.default.max_examples
+        phases = settings.default.phases
+        if interpreter_active() and target.label.startswith("attnlab:"):
+            limit = min(limit, INTERPRETER_EXAMPLES)
+            phases = tuple(p for p in phases if p is not Phase.shrink)
+        if cap is not None:
+            limit = min(limit, cap)
+        return settings(settings.default, max_examples=limit, phases=phases)
+
+
+_SESSION = pytest.StashKey[Session]()
+
+
+def session_of(config: pytest.Config) -> Session:
+    if _SESSION not in config.stash:
+        chosen = selection(config)
+        if chosen.kernel is not None:
+            targets: tuple[Target, ...] = (resolve(chosen.kernel, chosen.formulation),)
+        else:
+            targets = tuple(own_kernel_targets([chosen.formulation] if chosen.formulation else None))
+        if chosen.dtype is not None:
+            dtypes = (parse_dtype(chosen.dtype),)
+        else:
+            dtypes = (torch.bfloat16, torch.float16) if chosen.device == "cuda" else (torch.float16, torch.float32)
+        config.stash[_SESSION] = Session(chosen, targets, dtypes)
+    return config.stash[_SESSION]
+
+
+
+# The properties whose failures grow with the sequence: the ones the long-sequence GPU test runs.
+LONG_SEQUENCE_PROPERTIES = ("matches_oracle", "overflow", "split_and_resume")

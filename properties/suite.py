@@ -1,0 +1,163 @@
+"""The default kernel property suite and its hypothesis driver.
+
+``KERNEL_PROPERTIES`` lists every property a kernel target is held to, each
+with the targets it applies to, the cases it draws and its check. The
+pytest suites (test_kernel_properties.py) and ``attnlab selftest`` both run
+them through :func:`search`, which builds one hypothesis test per
+(property, target, dtype): it steers the search with ``hypothesis.target()``
+on ``log(figure / bound)``, runs the kept regressions first, and raises the
+check's AssertionError on the first input where the property fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import hypothesis
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from attnlab.properties import checks, traits
+from attnlab.properties.checks import CheckResult
+from attnlab.properties.regressions import REGRESSIONS
+from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SIZES, Case, Sizes, cases)
+from attnlab.properties.targets import Target
+
+__all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "search", "run", "sizes_for", "applicable"]
+
+CaseStrategy = Callable[[Target, torch.dtype, Sizes], st.SearchStrategy[Case]]
+Check = Callable[[Target, Case, torch.dtype, str], CheckResult]
+
+
+@dataclass(frozen=True)
+class KernelProperty:
+    """A property of a kernel target: where it applies, what it draws, how it is checked."""
+
+    name: str
+    summary: str
+    applies: Callable[[Target], bool]
+    cases: CaseStrategy
+    check: Check
+
+    def fits(self, target: Target, case: Case) -> bool:
+        """Whether a kept regression ``case`` is an input of this property for ``target``."""
+        if self.name == "reduces_to_special_case":
+            return case.name in {r.special for r in traits.reductions_of(target.formulation)}
+        return case.name == target.formulation
+
+
+def _always(target: Target) -> bool:
+    return True
+
+
+def _special_cases(target: Target, dtype: torch.dtype, sizes: Sizes) -> st.SearchStrategy[Case]:
+    return st.one_of(*[cases(r.special, dtype, sizes, options=r.special_options)
+                       for r in traits.reductions_of(target.formulation)])
+
+
+KERNEL_PROPERTIES: tuple[KernelProperty, ...] = (
+    KernelProperty(
+        "matches_oracle", "o within the excess bound of the float64 oracle, finite where it is",
+        _always, lambda t, d, s: cases(t.formulation, d, s), checks.check_matches_oracle),
+    KernelProperty(
+        "overflow", "past every exp overflow threshold of the dtype, still finite and within bound",
+        lambda t: traits.exp_overflow_applies(t.formulation),
+        lambda t, d, s: cases(t.formulation, d, s, overflow=True), checks.check_overflow),
+    KernelProperty(
+        "causality", "inputs after t never change outputs up to t (bitwise)",
+        _always, lambda t, d, s: cases(t.formulation, d, s, with_cut=True, causal=True), checks.check_causality),
+    KernelProperty(
+        "chunk_size_invariance", "every accepted chunk size gives the same output within bound",
+        lambda t: len(t.chunk_sizes) >= 2, lambda t, d, s: cases(t.formulation, d, s),
+        checks.check_chunk_size_invariance),
+    KernelProperty(
+        "split_and_resume", "two calls through the returned state equal one call on the whole",
+        lambda t: t.accepts_state, lambda t, d, s: cases(t.formulation, d, s, with_cut=True),
+        checks.check_split_and_resume),
+    KernelProperty(
+        "convexity", "each output lies between the min and max of the values it averages",
+        lambda t: traits.is_convex(t.formulation, {}), lambda t, d, s: cases(t.formulation, d, s, convex=True),
+        checks.check_convexity),
+    KernelProperty(
+        "shift_invariance", "one constant added to every key changes nothing",
+        lambda t: t.formulation in traits.ADDITIVE_LOGITS,
+        lambda t, d, s: cases(t.formulation, d, s, shifted=True), checks.check_shift_invariance),
+    KernelProperty(
+        "reduces_to_special_case", "on reducing inputs, matches the special formulation's oracle",
+        lambda t: bool(traits.reductions_of(t.formulation)), _special_cases, checks.check_reduces_to_special_case),
+)
+
+
+def applicable(target: Target) -> list[KernelProperty]:
+    return [p for p in KERNEL_PROPERTIES if p.applies(target)]
+
+
+def sizes_for(device: str, profile: str) -> Sizes:
+    """The shapes drawn: small on the CPU (the interpreter is slow), larger under ``thorough``, real on a GPU."""
+    if device == "cuda":
+        return GPU_SIZES
+    return CPU_THOROUGH_SIZES if profile == "thorough" else CPU_SIZES
+
+
+@dataclass
+class Outcome:
+    """What one search found: examples run, the first failing one (1-based), the worst and the failing result."""
+
+    property: str
+    target: str
+    dtype: torch.dtype
+    examples: int = 0
+    first_failure: int | None = None
+    worst: CheckResult | None = None
+    failure: CheckResult | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def held(self) -> bool:
+        return self.failure is None and not self.errors
+
+
+def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
+           settings: hypothesis.settings | None = None, outcome: Outcome | None = None) -> Callable[[], None]:
+    """A hypothesis test that checks ``prop`` on ``target``: call it; it raises AssertionError on a failure.
+
+    ``settings`` default to the loaded hypothesis profile; ``outcome``, if
+    given, is filled in as the search runs.
+    """
+    record = outcome if outcome is not None else Outcome(prop.name, target.label, dtype)
+
+    def check_one(case: Case) -> None:
+        result = prop.check(target, case, dtype, device)
+        record.examples += 1
+        hypothesis.target(result.score, label=f"log({prop.name} figure / bound)")
+        if record.worst is None or result.score > record.worst.score:
+            record.worst = result
+        if not result.held and record.failure is None:
+            record.failure, record.first_failure = result, record.examples
+        result.assert_held()
+
+    test = given(case=prop.cases(target, dtype, sizes))(check_one)
+    for regression in REGRESSIONS.get(prop.name, ()):
+        if prop.fits(target, regression):
+            test = example(case=regression)(test)
+    if settings is not None:
+        test = settings(test)
+    # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give.
+    test._hypothesis_internal_add_digest = f"{prop.name}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
+    return test
+
+
+def run(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
+        settings: hypothesis.settings | None = None) -> Outcome:
+    """Run one search to its end and return its Outcome instead of raising."""
+    outcome = Outcome(prop.name, target.label, dtype)
+    try:
+        search(prop, target, dtype, device, sizes, settings, outcome)()
+    except AssertionError as error:
+        if outcome.failure is None:  # an assertion of the harness, not a failed property
+            outcome.errors.append(f"AssertionError: {error}")
+    except Exception as error:  # noqa: BLE001 - reported, never swallowed silently
+        outcome.errors.append(f"{type(error).__name__}: {error}")
+    return outcome

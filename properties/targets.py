@@ -1,0 +1,142 @@
+"""What the kernel properties run on: a :class:`Target` wraps one implementation of one formulation.
+
+The attnlab convention (DESIGN.md, the plugin's ``--attnlab-kernel``): an
+implementation is called with the formulation's inputs as keyword arguments
+(FORMULATIONS.md names, options such as ``scale`` only when the caller sets
+them) and returns ``o``. If its signature names ``initial_state`` and
+``return_state``, then ``return_state=True`` makes it return
+``(o, final_state)`` and the state properties run; if it names
+``chunk_size``, the chunk-size property runs.
+
+Three kinds of target share this one interface: attnlab's own Triton kernels
+(through ``attnlab.kernel``), a third party's function (``module:function``)
+and the deliberately broken specimens (attnlab.properties.specimens).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+# Importing attnlab.kernel sets TRITON_INTERPRET (no GPU) before any kernel module is imported.
+from attnlab.kernel import Kernel, interpreter_active
+from attnlab.kernel import kernel as attnlab_kernel
+from attnlab.registry import formulation
+
+__all__ = ["Target", "own_kernel_target", "own_kernel_targets", "function_target", "resolve", "rounded_oracle_target"]
+
+# Chunk sizes tried by the chunk-size property, when the target takes any.
+PREFERRED_CHUNK_SIZES = (16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One implementation under test.
+
+    ``function(**inputs)`` follows the attnlab convention; ``chunk_sizes``
+    are the values it accepts as ``chunk_size=`` (empty when it takes none);
+    ``dtypes`` are the dtypes it can run here (attnlab's kernels cannot run
+    bf16 under the CPU interpreter).
+    """
+
+    label: str
+    formulation: str
+    function: Callable[..., Any]
+    accepts_state: bool
+    chunk_sizes: tuple[int, ...] = ()
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+
+    def __call__(self, chunk_size: int | None = None, **inputs: Any) -> Any:
+        if chunk_size is not None:
+            inputs["chunk_size"] = chunk_size
+        return self.function(**inputs)
+
+    def __repr__(self) -> str:
+        return f"Target({self.label})"
+
+
+def own_kernel_target(name: str, form: str) -> Target:
+    """attnlab's Triton kernel of ``name`` in ``form``, validated by ``attnlab.kernel``."""
+    f = formulation(name)
+    module = importlib.import_module(f.kernel_module)
+    choices = getattr(module, "OPTIONS", {}).get(form, {}).get("chunk_size", (None, ()))[1] or ()
+    chunk_sizes = tuple(c for c in PREFERRED_CHUNK_SIZES if c in choices)
+
+    @cache
+    def configured(chunk_size: int | None) -> Kernel:
+        return attnlab_kernel(name, form, **({} if chunk_size is None else {"chunk_size": chunk_size}))
+
+    def run(chunk_size: int | None = None, **inputs: Any) -> Any:
+        return configured(chunk_size)(**inputs)
+
+    dtypes = (torch.float16, torch.float32) if interpreter_active() else (torch.bfloat16, torch.float16, torch.float32)
+    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes)
+
+
+def own_kernel_targets(names: list[str] | None = None) -> list[Target]:
+    """Every attnlab kernel that exists (module importable, form present), in registry order."""
+    from attnlab.registry import REGISTRY
+
+    targets = []
+    for f in REGISTRY:
+        if names is not None and f.name not in names:
+            continue
+        if importlib.util.find_spec(f.kernel_module) is None:
+            continue
+        module = importlib.import_module(f.kernel_module)
+        targets += [own_kernel_target(f.name, form) for form in f.kernel_forms if hasattr(module, form)]
+    return targets
+
+
+def function_target(function: Callable[..., Any], name: str, label: str) -> Target:
+    """A function following the attnlab convention, for formulation ``name``."""
+    formulation(name)
+    parameters = inspect.signature(function).parameters
+    accepts_state = "initial_state" in parameters and "return_state" in parameters
+    chunk_sizes = PREFERRED_CHUNK_SIZES if "chunk_size" in parameters else ()
+    return Target(label, name, function, accepts_state and formulation(name).state is not None, chunk_sizes)
+
+
+def resolve(spec: str, name: str) -> Target:
+    """The target named ``MODULE:FUNCTION`` (a dotted module path, then an attribute path)."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"--attnlab-kernel must be MODULE:FUNCTION (e.g. mypkg.ops:my_gla); got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"--attnlab-kernel {spec}: cannot import module {module_name!r}: {error}") from error
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"--attnlab-kernel {spec}: module {module_name!r} has no attribute {attribute!r}") from None
+    if not callable(obj):
+        raise ValueError(f"--attnlab-kernel {spec}: {attribute!r} is not callable")
+    return function_target(obj, name, spec)
+
+
+def rounded_oracle_target(name: str) -> Target:
+    """The ideal kernel: the float64 recurrent oracle, rounded once to the input dtype (excess exactly 1).
+
+    A control for the checks: every property must hold on it.
+    """
+    from attnlab.oracle import oracle
+
+    reference = oracle(name, "recurrent")
+
+    def ideal(**inputs: Any) -> Any:
+        dtype = next(t.dtype for t in inputs.values() if isinstance(t, torch.Tensor))
+        result = reference(**inputs)
+        if isinstance(result, tuple):
+            return result[0].to(dtype), result[1]
+        return result.to(dtype)
+
+    return Target(f"oracle:{name}/recurrent rounded", name, ideal, formulation(name).state is not None)

@@ -1,0 +1,91 @@
+"""The pytest plugin, run the way a kernel author runs it: a subprocess on a module outside attnlab.
+
+``pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mykernels:FUNCTION``
+must exit 0 on a correct kernel and 1 on a broken one, whose report names
+the property, the figure, the bound and the reproducing input.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+THIRD_PARTY_KERNELS = '''
+"""A kernel author's GLA, in plain torch: S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)."""
+import torch
+
+
+def gla(*, q, k, v, g, scale=None, initial_state=None, return_state=False, decay_offset=0):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q32, k32, v32, g32 = (x.float().transpose(1, 2) for x in (q, k, v, g))
+    B, H, T, K = q32.shape
+    S = torch.zeros(B, H, K, v32.shape[-1], device=q.device) if initial_state is None else initial_state.float().clone()
+    outputs = []
+    for t in range(T):
+        decay = torch.exp(g32[:, :, max(t - decay_offset, 0), :, None])
+        S = decay * S + k32[:, :, t, :, None] * v32[:, :, t, None, :]
+        outputs.append((scale * q32[:, :, t, None, :] @ S)[:, :, 0])
+    o = torch.stack(outputs, dim=2).transpose(1, 2).to(q.dtype)
+    return (o, S) if return_state else o
+
+
+def good(*, q, k, v, g, scale=None, initial_state=None, return_state=False):
+    return gla(q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state, return_state=return_state)
+
+
+def stale_gate(*, q, k, v, g, scale=None):
+    """Broken: token t decays the state by the previous token's gate."""
+    return gla(q=q, k=k, v=v, g=g, scale=scale, decay_offset=1)
+'''
+
+
+def run_properties(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    (tmp_path / "mykernels.py").write_text(textwrap.dedent(THIRD_PARTY_KERNELS))
+    command = [sys.executable, "-m", "pytest", "--pyargs", "attnlab.properties", "-q", "-p", "no:cacheprovider",
+               "--attnlab-profile", "ci", "--attnlab-device", "cpu", *options]
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_correct_third_party_kernel_passes(tmp_path: Path, dtype: str) -> None:
+    result = run_properties(tmp_path, "--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:good",
+                            "--attnlab-dtype", dtype, "-rA")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    passed = [line for line in result.stdout.splitlines() if line.startswith("PASSED ")]
+    for prop in ("matches_oracle", "overflow", "causality", "split_and_resume"):  # state: its signature takes it
+        assert any(line.endswith(f"::test_kernel_property[{prop}-mykernels:good-{dtype}]") for line in passed), passed
+    assert "chunk_size_invariance" not in result.stdout  # it takes no chunk_size
+    assert len(passed) == 4 and "failed" not in result.stdout
+
+
+def test_a_broken_third_party_kernel_fails_with_an_actionable_report(tmp_path: Path) -> None:
+    result = run_properties(tmp_path, "--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:stale_gate",
+                            "--attnlab-dtype", "float16", "-k", "matches_oracle or causality")
+    report = result.stdout
+    assert result.returncode == 1, report[-4000:] + result.stderr[-2000:]
+    assert "FAILED" in report and "test_kernel_property[matches_oracle-mykernels:stale_gate-float16]" in report
+    assert "property matches_oracle FAILED for mykernels:stale_gate in float16 on cpu" in report
+    assert "figure: excess = rel_err / floor = " in report and "bound: 2" in report
+    assert "input: Case(name='gla', seed=" in report and "reproduce: " in report
+    assert "1 failed, 1 passed" in report  # causality holds: the defect is not a causality violation
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--attnlab-kernel", "mykernels:good"], "--attnlab-kernel needs --attnlab-formulation"),
+        (["--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels"], "must be MODULE:FUNCTION"),
+        (["--attnlab-formulation", "gla", "--attnlab-kernel", "nosuchmodule:f"], "cannot import module 'nosuchmodule'"),
+        (["--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:nothing"], "has no attribute 'nothing'"),
+        (["--attnlab-formulation", "flash", "--attnlab-kernel", "mykernels:good"], "expected one of softmax"),
+    ],
+)
+def test_bad_options_are_usage_errors(tmp_path: Path, options: list[str], message: str) -> None:
+    result = run_properties(tmp_path, *options)
+    assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
+    assert message in result.stderr

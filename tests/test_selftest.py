@@ -1,0 +1,61 @@
+"""``attnlab selftest``: every specimen caught by its expected property, no correct kernel flagged.
+
+The first test is the selftest itself (what CI runs); the others show that
+its verdict can fail: a specimen that is in fact correct escapes, and a
+broken kernel posing as a correct one is flagged, both with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from attnlab import selftest
+from attnlab.properties import specimens
+from attnlab.properties.targets import function_target
+
+
+def test_selftest_catches_every_specimen_and_flags_no_correct_kernel() -> None:
+    rows = selftest.run_selftest(jobs=os.cpu_count() or 1, progress=False)
+    table = selftest.table(rows)
+    print(table)
+    kinds = {row.job.kind for row in rows}
+    assert "specimen" in kinds
+    assert {row.job.name for row in rows if row.job.kind == "specimen"} == {s.name for s in specimens.SPECIMENS}
+    failures = [f"{row.label} {row.job.dtype}: " + "; ".join(f.message.splitlines()[0] for f in row.caught_by + row.errors)
+                for row in rows if not row.passed]
+    assert not failures, table + "\n\n" + "\n".join(failures)
+
+
+def _command(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    selftest.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["selftest", "--jobs", "1", "--no-progress", "--dtypes", "float32", *argv])
+    return args.func(args)
+
+
+def test_a_specimen_that_is_not_broken_escapes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    def correct_softmax(*, q, k, v, scale=None, causal=True):
+        return specimens.softmax_default_scale_one(q=q, k=k, v=v, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                                   causal=causal)
+
+    not_broken = specimens.Specimen("softmax_correct", "softmax", correct_softmax, "none", "matches_oracle")
+    monkeypatch.setattr(specimens, "SPECIMENS", (not_broken,))
+    assert _command("--only", "specimens", "--examples", "3") == 1
+    out = capsys.readouterr().out
+    assert "softmax_correct" in out and "ESCAPED" in out
+
+
+def test_a_broken_kernel_among_the_correct_ones_is_flagged(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    def broken_kernel(job: selftest.Job):
+        return function_target(specimens.gla_decay_off_by_one, "gla", "attnlab:gla/broken"), None
+
+    monkeypatch.setattr(selftest, "_target", broken_kernel)
+    monkeypatch.setattr(selftest, "_jobs", lambda dtypes, include, names: [selftest.Job("kernel", "gla/broken", torch.float32)])
+    assert _command("--examples", "2") == 1
+    out = capsys.readouterr().out
+    assert "FLAGGED" in out and "property matches_oracle FAILED for attnlab:gla/broken" in out
