@@ -26,13 +26,25 @@ keys, so every term of (t, d) can be far below exp(R_t + R_d), i.e. den
 to 2^-126, but the 16-bit dot operands flush tiny values, and the product of
 two shifted exps can underflow outright (w = [0, -100], k = [-100, 0] gives
 two terms of e^-100 relative to the reference: 0/0 in any dtype). The kernel
-detects it: if any den_td of the tile ends below DEN_FLOOR (2^-12 with fp16
-operands, 2^-60 with fp32), it discards the tile and recomputes it exactly,
-one key at a time with a running maximum per (t, d) (fp32, one exp per entry
-and key). That is slow but only meets inputs whose bias and keys together
+detects it: every den_td that ends below DEN_FLOOR (2^-12 with fp16
+operands, 2^-60 with fp32) is discarded and recomputed exactly, one key at a
+time with a running maximum per (t, d) (fp32, one exp per entry and key;
+logits w + (k - k_0) so a shift of k still cancels). The choice is per
+entry, so it never depends on another row. That is slow but only meets inputs whose bias and keys together
 span more than about 8 nats against each other; for the registry's N(0, 1)
 inputs den_td is near n_keys * e^-7 and the fallback never runs. Above the
 floor, every term that matters keeps the operands' relative precision.
+
+Causality (bitwise): output t may depend only on keys <= t, including
+through the rounding. A reference taken over a key block that straddles
+the queries (m_d over all its keys, the E * v scale, R_d and the rescales
+that follow) would let later keys change earlier outputs. So when causal the
+factorized loop covers only the key blocks that end at or before the tile's
+first query (visible to every row: all their references are causal), and the
+remaining keys (the diagonal, at most BLOCK_K - 1 + BLOCK_Q of them) are added
+exactly, per key, continuing from the factorized sums with the reference
+R_t + R_d per (t, d); a key after t adds exact zeros to row t. The fallback
+test looks only at the factorized den_td, i.e. at keys <= t.
 
 Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
@@ -112,30 +124,34 @@ def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.cons
 
 
 @triton.jit
-def _aft_tile_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_end, row_stride,
-                    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The fallback: the tile's outputs one key at a time, with a running maximum per (t, d).
+def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_start, key_end, row_stride,
+                    k_ref, running_max, num, den, CAUSAL: tl.constexpr):
+    """Keys key_start..key_end-1 added one at a time to (num, den), relative to exp(running_max) per (t, d).
+
+    Logits are w_ti + (k_id - k_ref_d), so running_max is relative to k_ref too;
+    with k_ref one of the keys, a shift of k cancels in k - k_ref (exactly
+    where that subtraction is exact) as in the factorized form.
 
     Per key the larger of (running max, logit) becomes the reference and the
     other side is multiplied by exp(-|logit - running max|) <= 1: one exp.
+    A key after t (causal) has logit -inf: shrink = 0 and grew is false, so
+    it adds exact zeros and leaves row t bitwise unchanged (the reference
+    running_max must be finite for that: the first key added must be visible
+    to every row of the tile).
     """
-    running_max = tl.full([BLOCK_Q, BLOCK_D], -float("inf"), tl.float32)
-    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-    for i in range(0, key_end):
+    for i in range(key_start, key_end):
         w_col = tl.load(w_ptr + offs_t * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
         if CAUSAL:
             w_col = tl.where(i <= offs_t, w_col, -float("inf"))
         k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
         v_row = tl.load(v_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
-        logit = w_col[:, None] + k_row[None, :]
-        # Key 0 is visible to every row, so running_max is finite from the first key on.
+        logit = w_col[:, None] + (k_row - k_ref)[None, :]
         shrink = tl.exp(-tl.abs(logit - running_max))
         grew = logit > running_max
         den = tl.where(grew, den * shrink + 1.0, den + shrink)
         num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
         running_max = tl.maximum(running_max, logit)
-    return num / den
+    return running_max, num, den
 
 
 @triton.jit
@@ -168,9 +184,14 @@ def _aft_fwd_kernel(
 
     if CAUSAL:
         key_end = tl.minimum((pid_t + 1) * BLOCK_Q, T)
+        # Key blocks that lie wholly at or before the tile's first query are
+        # visible to every row, so their references (m_t, m_d, the E * v scale)
+        # depend on no future key; the rest (the diagonal) is added per key below.
+        factorized_end = ((pid_t * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K
     else:
         key_end = T
-    for start in range(0, key_end, BLOCK_K):
+        factorized_end = T
+    for start in range(0, factorized_end, BLOCK_K):
         keys = start + offs_i
         key_in = keys < T
         w = tl.load(w_ptrs + start, mask=(offs_t[:, None] < T) & key_in[None, :], other=0.0).to(tl.float32)
@@ -216,11 +237,33 @@ def _aft_fwd_kernel(
         row_ref = new_row_ref
         col_ref = new_col_ref
 
-    o = num / den
     in_tile = (offs_t[:, None] < T) & (offs_d[None, :] < D)
-    if tl.min(tl.where(in_tile, den, float("inf"))) < den_floor:
-        o = _aft_tile_exact(w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d,
-                            T, D, key_end, row_stride, CAUSAL, BLOCK_Q, BLOCK_D)
+    # The sums relative to exp(R_t + R_d) as sums relative to a reference per (t, d)
+    # (-inf, with empty sums, when no key was factorized).
+    # Key 0, visible to every row, is the channel reference of the exact path.
+    k_ref = tl.load(k_ptr + base + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+    running_max = row_ref[:, None] + (col_ref - k_ref)[None, :]
+    # Entries whose factorized den fell below the floor are recomputed exactly,
+    # entry by entry: den_td depends only on the factorized keys, which are all
+    # at or before row t when causal, so the choice is causal too.
+    fallback = ~(den >= den_floor) & (factorized_end > 0)
+    if tl.max(tl.where(in_tile & fallback, 1, 0)) > 0:
+        exact_max, exact_num, exact_den = _aft_keys_exact(
+            w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d, T, D, 0, factorized_end, row_stride,
+            k_ref, tl.full([BLOCK_Q, BLOCK_D], -float("inf"), tl.float32), tl.zeros([BLOCK_Q, BLOCK_D], tl.float32),
+            tl.zeros([BLOCK_Q, BLOCK_D], tl.float32), CAUSAL)
+        running_max = tl.where(fallback, exact_max, running_max)
+        num = tl.where(fallback, exact_num, num)
+        den = tl.where(fallback, exact_den, den)
+    if CAUSAL:
+        # The diagonal, keys factorized_end..key_end-1, one at a time with the
+        # running maximum per (t, d): a key after row t adds exact zeros to it.
+        # Key factorized_end is at or before the first query, so the reference
+        # is finite from it on.
+        running_max, num, den = _aft_keys_exact(
+            w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d, T, D, factorized_end, key_end,
+            row_stride, k_ref, running_max, num, den, CAUSAL)
+    o = num / den
     tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=in_tile)
 
 

@@ -15,6 +15,9 @@ or exact identities.
   (w = [0, -100], k = [-100, 0]) make the factorized block sums underflow to
   0/0; the kernel detects it and recomputes the tile exactly. Forcing the
   fallback on ordinary inputs matches the oracle too.
+- Causality, bitwise: replacing k, v and w at positions after t leaves
+  outputs 0..t bit-identical (T not a multiple of the blocks, several query
+  blocks, with and without entries that take the fallback).
 - precision "single" and "split", block shapes, bad options.
 """
 
@@ -143,6 +146,31 @@ def test_wide_bias_and_keys(dtype):
     # w, k ~ N(0, 8^2): some (t, d) have their best bias and best key far apart, some tiles fall back.
     x = _inputs(dtype, T=40, D=16, H=1, spread=8.0)
     assert _excess(x, dtype, causal=True, block_q=16, chunk_size=16) <= EXCESS_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize(
+    "block_q,chunk_size,spread",
+    [(32, 16, 1.0), (16, 64, 30.0)],  # spread 30: some entries take the fallback
+    ids=["q32-k16", "q16-k64-wide"],
+)
+def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread):
+    T = 75
+    x = _inputs(dtype, T=T, D=16, H=1, spread=spread)
+    other = _inputs(dtype, T=T, D=16, H=1, seed=1, spread=spread)
+    run = kernel("aft", block_q=block_q, chunk_size=chunk_size)
+    before = run(**x, causal=True)
+    positions = torch.arange(T)
+    for t in (16, 40, 64, 73):
+        future = positions > t
+        perturbed = {
+            "w": torch.where(future[:, None] | future[None, :], other["w"], x["w"]),
+            "k": torch.where(future[None, :, None, None], other["k"], x["k"]),
+            "v": torch.where(future[None, :, None, None], other["v"], x["v"]),
+        }
+        after = run(**perturbed, causal=True)
+        assert torch.equal(before[:, : t + 1], after[:, : t + 1]), t
+        assert not torch.equal(before, after)  # the perturbation reached the kernel
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
