@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size
+from attnlab.kernels._util import block_size, gpu_shape_known_bad
 from attnlab.kernels.linear_attn import (
     PRECISIONS,
     default_block_v,
@@ -197,6 +197,8 @@ def chunkwise(
     """Chunkwise retention in one fused pass; see the module docstring for the options."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if gpu_shape_known_bad(K, V):
+        return recurrent(q=q, k=k, v=v, g=g, scale=scale, state=state, return_state=return_state)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
