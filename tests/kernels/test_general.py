@@ -9,12 +9,10 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from attnlab.metrics import conditioning_floor, measure, rel_err
+from kernel_checks import check_stateful_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
-STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
 FORMS = ("chunkwise", "recurrent")
 
 
@@ -29,17 +27,7 @@ def _sample(T: int, K: int = 16, V: int = 16, B: int = 1, H: int = 1, seed: int 
 
 def _check(x: dict, dtype: torch.dtype, form: str, **opts) -> torch.Tensor:
     """Run the kernel on x rounded to dtype; assert finite output, the excess bound and the final state."""
-    x = {n: (None if t is None else t.to(dtype)) for n, t in x.items()}
-    reference = attnlab.oracle("general", "chunkwise", "float64")
-    o, state = kernel("general", form, **opts)(**x, return_state=True)
-    ref, ref_state = reference(**x, return_state=True)
-    assert o.dtype == dtype and o.shape == ref.shape and state.dtype == torch.float32
-    present = {n: t for n, t in x.items() if t is not None}
-    m = measure(o, ref, dtype, conditioning_floor(reference, present))
-    assert m.nonfinite == 0, m.as_dict()
-    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
-    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
-    return o
+    return check_stateful_kernel("general", form, x, dtype, **opts)[0]
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -10,13 +10,12 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from attnlab.metrics import conditioning_floor, measure, rel_err
+from kernel_checks import EXCESS_BOUND, STATE_BOUND, check_stateful_kernel
+from attnlab.metrics import measure, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
 # The targets of the generic test (tests/test_kernels.py): excess over max(rounding, conditioning) floor.
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
-STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
 FORMS = ("chunkwise", "recurrent")
 
 
@@ -26,17 +25,7 @@ def _sample(T: int, K: int = 16, V: int = 16, H: int = 2, seed: int = 0) -> dict
 
 def _check(x: dict, dtype: torch.dtype, form: str, call: dict | None = None, **opts) -> float:
     """Run the kernel on x rounded to dtype; assert finite output, excess and final state (S, z) within the bounds."""
-    x = {n: (t.to(dtype) if n != "initial_state" else t) for n, t in x.items()}
-    call = call or {}
-    reference = attnlab.oracle("linear_attn", "chunkwise", "float64")
-    o, state = kernel("linear_attn", form, **opts)(**x, **call, return_state=True)
-    ref, ref_state = reference(**x, **call, return_state=True)
-    assert o.dtype == dtype and o.shape == ref.shape and all(s.dtype == torch.float32 for s in state)
-    m = measure(o, ref, dtype, conditioning_floor(reference, {**x, **call}))
-    assert m.nonfinite == 0, m.as_dict()
-    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
-    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
-    return m.excess
+    return check_stateful_kernel("linear_attn", form, x, dtype, call, **opts)[2].excess
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

@@ -14,14 +14,13 @@ import triton.language as tl
 
 import attnlab
 from attnlab.kernel import kernel
+from kernel_checks import EXCESS_BOUND, STATE_BOUND, check_stateful_kernel
 from attnlab.kernels.linear_attn import expm1
-from attnlab.metrics import conditioning_floor, measure, rel_err
+from attnlab.metrics import measure, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
 # The targets of the generic test (tests/test_kernels.py): excess over max(rounding, conditioning) floor.
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
-STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
 FORMS = ("chunkwise", "recurrent")
 
 
@@ -31,16 +30,7 @@ def _sample(T: int, K: int = 16, V: int = 16, H: int = 2, seed: int = 0) -> dict
 
 def _check(x: dict, dtype: torch.dtype, form: str, **opts) -> float:
     """Run the kernel on x rounded to dtype; assert finite output, excess and final state within the bounds."""
-    x = {n: (t.to(dtype) if n != "initial_state" else t) for n, t in x.items()}
-    reference = attnlab.oracle("retnet", "chunkwise", "float64")
-    o, state = kernel("retnet", form, **opts)(**x, return_state=True)
-    ref, ref_state = reference(**x, return_state=True)
-    assert o.dtype == dtype and o.shape == ref.shape and state.dtype == torch.float32
-    m = measure(o, ref, dtype, conditioning_floor(reference, x))
-    assert m.nonfinite == 0, m.as_dict()
-    assert m.excess <= EXCESS_BOUND[dtype], m.as_dict()
-    assert rel_err(state, ref_state) <= STATE_BOUND[dtype]
-    return m.excess
+    return check_stateful_kernel("retnet", form, x, dtype, **opts)[2].excess
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
