@@ -9,7 +9,11 @@ is imported when no CUDA device is present. The interpreter cannot compute
 in bf16 (DESIGN.md), so bf16 there is refused with a clear error.
 
 Head dimensions (K, V, aft's D) may be anything from 1 to 256; kernels mask
-non-powers of two. Everything is checked before a launch.
+non-powers of two. Everything is checked before a launch: names, dtypes,
+devices, shapes, options, the values of every input with a range (log
+gates, beta, RWKV's w) and of the initial state. The values of q, k and v
+are not scanned (a scan would cost a large share of the kernel's own time);
+a non-finite one shows up as a non-finite output.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class Kernel:
     def __call__(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         f = self.formulation
         interpreting = interpreter_active()
-        call = validate(f, inputs, dtypes=KERNEL_DTYPES, device_type=None if interpreting else "cuda")
+        call = validate(f, inputs, dtypes=KERNEL_DTYPES, device_type=None if interpreting else "cuda", scan="ranges")
         if interpreting and call.device.type != "cpu":
             raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; the inputs are on {call.device}")
         if interpreting and call.dtype == torch.bfloat16:

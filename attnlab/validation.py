@@ -56,18 +56,40 @@ def _bind_shape(name: str, shape: tuple[int, ...], symbols: tuple[str, ...], dim
         origin.setdefault(symbol, name)
 
 
-def _check_values(name: str, t: torch.Tensor, low: float | None, high: float | None, allow_neg_inf: bool = False) -> None:
-    finite = torch.isfinite(t)
-    if allow_neg_inf:
-        finite = finite | (t == -math.inf)
-    if not bool(finite.all()):
-        bad = t[~finite].flatten()[0].item()
-        raise ValueError(f"{name} must be finite; it holds {bad}")
-    if low is not None and bool((t < low).any()):
-        raise ValueError(f"{name} must be >= {low:g}; its minimum is {t.min().item():.6g}")
-    if high is not None and bool((t > high).any()):
-        what = "a log gate (decay exp(g) <= 1)" if high == 0.0 and low is None else f"<= {high:g}"
-        raise ValueError(f"{name} must be {what}; its maximum is {t.max().item():.6g}")
+@dataclass(frozen=True)
+class _ValueCheck:
+    """A tensor whose values are checked: finite (or -inf where allowed), within [low, high]."""
+
+    name: str
+    tensor: torch.Tensor
+    low: float | None = None
+    high: float | None = None
+    allow_neg_inf: bool = False
+
+
+def _check_values(checks: list[_ValueCheck]) -> None:
+    """Check every tensor's values in one read each and one device-to-host transfer for all.
+
+    ``torch.aminmax`` gives each tensor's two ends in one pass (a NaN propagates to both, an
+    infinity shows at its end), so a kernel call pays one reduction per checked tensor and a single
+    synchronization, not an elementwise pass, a reduction and a sync per tensor and condition.
+    """
+    checks = [c for c in checks if c.tensor.numel()]
+    if not checks:
+        return
+    ends = torch.stack([torch.stack(torch.aminmax(c.tensor)).double() for c in checks]).tolist()
+    for c, (lowest, highest) in zip(checks, ends):
+        if math.isnan(lowest) or math.isnan(highest) or highest == math.inf or (lowest == -math.inf and not c.allow_neg_inf):
+            allowed = torch.isfinite(c.tensor)
+            if c.allow_neg_inf:
+                allowed |= c.tensor == -math.inf
+            bad = c.tensor[~allowed].flatten()[0].item()
+            raise ValueError(f"{c.name} must be finite; it holds {bad}")
+        if c.low is not None and lowest < c.low:
+            raise ValueError(f"{c.name} must be >= {c.low:g}; its minimum is {lowest:.6g}")
+        if c.high is not None and highest > c.high:
+            what = "a log gate (decay exp(g) <= 1)" if c.high == 0.0 and c.low is None else f"<= {c.high:g}"
+            raise ValueError(f"{c.name} must be {what}; its maximum is {highest:.6g}")
 
 
 def _check_option(f: Formulation, name: str, value: Any, dims: Dims) -> Any:
@@ -96,6 +118,7 @@ def validate(
     dtypes: tuple[torch.dtype, ...] | None = None,
     device_type: str | None = None,
     extra_keywords: tuple[str, ...] = (),
+    scan: str = "all",
 ) -> Call:
     """Check a call of formulation ``f`` and resolve its defaults.
 
@@ -103,7 +126,16 @@ def validate(
     ``device_type`` the device ("cuda"); by default any floating dtype on any
     single device is accepted. Keywords in ``extra_keywords`` are passed
     through untouched in ``Call.extra``.
+
+    ``scan`` says which tensors' values are read: "all" (every input must be
+    finite and within its range; the oracles), or "ranges" (only the inputs
+    with a range, such as log gates, beta, RWKV's w, and the initial state;
+    the kernels, for which a full scan of q, k and v would cost a large part of
+    the kernel's own time, and whose non-finite q, k, v show up as non-finite
+    outputs rather than silently wrong ones).
     """
+    if scan not in ("all", "ranges"):
+        raise ValueError(f"scan must be 'all' or 'ranges'; got {scan!r}")
     allowed = set(f.arg_names) | set(f.option_names) | set(extra_keywords)
     if f.state is not None:
         allowed |= set(STATE_KEYWORDS)
@@ -117,6 +149,7 @@ def validate(
     dims: dict[str, int] = {}
     origin: dict[str, str] = {}
     tensors: dict[str, torch.Tensor | None] = {}
+    value_checks: list[_ValueCheck] = []
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     first = ""
@@ -141,7 +174,8 @@ def validate(
         elif dtypes is not None and t.dtype != dtype:
             raise ValueError(f"{arg.name} has dtype {t.dtype} but {first} has {dtype}; all tensors must share one dtype")
         _bind_shape(arg.name, tuple(t.shape), arg.dims, dims, origin)
-        _check_values(arg.name, t, arg.low, arg.high, arg.allow_neg_inf)
+        if scan == "all" or arg.low is not None or arg.high is not None:
+            value_checks.append(_ValueCheck(arg.name, t, arg.low, arg.high, arg.allow_neg_inf))
         tensors[arg.name] = t
     assert device is not None and dtype is not None
 
@@ -150,10 +184,12 @@ def validate(
     initial_state = None
     if f.state is not None and inputs.get("initial_state") is not None:
         initial_state = _check_state(f, inputs["initial_state"], dims, device)
+        value_checks += [_ValueCheck(label, part, allow_neg_inf=log_scale) for label, part, log_scale in _state_parts(f, initial_state)]
     return_state = inputs.get("return_state", False)
     if not isinstance(return_state, bool):
         raise ValueError(f"return_state must be True or False; got {return_state!r}")
 
+    _check_values(value_checks)
     extra = {k: inputs[k] for k in extra_keywords if k in inputs}
     return Call(f, tensors, options, dims, device, dtype, initial_state, return_state, extra)
 
@@ -166,7 +202,7 @@ def _check_state(f: Formulation, state: Any, dims: Dims, device: torch.device) -
     if parts is None or len(parts) != len(spec.parts):
         raise ValueError(f"initial_state must be {'a tensor' if len(spec.parts) == 1 else 'a tuple'} ({expected}); got {type(state).__name__}")
     checked = []
-    for index, (part, (name, symbols), shape) in enumerate(zip(parts, spec.parts, spec.shapes(dims))):
+    for part, (name, symbols), shape in zip(parts, spec.parts, spec.shapes(dims)):
         label = f"initial_state {name}" if len(spec.parts) > 1 else "initial_state"
         if not isinstance(part, torch.Tensor) or not part.dtype.is_floating_point:
             raise ValueError(f"{label} must be a floating-point torch.Tensor of shape {_fmt_dims(symbols)}")
@@ -174,9 +210,17 @@ def _check_state(f: Formulation, state: Any, dims: Dims, device: torch.device) -
             raise ValueError(f"{label} must have shape {_fmt_dims(symbols)} = {shape}; got {tuple(part.shape)}")
         if part.device != device:
             raise ValueError(f"{label} is on {part.device} but the inputs are on {device}")
-        _check_values(label, part, None, None, allow_neg_inf=spec.is_log_scale(index))
         checked.append(part)
     return tuple(checked)
+
+
+def _state_parts(f: Formulation, parts: tuple[torch.Tensor, ...]) -> list[tuple[str, torch.Tensor, bool]]:
+    """(label, part, whether it is a log-scale part that may hold -inf) for each initial-state part."""
+    spec = f.state
+    assert spec is not None
+    multi = len(spec.parts) > 1
+    return [(f"initial_state {name}" if multi else "initial_state", part, spec.is_log_scale(index))
+            for index, (part, (name, _)) in enumerate(zip(parts, spec.parts))]
 
 
 def check_positive_int(name: str, value: Any) -> int:

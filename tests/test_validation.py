@@ -104,3 +104,19 @@ def test_oracle_runs_where_the_inputs_are_and_returns_float64():
     o, state = attnlab.oracle("deltanet", "chunkwise", chunk_size=3)(**x, return_state=True)
     assert o.dtype == torch.float64 and o.device == x["q"].device and o.shape == (1, 8, 1, 4)
     assert state.shape == (1, 1, 4, 4)
+
+
+def test_kernels_read_the_values_of_ranged_inputs_only():
+    """A kernel refuses a gate out of range or non-finite, and a non-finite initial state, before launch;
+    it does not scan q, k, v (the cost of a full read), so a NaN there comes out as a NaN output."""
+    x = {n: t.float() for n, t in gla_inputs().items()}
+    gla = attnlab.kernel("gla", "recurrent")
+    with pytest.raises(ValueError, match=r"g must be a log gate .*maximum is 0.5"):
+        gla(**{**x, "g": torch.full_like(x["g"], 0.5)})
+    with pytest.raises(ValueError, match=r"g must be finite; it holds inf"):
+        gla(**{**x, "g": torch.full_like(x["g"], math.inf)})
+    with pytest.raises(ValueError, match=r"initial_state must be finite; it holds nan"):
+        gla(**x, initial_state=torch.full((1, 2, 4, 3), math.nan))
+    v = x["v"].clone()
+    v[0, 0, 0, 0] = math.nan
+    assert torch.isnan(gla(**{**x, "v": v})).any()

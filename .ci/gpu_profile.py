@@ -1,0 +1,72 @@
+"""Per-launch GPU time of each kernel and its peer at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
+
+    python3 .ci/gpu_profile.py [NAME,NAME...]
+
+For each formulation: attnlab's default setting, its SPEED_OPTIONS setting and the peer, each run under
+torch.profiler for a few calls after a warm-up; prints, per implementation, every GPU kernel it launched
+with its mean time per call, so that one sees which pass of a multi-launch kernel costs what.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import attnlab
+from attnlab.bench import ALL, PEERS
+
+CALLS = 5
+
+
+def kernel_times(call) -> list[tuple[str, float]]:
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            call()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:90]] += event.device_time / 1e3 / CALLS
+    return sorted(totals.items(), key=lambda item: -item[1])
+
+
+def main() -> None:
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ALL
+    for name in names:
+        f = attnlab.formulation(name)
+        x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
+        peer = PEERS.get(name)
+        inputs = {**x, **(peer.our_options or {})} if peer else x
+        speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get("chunkwise", {})
+        runs = [("attnlab default", attnlab.kernel(name, "chunkwise")), ("attnlab speed", attnlab.kernel(name, "chunkwise", **speed) if speed else None)]
+        for label, ours in runs:
+            if ours is None:
+                continue
+            try:
+                times = kernel_times(lambda: ours(**inputs))  # noqa: B023
+            except Exception as error:  # record and go on
+                print(f"{name} {label}: {type(error).__name__}: {str(error)[:200]}")
+                continue
+            print(f"{name} {label} ({ours!r}): total {sum(t for _, t in times):.3f} ms")
+            for kname, ms in times:
+                print(f"    {ms:8.3f} ms  {kname}")
+        if peer:
+            try:
+                times = kernel_times(peer.make(x))
+                print(f"{name} peer {peer.label}: total {sum(t for _, t in times):.3f} ms")
+                for kname, ms in times:
+                    print(f"    {ms:8.3f} ms  {kname}")
+            except Exception as error:
+                print(f"{name} peer: {type(error).__name__}: {str(error)[:200]}")
+        del x, inputs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""Compile the kernels for sm_90 on the CPU (no GPU needed) and report registers/spills via ptxas -v."""
+import os, re, subprocess, sys, tempfile
+os.environ["TRITON_INTERPRET"] = "0"
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+import importlib
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+
+def _attrs(fn, signature):
+    """What the JIT infers at the reference shape: 16-aligned pointers, T, H, K, V divisible by 16."""
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+            if t.startswith("*") or n in ("T", "H", "K", "V")}
+
+def compile_kernel(fn, signature, constexprs, num_warps, num_stages):
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
+    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(cc.asm["ptx"])
+    out = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"], capture_output=True, text=True)
+    info = " ".join(re.findall(r"Used \d+ registers|\d+ bytes spill stores|\d+ bytes spill loads", out.stderr))
+    ttgir = cc.asm["ttgir"]
+    return info, ttgir.count("warp_group_dot"), ttgir.count("tt.dot "), cc.metadata.shared
+
+def dump(fn, signature, constexprs, num_warps, num_stages, path):
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
+    cc = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    for key in ("ttgir", "ptx"):
+        open(f"{path}.{key}", "w").write(cc.asm[key])
