@@ -1,10 +1,22 @@
-"""Compile the kernels for sm_90 on the CPU (no GPU needed) and report registers/spills via ptxas -v."""
-import os, re, subprocess, sys, tempfile
+"""Compile Triton kernels for sm_90 on a machine without a GPU and report ptxas's registers and spills.
+
+    from sm90_compile import compile_kernel   (in a fresh process: it sets TRITON_INTERPRET=0)
+    compile_kernel(kernel_fn, {"q": "*bf16", "T": "i32", ...}, {"BT": 64, ...}, num_warps=4, num_stages=2)
+
+returns ("Used N registers, S bytes spill stores, L bytes spill loads", wgmma count, tt.dot count, shared bytes);
+``dump`` writes the ttgir and ptx beside a path for reading.
+"""
+import os
+import re
+import subprocess
+import tempfile
+
 os.environ["TRITON_INTERPRET"] = "0"
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-import importlib
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxas")
+
 
 def _attrs(fn, signature):
     """What the JIT infers at the reference shape: 16-aligned pointers, T, H, K, V divisible by 16."""

@@ -12,7 +12,8 @@ Gamma_tj = exp(G_t - G_j) for t >= j, and M the causal mask:
 
     L     = tril(Diag(beta) (K K^T * Gamma), -1)
     T     = (I + L)^-1 Diag(beta)                       (forward substitution in fp32)
-    Delta = T (V - exp(G) * (K S))                      (= U - W S with U = T V, W = T (K * exp(G)))
+    W     = T (K * exp(G)),  U = T V
+    Delta = U - W S
     O     = scale exp(G) * (Q S) + (scale Q K^T * Gamma * M) Delta
     S'    = exp(G_C) S + K^T (exp(G_C - G) * Delta)
 
@@ -21,35 +22,55 @@ diagonal before the exponential, and the others clamped to <= 0. G is kept
 as an fp32 pair (a compensated scan), so that G_t - G_j is accurate to its
 own size even when |G| reaches C * 20 inside a chunk.
 
-Two launches. ``_chunk_prepare_kernel`` (one program per chunk and head, all
-in parallel) builds the two state-independent C x C matrices of each chunk,
-T and the gated causal score block scale Q K^T * Gamma * M, in fp32, into
-[B*H, NT, C, C] buffers. ``_chunk_scan_kernel`` (one program per head and
-block of V columns) walks the chunks in order with S in fp32 registers and
-writes O; it reads q, k, v, g and those two blocks, so besides them only the
-output goes through memory, and no intermediate is rounded to 16 bits.
+Three launches, so that only two dots per chunk stay in the sequential part:
 
-Dot precision. Products of two input tiles (Q K^T, K K^T) are exact in fp32
-on tensor cores for fp16/bf16 inputs. Every other dot has an fp32 operand
-(S, T, Delta, the gated score block); the ``precision`` option chooses how:
+- ``_chunk_prepare_kernel`` (one program per chunk and head, all parallel):
+  T in fp32, then W and U, written to memory.
+- ``_chunk_state_kernel`` (one program per head and block of V columns, the
+  chunks in order): Delta = U - W S and the state update; writes each
+  chunk's incoming state S and its Delta.
+- ``_chunk_output_kernel`` (one program per chunk, head and V block, all
+  parallel): O from Q, K, g, that chunk's S and Delta.
 
-- "split": each fp32 operand x is split into bf16 parts hi + lo (x = hi + lo
-  + O(2^-17 |x|)) and the dot is hi*hi + hi*lo + lo*hi on bf16 tensor cores
-  (a bf16 input operand needs no lo part: two dots). Relative error ~2^-16,
-  far below the bf16/fp16 output rounding.
-- "tf32x3", "tf32", "ieee": passed to ``tl.dot`` as ``input_precision``
-  (~2^-22, 2^-11 and exact fp32).
-- "auto" (default): "tf32x3" for fp16/bf16 inputs, "ieee" for fp32 inputs
-  (whose accuracy target is fp32 rounding). Not "split": its 2^-16 is far
-  below the output rounding only while the UT inverse is well conditioned;
-  with beta = 2 and nearly parallel keys (condition numbers in the thousands,
-  numerics notes 4.3) the property suite measured fp16 excess 2.5 with
-  "split" against 1.004 with exact fp32 dots.
+Precision (the ``precision`` option) decides how W, U, S, Delta are stored and
+how each dot with an fp32 operand is done. Products of two input tiles (Q K^T,
+K K^T) are exact in fp32 on tensor cores for fp16/bf16 inputs. "fp16 scaled"
+below means: each row or column of an fp32 tile is multiplied by a power of
+two that brings its peak into [2^14, 2^15), then rounded to fp16 (relative
+error 2^-11, no overflow, small entries stay normal); the scale is undone
+exactly on the fp32 result. bf16 and fp16 input tiles convert to fp16 exactly
+this way.
 
-Under the Triton interpreter bf16 arithmetic is broken, so "split" rounds to
-bf16 by integer RTNE on the fp32 bit pattern and multiplies the parts as fp32
-(exact, like the tensor cores' bf16 products); the other precisions are all
-exact fp32 there.
+- "mixed" (default for bf16 inputs): W and S fp16 scaled (one fp16 dot for
+  W S and Q S, S stored in 16 bits), U and Delta fp32, the score block times
+  Delta on fp16 hi/lo parts (x = hi + lo to ~2^-22: three dots). Emulated
+  at K = V = 128, T = 64..4096: bf16 excess <= 1.03 on the registry's inputs,
+  1.00 on the ill-conditioned regression (beta = 2,
+  nearly parallel keys), where rounding U or the score block to fp16 costs
+  1.5: their errors are amplified by the UT inverse's conditioning.
+- "fp16" (SPEED_OPTIONS): W, U, S, Delta all fp16 scaled and W S, Q S and
+  the score block times Delta one fp16 dot each: half the intermediate
+  bytes, bf16 excess <= 1.04 on the registry's inputs but 1.5 on the
+  regression.
+- "split": fp32 intermediates; each fp32 operand split into bf16 hi + lo
+  (2^-16) and multiplied as hi*hi + hi*lo + lo*hi.
+- "tf32x3", "tf32", "ieee": fp32 intermediates; passed to ``tl.dot`` as
+  ``input_precision`` (~2^-22, 2^-11 and exact fp32).
+- "auto" (default): "mixed" for bf16 inputs, "tf32x3" for fp16 inputs (the
+  fp16 output rounding, 2^-11, is too fine for fp16-rounded W and S: excess
+  ~1.8 emulated), "ieee" for fp32 inputs (whose target is fp32 rounding).
+
+In "mixed" and "fp16" the state update K^T Delta splits Delta into bf16 hi + lo (2^-16)
+against the exact input K: two dots, and no conversion of K.
+
+In the 16-bit modes ("mixed", "fp16") T's inverse uses tf32x3 dots (its merge
+errors are amplified by the inverse's conditioning) and W = T K, U = T V bf16
+hi/lo T against the exact K, V (2 dots, 2^-16, amplified only ~3x); else both
+use the chosen precision. The diagonal 8-blocks of T are inverted by
+substitution, then merged by dots. Under the Triton
+interpreter bf16 arithmetic is broken, so "split" rounds to bf16 by integer
+RTNE on the fp32 bit pattern and multiplies the parts as fp32 (exact, like
+the tensor cores' bf16 products); tf32 precisions are exact fp32 there.
 
 Recurrent form: one program per (head, block of V columns), the literal
 recurrence token by token on the fp32 state (the read k^T S spans the whole
@@ -68,22 +89,36 @@ from attnlab.kernel import interpreter_active
 
 from ._util import block_size
 
-PRECISIONS = ("auto", "split", "tf32x3", "tf32", "ieee")
+PRECISIONS = ("auto", "mixed", "fp16", "split", "tf32x3", "tf32", "ieee")
+# When the intermediates are 16-bit: the dots of T's inverse (tf32x3, ~2^-22: its merge products'
+# errors are amplified by the inverse's conditioning, ~4000x on the regression) and of W = T K,
+# U = T V (bf16 hi/lo T, 2^-16, against the exact 16-bit K and V: amplified only by |T||V| / |U| ~ 3).
+PREPARE_PRECISION_16 = "tf32x3"
+PRODUCT_PRECISION_16 = "split"
 CHUNK_SIZES = (16, 32, 64)
 BLOCK_VS = (None, 16, 32, 64, 128)
-NUM_WARPS = (1, 2, 4, 8)
+# None: each launch its own (prepare 4, state pass 8: its [K, BV] fp32 state spills at 4; output 4).
+NUM_WARPS = (None, 1, 2, 4, 8)
 NUM_STAGES = (1, 2, 3)
-# Diagonal blocks of T are inverted by substitution at this size, then merged by dots.
-SUB = tl.constexpr(16)
+# Diagonal blocks of T are inverted by substitution at this size, then merged by dots: a
+# substitution step costs a third of a merge level in instructions, so 8 steps + 3 levels
+# (BC = 64) beat 16 + 2.
+SUB = tl.constexpr(8)
+# fp16 scaling puts each row's or column's peak in [2^14, 2^15); the scale itself stays in [2^-100, 2^100].
+FP16_PEAK_EXPONENT = tl.constexpr(14)
+SCALE_EXPONENT_LIMIT = tl.constexpr(100)
 
 
 def options(chunkwise: bool) -> dict[str, tuple]:
     """The kernel options of one form, as kernels/__init__.py's OPTIONS entry."""
-    common = {"block_v": (None, BLOCK_VS), "num_warps": (4, NUM_WARPS)}
+    common = {"block_v": (None, BLOCK_VS), "num_warps": (None, NUM_WARPS)}
     if not chunkwise:
         return common
-    # num_stages 1: the scan's shared memory then fits two programs per H100 SM (sm_90 ptxas, K=V=128).
     return {"chunk_size": (64, CHUNK_SIZES), "precision": ("auto", PRECISIONS), "num_stages": (1, NUM_STAGES), **common}
+
+
+# The fast setting: every intermediate in 16 bits (see the module docstring for its accuracy).
+SPEED_OPTIONS = {"precision": "fp16"}
 
 
 # --------------------------------------------------------------------------- dots
@@ -110,12 +145,58 @@ def _bf16_parts(x, EMULATE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _power_of_two(exponent):
+    """2^exponent in fp32 for an int32 exponent in [-126, 127], built from the bit pattern (exact)."""
+    return ((exponent + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_parts(x, ROWS: tl.constexpr, SPLIT: tl.constexpr):
+    """x = (hi + lo) * inverse, per row (ROWS) or column: hi, lo fp16, inverse a power of two.
+
+    Each row (column) is scaled by the power of two that puts its peak in
+    [2^14, 2^15), so nothing overflows fp16 and entries down to 2^-28 of the
+    peak stay normal. hi carries x to 2^-11; with SPLIT, lo = the rest to
+    another 2^-11 (x = hi + lo to ~2^-22), else lo is hi (unused). A 16-bit
+    input tile converts exactly (its 8 or 11 significant bits fit).
+    """
+    x = x.to(tl.float32)
+    if ROWS:
+        peak = tl.max(tl.abs(x), axis=1)
+    else:
+        peak = tl.max(tl.abs(x), axis=0)
+    # floor(log2(peak)) from the exponent field; 0 and subnormal peaks get the largest scale.
+    exponent = ((peak.to(tl.uint32, bitcast=True) >> 23) & 0xFF).to(tl.int32) - 127
+    shift = tl.minimum(tl.maximum(FP16_PEAK_EXPONENT - exponent, -SCALE_EXPONENT_LIMIT), SCALE_EXPONENT_LIMIT)
+    if ROWS:
+        scaled = x * _power_of_two(shift)[:, None]
+    else:
+        scaled = x * _power_of_two(shift)[None, :]
+    hi = scaled.to(tl.float16)
+    if SPLIT:
+        lo = (scaled - hi.to(tl.float32)).to(tl.float16)
+    else:
+        lo = hi
+    return hi, lo, _power_of_two(-shift)
+
+
+@triton.jit
+def _fp16_scaled(x, ROWS: tl.constexpr):
+    """x ~ x16 * inverse to 2^-11, x16 fp16 scaled per row (ROWS) or column: _fp16_parts' hi part."""
+    x16, _, inverse = _fp16_parts(x, ROWS, False)
+    return x16, inverse
+
+
+@triton.jit
 def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
 
     Two 16-bit tiles of one dtype go straight to the tensor cores (exact
     products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo parts
-    (a bf16 operand is its own hi part), anything else is tl.dot's input_precision.
+    (a bf16 operand is its own hi part); "fp16" rounds each side to fp16
+    scaled per row of a and column of b (one dot); "fp16x3" multiplies fp16
+    scaled hi/lo parts (a 16-bit input side is exact in fp16: two dots);
+    anything else is tl.dot's input_precision.
     """
     if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
         out = tl.dot(a, b)
@@ -130,6 +211,17 @@ def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
             a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
             b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
             out = tl.dot(a_hi, b_hi) + (tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi))
+    elif PRECISION == "fp16" or PRECISION == "fp16x3":
+        SPLIT_A: tl.constexpr = PRECISION == "fp16x3" and a.dtype == tl.float32
+        SPLIT_B: tl.constexpr = PRECISION == "fp16x3" and b.dtype == tl.float32
+        a_hi, a_lo, a_inverse = _fp16_parts(a, True, SPLIT_A)
+        b_hi, b_lo, b_inverse = _fp16_parts(b, False, SPLIT_B)
+        out = tl.dot(a_hi, b_hi)
+        if SPLIT_B:
+            out += tl.dot(a_hi, b_lo)
+        if SPLIT_A:
+            out += tl.dot(a_lo, b_hi)
+        out = out * a_inverse[:, None] * b_inverse[None, :]
     else:
         out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
     return out
@@ -166,6 +258,15 @@ def _gate_difference(G_hi, G_lo, other_hi, other_lo):
     return tl.minimum((G_hi - other_hi) + (G_lo - other_lo), 0.0)
 
 
+@triton.jit
+def _pairwise_decay(G_hi, G_lo, BC: tl.constexpr):
+    """Gamma * M: exp(G_t - G_j) for t >= j, 0 above the diagonal (masked before the exponential)."""
+    rows = tl.arange(0, BC)[:, None]
+    cols = tl.arange(0, BC)[None, :]
+    pairwise = _gate_difference(G_hi[:, None], G_lo[:, None], G_hi[None, :], G_lo[None, :])
+    return tl.exp(tl.where(rows >= cols, pairwise, float("-inf")))
+
+
 # --------------------------------------------------------------------------- UT transform
 
 
@@ -198,18 +299,23 @@ def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl
 
 @triton.jit
 def _chunk_prepare_kernel(
-    q_ptr, k_ptr, beta_ptr, g_ptr, ut_ptr, scores_ptr,
-    T, H, K, scale,
-    GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
-    PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr,
+    T, H, K, V,
+    GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr,
+    PRECISION: tl.constexpr, PRODUCT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    STATE16: tl.constexpr, VALUE16: tl.constexpr,
 ):
-    """The state-independent matrices of one chunk of one head, both [BC, BC] fp32:
+    """The state-independent part of one chunk of one head:
 
-      T      = (I + L)^-1 Diag(beta),  L = tril(Diag(beta) (K K^T * Gamma), -1)
-      scores = scale Q K^T * Gamma * M
+      T = (I + L)^-1 Diag(beta),  L = tril(Diag(beta) (K K^T * Gamma), -1)   (dots at PRECISION)
+      W = (T * exp(G)^T) K  -> w [B*H, T, K]: fp16 scaled per row with STATE16 (inverse scales in
+                             w_inverse [B*H, T]), else fp32
+      U = T V             -> u [B*H, T, V]: fp16 scaled per column of the chunk with VALUE16 (inverse
+                             scales in u_inverse [B*H, NT, V]), else fp32
 
-    Grid (NT, B*H). Rows past the sequence end load q = k = beta = g = 0, so
-    their rows and columns of both are 0.
+    W and U are dots at PRODUCT_PRECISION, exp(G) going into T's columns so
+    that K stays an exact input tile. Grid (NT, B*H). Rows past the sequence end load k = beta = g = 0, so their
+    rows and columns of T are 0; they are not stored.
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -218,48 +324,63 @@ def _chunk_prepare_kernel(
     valid = pos < T
     token = (b * T + pos).to(tl.int64) * H + h
     kcol = tl.arange(0, BK)
-    qk_mask = valid[:, None] & (kcol[None, :] < K)
-    q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=qk_mask, other=0.0)
-    k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=qk_mask, other=0.0)
+    k_mask = valid[:, None] & (kcol[None, :] < K)
+    k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(tl.float32)
 
     rows = tl.arange(0, BC)[:, None]
     cols = tl.arange(0, BC)[None, :]
     L = beta[:, None] * _mm(k, tl.trans(k), PRECISION, EMULATE_BF16)
-    scores = scale * _mm(q, tl.trans(k), PRECISION, EMULATE_BF16)
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
-        pairwise = _gate_difference(G_hi[:, None], G_lo[:, None], G_hi[None, :], G_lo[None, :])
-        gamma = tl.exp(tl.where(rows >= cols, pairwise, float("-inf")))
-        L = L * gamma
-        scores = scores * gamma
+        L = L * _pairwise_decay(G_hi, G_lo, BC)
     L = tl.where(rows > cols, L, 0.0)
-    scores = tl.where(rows >= cols, scores, 0.0)
-
     ut = _unit_lower_inverse(L, BC, LEVELS, PRECISION, EMULATE_BF16) * beta[None, :]
-    block = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * (BC * BC) + rows * BC + cols
-    tl.store(ut_ptr + block, ut)
-    tl.store(scores_ptr + block, scores)
+
+    row = bh.to(tl.int64) * T + pos  # the chunk's rows of w and u
+    if GATED:
+        w = _mm(ut * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[None, :], k, PRODUCT_PRECISION, EMULATE_BF16)
+    else:
+        w = _mm(ut, k, PRODUCT_PRECISION, EMULATE_BF16)
+    if STATE16:
+        w, w_inverse = _fp16_scaled(w, True)
+        tl.store(w_inverse_ptr + row, w_inverse, mask=valid)
+    tl.store(w_ptr + row[:, None] * K + kcol[None, :], w, mask=k_mask)
+
+    for v0 in range(0, V, BV):
+        vcol = v0 + tl.arange(0, BV)
+        v_mask = valid[:, None] & (vcol[None, :] < V)
+        v = tl.load(v_ptr + token[:, None] * V + vcol[None, :], mask=v_mask, other=0.0)
+        u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
+        if VALUE16:
+            u, u_inverse = _fp16_scaled(u, False)
+            tl.store(u_inverse_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V + vcol, u_inverse,
+                     mask=vcol < V)
+        tl.store(u_ptr + row[:, None] * V + vcol[None, :], u, mask=v_mask)
 
 
-# --------------------------------------------------------------------------- chunk scan
+# --------------------------------------------------------------------------- state pass
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, ut_ptr, scores_ptr, s0_ptr, o_ptr, s_out_ptr,
-    T, H, K, V, scale,
+def _chunk_state_kernel(
+    k_ptr, g_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr, s0_ptr,
+    h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, s_out_ptr,
+    T, H, K, V,
     GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
     BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, UPDATE_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, STATE16: tl.constexpr,
+    VALUE16: tl.constexpr,
 ):
-    """The chunks of one head in order, for V columns [BV * pid0, BV * (pid0 + 1)).
+    """The chunks of one head in order, for V columns [BV * pid0, BV * (pid0 + 1)). Per chunk:
 
-    Per chunk, with S the fp32 state before it and T, scores from _chunk_prepare_kernel:
-      Delta = T (V - exp(G) * (K S))
-      O     = scale exp(G) * (Q S) + scores Delta
-      S    <- exp(G_C) S + K^T (exp(G_C - G) * Delta)
-    Grid (cdiv(V, BV), B*H).
+      h     <- S (the state entering the chunk)
+      Delta  = U - W S                                    -> d
+      S     <- exp(G_C) S + K^T (exp(G_C - G) * Delta)
+
+    With STATE16, S enters W S (and h) fp16 scaled per column (inverse scales
+    in h_inverse [B*H, NT, V]); with VALUE16, Delta is stored the same way (d_inverse),
+    else in fp32. K^T Delta is done at UPDATE_PRECISION. Grid (cdiv(V, BV), B*H).
     """
     vblock = tl.program_id(0)
     bh = tl.program_id(1)
@@ -274,43 +395,109 @@ def _chunk_scan_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
-    square = tl.arange(0, BC)[:, None] * BC + tl.arange(0, BC)[None, :]
     n_chunks = tl.cdiv(T, BC)
     for chunk in range(0, n_chunks):
         pos = chunk * BC + tl.arange(0, BC)
         valid = pos < T
         token = (b * T + pos).to(tl.int64) * H + h
-        qk_mask = valid[:, None] & k_in[None, :]
-        ov_mask = valid[:, None] & v_in[None, :]
-        block = (bh.to(tl.int64) * n_chunks + chunk) * (BC * BC) + square
-        k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=qk_mask, other=0.0)
-        v = tl.load(v_ptr + token[:, None] * V + vcol[None, :], mask=ov_mask, other=0.0).to(tl.float32)
+        row = bh.to(tl.int64) * T + pos
+        k_mask = valid[:, None] & k_in[None, :]
+        v_mask = valid[:, None] & v_in[None, :]
+        per_chunk = (bh.to(tl.int64) * n_chunks + chunk) * V + vcol  # h_inverse, u_inverse, d_inverse
+        h_offsets = (bh.to(tl.int64) * n_chunks + chunk) * K * V + kcol[:, None] * V + vcol[None, :]
+        w = tl.load(w_ptr + row[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
+        u = tl.load(u_ptr + row[:, None] * V + vcol[None, :], mask=v_mask, other=0.0).to(tl.float32)
+        if VALUE16:
+            u = u * tl.load(u_inverse_ptr + per_chunk, mask=v_in, other=1.0)[None, :]
+        if STATE16:
+            S16, s_inverse = _fp16_scaled(S, False)
+            tl.store(h_ptr + h_offsets, S16, mask=state_mask)
+            tl.store(h_inverse_ptr + per_chunk, s_inverse, mask=v_in)
+            w_inverse = tl.load(w_inverse_ptr + row, mask=valid, other=1.0)
+            delta = u - tl.dot(w, S16) * w_inverse[:, None] * s_inverse[None, :]
+        else:
+            tl.store(h_ptr + h_offsets, S, mask=state_mask)
+            delta = u - _mm(w, S, PRECISION, EMULATE_BF16)
+        if VALUE16:
+            d16, d_inverse = _fp16_scaled(delta, False)
+            tl.store(d_ptr + row[:, None] * V + vcol[None, :], d16, mask=v_mask)
+            tl.store(d_inverse_ptr + per_chunk, d_inverse, mask=v_in)
+        else:
+            tl.store(d_ptr + row[:, None] * V + vcol[None, :], delta, mask=v_mask)
+
+        k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
         if GATED:
             G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
-            decay_in = tl.exp(tl.minimum(G_hi + G_lo, 0.0))  # exp(G_t)
             last = tl.arange(0, BC) == BC - 1
             G_end_hi, G_end_lo = tl.sum(tl.where(last, G_hi, 0.0), axis=0), tl.sum(tl.where(last, G_lo, 0.0), axis=0)
-            decay_out = tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))  # exp(G_C - G_t)
-            v = v - decay_in[:, None] * _mm(k, S, PRECISION, EMULATE_BF16)
-        else:
-            v = v - _mm(k, S, PRECISION, EMULATE_BF16)
-        delta = _mm(tl.load(ut_ptr + block), v, PRECISION, EMULATE_BF16)
-
-        q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=qk_mask, other=0.0)
-        o = scale * _mm(q, S, PRECISION, EMULATE_BF16)
-        if GATED:
-            o = o * decay_in[:, None]
-        o += _mm(tl.load(scores_ptr + block), delta, PRECISION, EMULATE_BF16)
-        tl.store(o_ptr + token[:, None] * V + vcol[None, :], o.to(o_ptr.dtype.element_ty), mask=ov_mask)
-
-        if GATED:
-            S = S * tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0)) + _mm(tl.trans(k), delta * decay_out[:, None],
-                                                                       PRECISION, EMULATE_BF16)
-        else:
-            S = S + _mm(tl.trans(k), delta, PRECISION, EMULATE_BF16)
+            delta = delta * tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))[:, None]  # exp(G_C - G_t)
+            S = S * tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0))
+        S += _mm(tl.trans(k), delta, UPDATE_PRECISION, EMULATE_BF16)
 
     if STORE_FINAL:
         tl.store(s_out_ptr + state_offsets, S, mask=state_mask)
+
+
+# --------------------------------------------------------------------------- output pass
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, g_ptr, h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, o_ptr,
+    T, H, K, V, scale,
+    GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, STATE16: tl.constexpr, VALUE16: tl.constexpr,
+):
+    """O = scale exp(G) * (Q S) + (scale Q K^T * Gamma * M) Delta for one chunk, head and V block.
+
+    S and Delta are the state pass's h and d (fp16 scaled or fp32, as there).
+    Grid (NT, B*H, cdiv(V, BV)).
+    """
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    vblock = tl.program_id(2)
+    b, h = bh // H, bh % H
+    pos = chunk * BC + tl.arange(0, BC)
+    valid = pos < T
+    token = (b * T + pos).to(tl.int64) * H + h
+    row = bh.to(tl.int64) * T + pos
+    kcol = tl.arange(0, BK)
+    vcol = vblock * BV + tl.arange(0, BV)
+    k_in, v_in = kcol < K, vcol < V
+    k_mask = valid[:, None] & k_in[None, :]
+    v_mask = valid[:, None] & v_in[None, :]
+    per_chunk = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V + vcol
+    h_offsets = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K * V + kcol[:, None] * V + vcol[None, :]
+
+    q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
+    k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
+    rows = tl.arange(0, BC)[:, None]
+    cols = tl.arange(0, BC)[None, :]
+    scores = scale * _mm(q, tl.trans(k), PRECISION, EMULATE_BF16)
+    if GATED:
+        G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
+        scores = scores * _pairwise_decay(G_hi, G_lo, BC)
+    else:
+        scores = tl.where(rows >= cols, scores, 0.0)
+
+    S = tl.load(h_ptr + h_offsets, mask=k_in[:, None] & v_in[None, :], other=0.0)
+    if STATE16:
+        q16, q_inverse = _fp16_scaled(q, True)
+        s_inverse = tl.load(h_inverse_ptr + per_chunk, mask=v_in, other=1.0)
+        o = tl.dot(q16, S) * (scale * q_inverse)[:, None] * s_inverse[None, :]
+    else:
+        o = scale * _mm(q, S, PRECISION, EMULATE_BF16)
+    if GATED:
+        o = o * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
+
+    delta = tl.load(d_ptr + row[:, None] * V + vcol[None, :], mask=v_mask, other=0.0)
+    if VALUE16:
+        scores16, scores_inverse = _fp16_scaled(scores, True)
+        d_inverse = tl.load(d_inverse_ptr + per_chunk, mask=v_in, other=1.0)
+        o += tl.dot(scores16, delta) * scores_inverse[:, None] * d_inverse[None, :]
+    else:
+        o += _mm(scores, delta, PRECISION, EMULATE_BF16)
+    tl.store(o_ptr + token[:, None] * V + vcol[None, :], o.to(o_ptr.dtype.element_ty), mask=v_mask)
 
 
 # --------------------------------------------------------------------------- recurrent
@@ -371,7 +558,7 @@ def _resolve_precision(precision: str, dtype: torch.dtype) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
     if precision == "auto":
-        return "ieee" if dtype == torch.float32 else "tf32x3"
+        return {torch.float32: "ieee", torch.float16: "tf32x3"}.get(dtype, "mixed")
     return precision
 
 
@@ -390,7 +577,7 @@ def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torc
 def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
-    chunk_size: int = 64, precision: str = "auto", block_v: int | None = None, num_warps: int = 4,
+    chunk_size: int = 64, precision: str = "auto", block_v: int | None = None, num_warps: int | None = None,
     num_stages: int = 1,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """The chunkwise UT-transform kernels; g None is DeltaNet. Returns (o, (S,) or None)."""
@@ -398,29 +585,50 @@ def chunkwise(
     _check_choice("num_stages", num_stages, NUM_STAGES)
     _check_choice("block_v", block_v, BLOCK_VS)
     _check_choice("num_warps", num_warps, NUM_WARPS)
-    dot_precision = _resolve_precision(precision, q.dtype)
-    emulate_bf16 = dot_precision == "split" and interpreter_active()
+    resolved = _resolve_precision(precision, q.dtype)
+    state16 = resolved in ("mixed", "fp16")  # W and S in fp16
+    value16 = resolved == "fp16"  # U and Delta in fp16
+    dot_precision = {"mixed": "fp16x3"}.get(resolved, resolved)
+    # K^T Delta in the state pass: bf16 hi/lo Delta (2^-16) against the exact input K, two dots.
+    update_precision = "split" if state16 else resolved
+    prepare_precision = PREPARE_PRECISION_16 if state16 else resolved
+    product_precision = PRODUCT_PRECISION_16 if state16 else resolved
+    modes = dict(EMULATE_BF16=(resolved == "split" or state16) and interpreter_active(), STATE16=state16,
+                 VALUE16=value16)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BC, BK, BV = chunk_size, block_size(K), _block_v(V, K, block_v)
     n_chunks = triton.cdiv(T, BC)
     gated = g is not None
-    o, final = _outputs(q, v, return_state)
-    ut = torch.empty((B * H, n_chunks, BC, BC), dtype=torch.float32, device=q.device)
-    scores = torch.empty_like(ut)
     g_arg = g if gated else beta  # an unused pointer when ungated
+    o, final = _outputs(q, v, return_state)
+
+    def buffer(*shape: int, low: bool) -> torch.Tensor:
+        return torch.empty(shape, dtype=torch.float16 if low else torch.float32, device=q.device)
+
+    w, u = buffer(B * H, T, K, low=state16), buffer(B * H, T, V, low=value16)
+    h, d = buffer(B * H, n_chunks, K, V, low=state16), buffer(B * H, T, V, low=value16)
+    # Inverse scales of the fp16 tiles (allocated small and unused in the fp32 modes).
+    w_inverse = buffer(B * H, T if state16 else 1, low=False)
+    h_inverse = buffer(B * H, n_chunks if state16 else 1, V, low=False)
+    u_inverse, d_inverse = (buffer(B * H, n_chunks if value16 else 1, V, low=False) for _ in range(2))
+
     _chunk_prepare_kernel[(n_chunks, B * H)](
-        q, k, beta, g_arg, ut, scores, T, H, K, float(scale),
-        GATED=gated, BC=BC, BK=BK, LEVELS=int(math.log2(BC // SUB.value)),
-        PRECISION=dot_precision, EMULATE_BF16=emulate_bf16, num_warps=num_warps,
+        k, v, beta, g_arg, w, w_inverse, u, u_inverse, T, H, K, V,
+        GATED=gated, BC=BC, BK=BK, BV=min(64, block_size(V)), LEVELS=int(math.log2(BC // SUB.value)),
+        PRECISION=prepare_precision, PRODUCT_PRECISION=product_precision, num_warps=num_warps or 4, **modes,
     )
     initial = state[0] if state is not None else None
-    _chunk_scan_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g_arg, ut, scores, ut if initial is None else initial, o, ut if final is None else final,
-        T, H, K, V, float(scale),
+    _chunk_state_kernel[(triton.cdiv(V, BV), B * H)](
+        k, g_arg, w, w_inverse, u, u_inverse, w if initial is None else initial,
+        h, h_inverse, d, d_inverse, w if final is None else final, T, H, K, V,
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
-        BC=BC, BK=BK, BV=BV, PRECISION=dot_precision, EMULATE_BF16=emulate_bf16,
-        num_warps=num_warps, num_stages=num_stages,
+        BC=BC, BK=BK, BV=BV, PRECISION=dot_precision, UPDATE_PRECISION=update_precision,
+        num_warps=num_warps or 8, num_stages=num_stages, **modes,
+    )
+    _chunk_output_kernel[(n_chunks, B * H, triton.cdiv(V, BV))](
+        q, k, g_arg, h, h_inverse, d, d_inverse, o, T, H, K, V, float(scale),
+        GATED=gated, BC=BC, BK=BK, BV=BV, PRECISION=dot_precision, num_warps=num_warps or 4, **modes,
     )
     return o, ((final,) if return_state else None)
 
@@ -428,7 +636,7 @@ def chunkwise(
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
-    block_v: int | None = None, num_warps: int = 4,
+    block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """The token-by-token kernel; g None is DeltaNet. Returns (o, (S,) or None)."""
     _check_choice("block_v", block_v, BLOCK_VS)
@@ -444,6 +652,6 @@ def recurrent(
         final if final is not None else o,
         T, H, K, V, float(scale),
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
-        BK=BK, BV=BV, num_warps=num_warps,
+        BK=BK, BV=BV, num_warps=num_warps or 4,
     )
     return o, ((final,) if return_state else None)

@@ -18,15 +18,18 @@ sums over the chunk up to and including t; C is the chunk's last row):
     state:  S_{c+1} = (exp(Gk_C) exp(Gv_C)^T) * S_c
                       + (k * exp(Gk_C - Gk))^T (v * exp(Gv_C - Gv))
 
-Three launches: the chunk states (sequential over chunks, h_c kept in fp32),
-the intra-chunk scores A (fp32), the outputs (parallel over chunks).
+Three launches: the chunk states (sequential over chunks, the state kept in
+fp32), the intra-chunk scores A, the outputs (parallel over chunks).
 
-Every log decay is computed as a direct sum of the gates it spans (a prefix
-sum, or a suffix sum of the next row's gate), never as a difference of two
-cumulative sums: a difference G_t - G_j of chunk-level sums carries the
+Every log decay is a direct sum of the gates it spans, never a difference of
+two cumulative sums: a difference G_t - G_j of chunk-level sums carries the
 rounding of |G_t| (up to BT * |g|), which alone costs fp32 inputs 4-6x their
 rounding floor, while a direct sum's error scales with the decay exponent
-itself. Sums of gates <= 0 are <= 0, so no positive exponent is evaluated.
+itself. The sums are tensor-core dots of a 0/1 row-selection matrix with the
+gate tile (``_segment_sums``): the gates are values of the input dtype, so
+each product is exact and the dot accumulates in fp32 (an exact fp32 dot for
+fp32 inputs); one dot replaces a scan. Sums of gates <= 0 are <= 0, so no
+positive exponent is evaluated.
 
 A per-channel decay cannot be factored out of a dot as a whole, and the
 ``q * exp(G)`` / ``k * exp(-G)`` split overflows on strong gates. The intra
@@ -39,17 +42,35 @@ j in its lower half, and the last row r of the lower half sits between them
     exp(Gk_t - Gk_j) = exp(sum_{s in (r, t]} gk_s) * exp(sum_{s in (j, r]} gk_s),
 
 both factors <= 1, and each level is one tensor-core dot over full tiles
-(rows outside a level's halves zeroed before the dot, pairs across blocks
-masked after it): log2(BT) dots instead of BT^2 element-wise decays. The
-diagonal A_tt needs no decay. The value gate gv gets the same treatment on
-the V side of A @ v.
+(rows outside a level's halves zeroed before the dot; a pair keeps the value
+of the last level with t in an upper and j in a lower half, its own level):
+log2(BT) dots instead of BT^2 element-wise decays. The diagonal A_tt needs no
+decay. The scores kernel runs the levels HALF >= 16 on full [BT, BT] tiles and
+the levels below, which stay inside the 16 x 16 diagonal blocks, as batched
+dots over the chunk's sub-chunks of 16 rows ([BT / 16, 16, 16]): the same
+sums, without full-tile dots that are mostly zeros. The value gate gv gets
+the same treatment (full tiles, every level) on the V side of A @ v.
 
-Precision (``precision`` option, for fp16/bf16 inputs; fp32 inputs always use
-exact fp32 dots unless "tf32"/"tf32x3" is asked for): the decayed operands
-(q * exp(G), k * exp(...), v * exp(...)), the fp32 state and the fp32 scores
-are not values of the input dtype, so a dot on them is done as
+Precision (``precision`` option): the decayed operands (q * exp(G),
+k * exp(...), v * exp(...)), the fp32 state and the fp32 scores are not values
+of the input dtype, so a dot on them is done as
 
-- "split" (default): x = hi + lo with hi, lo in the input dtype, three
+- "auto" (default): "fp16" for bf16 inputs, "split" for fp16, "ieee" for fp32.
+- "fp16": both operands through fp16 in one tensor-core dot. Each operand
+  tile is scaled by a power of two to a peak in [2^13, 2^14) (``_pow2_scale``),
+  so bf16 values convert exactly (8 of fp16's 11 bits), fp32 ones carry 2^-11
+  relative error (4x below bf16's output rounding), nothing overflows and
+  values down to 2^-27 of the tile's peak stay normal; the scales come out of
+  the fp32 product exactly. One scale per tile, not per row or column, and
+  taken from a bound where one is known (a decay <= 1 only lowers a tile; q
+  and k, or k and v, share one): a reduction across warps costs more than the
+  dot it feeds. h and A are stored in fp16, already scaled, with one fp32
+  inverse scale per tile (h's from a running bound on |S|, A's from
+  |A| <= sum_K |q| |k|): half the bytes of fp32 and no scaling pass in the
+  output kernel. bf16 excess emulated at 1.01 (T = 64..4096, K = V = 128)
+  against 1.52-1.57 for "input" (with per-row scales; per tile they round the
+  same values to the same 11 bits).
+- "split": x = hi + lo with hi, lo in the input dtype, three
   tensor-core dots (hi.hi + hi.lo + lo.hi; two when the other operand is an
   input-dtype tensor). About 16 bits (bf16) or 22 bits (fp16) per operand.
 - "tf32x3": fp32 operands through ``input_precision="tf32x3"``.
@@ -58,14 +79,16 @@ are not values of the input dtype, so a dot on them is done as
 - "input": round the fp32 operand to the input dtype, one dot (what
   flash-linear-attention does; fastest, least accurate).
 
-fp16 has a narrow exponent range, so in "split" and "input" modes the rows of
-the left operand and the columns of the right one are first scaled to a
-maximum of 1 (the state can exceed 65504; tiny decayed values would lose
-their low part to underflow) and the scales reapplied to the fp32 product.
+fp32 inputs use exact fp32 dots in "auto", "fp16", "split" and "input". fp16
+has a narrow exponent range, so in "split" and "input" modes the rows of the
+left operand and the columns of the right one are first scaled to a maximum
+of 1 (the state can exceed 65504; tiny decayed values would lose their low
+part to underflow) and the scales reapplied to the fp32 product.
 
-Intermediates stay in fp32: the per-chunk states h and the scores A; only with
-"input" on bf16 are they stored in bf16 (every dot reading them rounds them to
-bf16 anyway), which halves the dominant memory traffic (h: B H T K V / BT).
+The per-chunk states h and the scores A are stored in fp32, except with "fp16"
+(scaled fp16, above) and with "input" on bf16 (bf16: every dot reading them
+rounds them to bf16 anyway); both halve the dominant memory traffic
+(h: B H T K V / BT).
 """
 
 from __future__ import annotations
@@ -76,7 +99,7 @@ import triton.language as tl
 
 from attnlab.kernels._util import block_size, triton_dtype
 
-PRECISIONS = ("split", "tf32x3", "tf32", "ieee", "input")
+PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
 
 # The fastest chunkwise setting (one bf16/fp16 tensor-core dot per product, h and A stored in
@@ -87,12 +110,13 @@ SPEED_OPTIONS = {"precision": "input"}
 # The chunkwise kernels' tunables (name -> (default, allowed values)); attnlab.kernel checks
 # them before a launch. chunk_size is the largest chunk (short sequences use one chunk of
 # next_pow2(T), at least 16); block_k / block_v are the K and V tiles (head dimensions above
-# them are looped over or split across programs); num_warps / num_stages go to every launch
-# (8 warps: at 4 the sm_90 build of the scores kernel spills ~1 KB a thread at 64-wide tiles).
+# them are looped over or split across programs); num_warps / num_stages go to every launch.
+# sm_90 builds at K = V = 128, bf16, "fp16" (ptxas): block_k 32 with 8 warps uses 181 registers in
+# the scores kernel, 128 in the states kernel and 96 in the output kernel, no spills (gla).
 CHUNKWISE_OPTIONS = {
     "chunk_size": (64, CHUNK_SIZES),
-    "precision": ("split", PRECISIONS),
-    "block_k": (64, (16, 32, 64, 128)),
+    "precision": ("auto", PRECISIONS),
+    "block_k": (32, (16, 32, 64, 128)),
     "block_v": (64, (16, 32, 64, 128)),
     "num_warps": (8, (1, 2, 4, 8)),
     "num_stages": (2, (1, 2, 3, 4)),
@@ -106,20 +130,62 @@ CHUNKWISE_OPTIONS = {
 
 @triton.jit
 def _normalise(x, AXIS: tl.constexpr):
-    """x = scale * y with max |y| = 1 along AXIS (rows: 1, columns: 0); scale 1 where x is 0."""
+    """x = scale * y with scale = 2^floor(log2(max |x|)) along AXIS (1 where the line is 0).
+
+    A power of two makes the rescaling exact, so each y rounds to fp16 exactly as x would at its
+    own magnitude: an entry's rounding does not depend on the other entries of its line (apart
+    from fp16 subnormals, 2^14 below the line's peak). Dividing by the peak itself made every
+    entry's rounding depend on the line's largest entry, which for a chunk's key rows includes
+    future positions: the property suite caught general's chunkwise kernel breaking bitwise
+    causality that way (fp16, T=38).
+    """
     peak = tl.max(tl.abs(x), axis=AXIS, keep_dims=True)
-    scale = tl.where(peak > 0, peak, 1.0)
+    power = (peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = tl.where(peak >= 1.1754943508222875e-38, power, 1.0)
     return x / scale, scale
+
+
+@triton.jit
+def _pow2_scale(x):
+    """Powers of two (scale, 1 / scale) with max |x * scale| over the whole tile in [2^13, 2^14):
+    bf16 values then convert to fp16 exactly (8 of its 11 bits), nothing overflows, and values
+    down to 2^-27 of the peak stay normal (smaller ones only matter below the output's rounding).
+    Built from the exponent field of the peak, so both are exact; an all-zero (or tiny) tile gets
+    the largest scale, 2^126. One scalar per tile: a reduction per row or column costs more than
+    the dot it feeds.
+    """
+    return _pow2_scale_of(_peak(x))
+
+
+@triton.jit
+def _peak(x):
+    """max |x| over a 2-D tile (a scalar)."""
+    return tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+
+
+@triton.jit
+def _pow2_scale_of(peak):
+    """_pow2_scale for any tile (or row, as a vector) whose max |x| is at most ``peak``."""
+    biased = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # peak = m 2^(biased - 127), m in [1, 2): scale 2^(140 - biased) puts it at m 2^13.
+    field = tl.minimum(tl.maximum(267 - biased, 1), 253)
+    return (field << 23).to(tl.float32, bitcast=True), ((254 - field) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, DT: tl.constexpr):
     """acc + a @ b in fp32, where a and b are each fp32 or of the input dtype DT.
 
-    PRECISION is "split", "input", or a tl.dot input_precision ("ieee", "tf32x3", "tf32"),
+    PRECISION is "fp16", "split", "input", or a tl.dot input_precision ("ieee", "tf32x3", "tf32"),
     which the driver always uses for fp32 inputs. DT operands are exact in every mode.
     """
-    if PRECISION == "split":
+    if PRECISION == "fp16":
+        a_scale, a_inverse = _pow2_scale(a.to(tl.float32))
+        b_scale, b_inverse = _pow2_scale(b.to(tl.float32))
+        product = tl.dot((a * a_scale).to(tl.float16), (b * b_scale).to(tl.float16), out_dtype=tl.float32)
+        # One inverse at a time: their product alone may leave fp32's range.
+        return acc + (product * a_inverse) * b_inverse
+    elif PRECISION == "split":
         return _dot_narrow(a, b, acc, True, DT)
     elif PRECISION == "input":
         return _dot_narrow(a, b, acc, False, DT)
@@ -131,14 +197,15 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DT: tl.constexpr):
 def _dot_narrow(a, b, acc, SPLIT: tl.constexpr, DT: tl.constexpr):
     """acc + a @ b by tensor-core dots in DT (fp16/bf16): an fp32 operand x is rounded to
     hi = DT(x) and, with SPLIT, its remainder lo = DT(x - hi) gets its own dot (lo.lo dropped).
-    For fp16 the fp32 operands are first normalised (rows of a, columns of b) to max 1."""
+    For fp16 the fp32 operands are first normalised (rows of a, columns of b) to max |.| in [1, 2); 3-D
+    operands are batches of 2-D ones."""
     A_WIDE: tl.constexpr = a.dtype == tl.float32
     B_WIDE: tl.constexpr = b.dtype == tl.float32
     NARROW: tl.constexpr = DT == tl.float16
     if A_WIDE and NARROW:
-        a, a_scale = _normalise(a, 1)
+        a, a_scale = _normalise(a, len(a.shape) - 1)
     if B_WIDE and NARROW:
-        b, b_scale = _normalise(b, 0)
+        b, b_scale = _normalise(b, len(b.shape) - 2)
     a_hi = a.to(DT)
     b_hi = b.to(DT)
     product = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
@@ -159,55 +226,48 @@ def _dot_narrow(a, b, acc, SPLIT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _level_masks(local, LEVEL: tl.constexpr):
-    """The masks of level HALF = 2^LEVEL over chunk rows: ``upper`` [BT, 1] (the row lies in the
-    upper half of its aligned block of 2 HALF rows) and ``same_block`` [BT, BT] (both rows lie in
-    one such block)."""
-    HALF: tl.constexpr = 1 << LEVEL
-    upper = ((local % (2 * HALF)) >= HALF)[:, None]
-    same_block = (local[:, None] // (2 * HALF)) == (local[None, :] // (2 * HALF))
-    return upper, same_block
+def _segment_sums(g, select, DT: tl.constexpr):
+    """select @ g in fp32: row x gets the direct sum of the gate rows s with select[x, s] = 1.
+
+    The gates are values of the input dtype and select is 0/1, so every product is exact and one
+    tensor-core dot gives fp32 sums (for fp32 gates an exact fp32 dot): the error scales with
+    the sum itself, as for a sequential sum, with no scan and no layout change.
+    """
+    if DT == tl.float32:
+        return tl.dot(select.to(tl.float32), g.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(select.to(DT), g.to(DT), out_dtype=tl.float32)
 
 
 @triton.jit
-def _level_exponents(g, g_next, local, LEVEL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    """Log decays to the reference rows of level HALF = 2^LEVEL (module docstring), per row x of a
-    chunk tile. (LEVEL, not HALF, is the argument: a static_range loop variable stays a constexpr
-    only as such; ``1 << level`` in the loop body would be a tensor on the GPU compiler.)
+def _level_select(local, LEVEL: tl.constexpr):
+    """The masks of level HALF = 2^LEVEL over chunk rows (module docstring), each from row indices.
 
-    Rows pair up in aligned halves of HALF rows; r is the last row of a lower half. A row x of an
-    upper half gets sum_{s in (r, x]} g_s (an inclusive prefix sum within its half), a row of a
-    lower half sum_{s in (x, r]} g_s (a suffix sum of ``g_next``, g_next[x] = g[x + 1], within its
-    half). Sums of gates <= 0, so every result is <= 0.
+    ``upper`` [BT, 1], ``lower`` [1, BT]: the row (column) lies in the upper (lower) half of its
+    aligned block of 2 HALF rows.
+    ``same_block`` [BT, BT]: both rows lie in one such block.
+    ``select`` [BT, BT]: the gate rows whose sum is a row's log decay to its reference row r, the
+    last row of the lower half: (r, x] for an upper row x, (x, r] for a lower row x; in both cases
+    the rows s of x's own half with s <= x (upper) or s > x (lower).
+    (LEVEL, not HALF, is the argument: a static_range loop variable stays a constexpr only as
+    such; ``1 << level`` in the loop body would be a tensor on the GPU compiler.)
     """
     HALF: tl.constexpr = 1 << LEVEL
-    upper = (local % (2 * HALF)) >= HALF
-    if HALF == 1:
-        # (r, x] = {x} on an upper row; (x, r] is empty on a lower one.
-        return tl.where(upper[:, None], g, 0.0)
-    else:
-        halves: tl.constexpr = BT // HALF
-        inside = tl.where(((local % HALF) == HALF - 1)[:, None], 0.0, g_next)
-        prefix = tl.reshape(tl.cumsum(tl.reshape(g, [halves, HALF, BD]), axis=1), [BT, BD])
-        suffix = tl.reshape(tl.cumsum(tl.reshape(inside, [halves, HALF, BD]), axis=1, reverse=True), [BT, BD])
-        return tl.where(upper[:, None], prefix, suffix)
+    upper = ((local % (2 * HALF)) >= HALF)[:, None]
+    lower = ((local % (2 * HALF)) < HALF)[None, :]
+    same_block = (local[:, None] // (2 * HALF)) == (local[None, :] // (2 * HALF))
+    same_half = (local[:, None] // HALF) == (local[None, :] // HALF)
+    after = local[None, :] > local[:, None]
+    select = same_half & (upper != after)
+    return upper, lower, same_block, select
 
 
-@triton.jit
-def _load_gate(g_ptr, b, h, rows, cols, T, H, D: tl.constexpr, chunk_end):
-    """The gate tile g[b, rows, h, cols] and its next-row tile g[b, rows + 1, h, cols] in fp32,
-    both 0 outside the sequence; the next-row tile is also 0 past ``chunk_end``."""
-    col_mask = (cols < D)[None, :]
-    offsets = ((b * T + rows[:, None]) * H + h) * D + cols[None, :]
-    g = tl.load(g_ptr + offsets, mask=(rows < T)[:, None] & col_mask, other=0.0).to(tl.float32)
-    next_mask = ((rows + 1 < T) & (rows + 1 < chunk_end))[:, None] & col_mask
-    g_next = tl.load(g_ptr + offsets + H * D, mask=next_mask, other=0.0).to(tl.float32)
-    return g, g_next
-
-
-@triton.jit
+# NT is not specialized: with NT == 1 (one chunk) the H200 build returned a wrong final state for
+# general (value gate present) at T = 64 while every longer sequence was right; a generic trip count
+# keeps the single-chunk case on the code path the longer ones take.
+@triton.jit(do_not_specialize=["NT"])
 def _chunk_states_kernel(
-    k_ptr, v_ptr, gk_ptr, gv_ptr, h_ptr, initial_ptr, final_ptr,
+    k_ptr, v_ptr, gk_ptr, gv_ptr, h_ptr, h_scale_ptr, v_scale_ptr, initial_ptr, final_ptr,
     T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -219,6 +279,13 @@ def _chunk_states_kernel(
     gk_after[j] = sum of gk over the chunk's rows after j (a suffix sum), gk_total over all of it.
     One program per (K block, V block, batch*head), looping over the chunks in order; the gates
     act per row and per column of S, so K and V blocks are independent.
+
+    With "fp16" k and v are scaled by one power of two from the joint peak of their input
+    tiles (decays <= 1 only lower them), and h is stored as fp16 S * s with the inverse scale per
+    (chunk, K block, V block) in h_scale: s comes from a running bound on |S| (the initial peak
+    plus BT peak^2 per chunk), so no reduction over S is needed, and the values stay normal fp16
+    down to 2^-27 of the bound. The V tile's inverse scale goes to v_scale for the output
+    kernel's A @ v.
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -230,6 +297,8 @@ def _chunk_states_kernel(
     h = bh % H
     bh64 = bh.to(tl.int64)
     local = tl.arange(0, BT)
+    # Suffix sums within the chunk (rows past T load as gate 0).
+    after = local[None, :] > local[:, None]
     keys = kb * BK + tl.arange(0, BK)
     values = vb * BV + tl.arange(0, BV)
     key_mask = keys < K
@@ -239,26 +308,48 @@ def _chunk_states_kernel(
 
     if HAS_INITIAL:
         S = tl.load(initial_ptr + bh64 * K * V + state_offsets, mask=state_mask, other=0.0)
+        bound = _peak(S)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
+        bound = tl.full([], 0.0, tl.float32)
 
     for c in range(0, NT):
-        tl.store(h_ptr + (bh64 * NT + c) * K * V + state_offsets, S.to(h_ptr.dtype.element_ty), mask=state_mask)
+        h_offsets = (bh64 * NT + c) * K * V + state_offsets
+        if PRECISION == "fp16":
+            S_scale, S_inverse = _pow2_scale_of(bound)
+            tl.store(h_ptr + h_offsets, (S * S_scale).to(tl.float16), mask=state_mask)
+            tl.store(h_scale_ptr + ((bh64 * NT + c) * NK + kb) * NV + vb, S_inverse)
+        else:
+            tl.store(h_ptr + h_offsets, S.to(h_ptr.dtype.element_ty), mask=state_mask)
         rows = c * BT + local
         row_mask = rows < T
-        k = tl.load(k_ptr + ((b * T + rows[:, None]) * H + h) * K + keys[None, :],
-                    mask=row_mask[:, None] & key_mask[None, :], other=0.0)
-        v = tl.load(v_ptr + ((b * T + rows[:, None]) * H + h) * V + values[None, :],
-                    mask=row_mask[:, None] & value_mask[None, :], other=0.0)
+        k_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
+        k_mask = row_mask[:, None] & key_mask[None, :]
+        v_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
+        v_mask = row_mask[:, None] & value_mask[None, :]
+        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)
+        v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
+        if PRECISION == "fp16":
+            # One scale for k and v: one reduction across warps instead of two.
+            peak = tl.max(tl.maximum(tl.max(tl.abs(k.to(tl.float32)), axis=1),
+                                     tl.max(tl.abs(v.to(tl.float32)), axis=1)), axis=0)
+            kv_scale, kv_inverse = _pow2_scale_of(peak)
+            tl.store(v_scale_ptr + (bh64 * NT + c) * NV + vb, kv_inverse, mask=kb == 0)
+            bound += BT * peak * peak
         if HAS_GK:
-            gk, gk_next = _load_gate(gk_ptr, b, h, rows, keys, T, H, K, c * BT + BT)
-            k = k.to(tl.float32) * tl.exp(tl.cumsum(gk_next, axis=0, reverse=True))
-            S = S * tl.exp(tl.sum(gk, axis=0))[:, None]
+            gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
+            k = k.to(tl.float32) * tl.exp(_segment_sums(gk, after, DT))
+            S = S * tl.exp(tl.sum(gk.to(tl.float32), axis=0))[:, None]
         if HAS_GV:
-            gv, gv_next = _load_gate(gv_ptr, b, h, rows, values, T, H, V, c * BT + BT)
-            v = v.to(tl.float32) * tl.exp(tl.cumsum(gv_next, axis=0, reverse=True))
-            S = S * tl.exp(tl.sum(gv, axis=0))[None, :]
-        S = _dot(tl.trans(k), v, S, PRECISION, DT)
+            gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
+            v = v.to(tl.float32) * tl.exp(_segment_sums(gv, after, DT))
+            S = S * tl.exp(tl.sum(gv.to(tl.float32), axis=0))[None, :]
+        if PRECISION == "fp16":
+            update = tl.dot(tl.trans((k * kv_scale).to(tl.float16)), (v * kv_scale).to(tl.float16),
+                            out_dtype=tl.float32)
+            S += (update * kv_inverse) * kv_inverse
+        else:
+            S = _dot(tl.trans(k), v, S, PRECISION, DT)
 
     if STORE_FINAL:
         tl.store(final_ptr + bh64 * K * V + state_offsets, S, mask=state_mask)
@@ -266,18 +357,28 @@ def _chunk_states_kernel(
 
 @triton.jit
 def _chunk_scores_kernel(
-    q_ptr, k_ptr, gk_ptr, A_ptr,
+    q_ptr, k_ptr, gk_ptr, A_ptr, A_scale_ptr,
     T, H, NT,
-    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, LEVELS: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr,
+    LEVELS: tl.constexpr, SUB_LEVELS: tl.constexpr,
     HAS_GK: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr,
 ):
     """The intra-chunk scores A_tj = sum_k q_t[k] k_j[k] exp(Gk_t[k] - Gk_j[k]) for j <= t, 0 above.
 
-    With a key gate, level HALF = 2^l (l < LEVELS = log2 BT) takes the pairs t > j in one aligned
-    block of 2 HALF rows, t in its upper half, j in its lower half; with E = exp(_level_exponents)
-        A += same_block * (upper * q * E) @ (lower * k * E)^T
-    and the diagonal is sum_k q_t[k] k_t[k]. A is not scaled. One program per (chunk, batch*head).
+    With a key gate the chunk is cut into NC = BT / BC sub-chunks of BC rows. Pairs in different
+    sub-chunks take the levels HALF = BC, 2 BC, ..., BT / 2 of the reference-row hierarchy on the
+    whole chunk (one full-tile dot each, per K block of BK); with E = exp(select_l @ gk)
+        A += (upper * q * E) @ (lower * k * E)^T    (kept where t is upper and j lower)
+    Pairs within a sub-chunk (its BC x BC diagonal block) take the levels HALF = 1, ..., BC / 2
+    on the same rows viewed as [NC, BC, BK] (batched dots over the sub-chunks), and
+    A_tt = sum_k q_t[k] k_t[k]: full-tile levels would spend most of their work on zeros there.
+    One program per (chunk, batch*head).
+
+    With "fp16", q and k are scaled together per K block by a power of two (|q * E| <= |q|, so
+    every level's operands then fit fp16) and A is stored as fp16 A * s with the inverse scale in
+    A_scale; s comes from the bound |A| <= sum over K blocks of BK peak^2 (no reduction over A).
     """
+    NC: tl.constexpr = BT // BC
     pid = tl.program_id(0)
     c = pid % NT
     bh = pid // NT
@@ -286,8 +387,13 @@ def _chunk_scores_kernel(
     local = tl.arange(0, BT)
     rows = c * BT + local
     row_mask = rows < T
+    # The chunk's rows as [NC, BC, 1]: sub-chunk m, row i is chunk row m * BC + i.
+    sub = tl.arange(0, BC)
+    rows3 = c * BT + tl.arange(0, NC)[:, None, None] * BC + sub[None, :, None]
     scores = tl.zeros([BT, BT], dtype=tl.float32)
-    diagonal = tl.zeros([BT], dtype=tl.float32)
+    blocks = tl.zeros([NC, BC, BC], dtype=tl.float32)
+    diagonal = tl.zeros([NC, BC], dtype=tl.float32)
+    bound = tl.full([], 0.0, tl.float32)
 
     for k0 in range(0, K, BK):
         keys = k0 + tl.arange(0, BK)
@@ -296,31 +402,99 @@ def _chunk_scores_kernel(
         q = tl.load(q_ptr + offsets, mask=mask, other=0.0)
         k = tl.load(k_ptr + offsets, mask=mask, other=0.0)
         if HAS_GK:
-            gk, gk_next = _load_gate(gk_ptr, b, h, rows, keys, T, H, K, c * BT + BT)
+            gk = tl.load(gk_ptr + offsets, mask=mask, other=0.0)
             q = q.to(tl.float32)
             k = k.to(tl.float32)
-            diagonal += tl.sum(q * k, axis=1)
-            for level in tl.static_range(LEVELS):
-                upper, same_block = _level_masks(local, level)
-                decay = tl.exp(_level_exponents(gk, gk_next, local, level, BT, BK))
-                q_decayed = tl.where(upper, q * decay, 0.0)
-                k_decayed = tl.where(upper, 0.0, k * decay)
-                level_scores = _dot(q_decayed, tl.trans(k_decayed), tl.zeros([BT, BT], dtype=tl.float32),
-                                    PRECISION, DT)
-                scores += tl.where(same_block, level_scores, 0.0)
+            if PRECISION == "fp16":
+                peak = _peak(tl.maximum(tl.abs(q), tl.abs(k)))
+                bound += BK * peak * peak
+                qk_scale, qk_inverse = _pow2_scale_of(peak)
+            if BT > BC:
+                if PRECISION == "fp16":
+                    q = q * qk_scale
+                    k = k * qk_scale
+                zero = tl.zeros([BT, BT], dtype=tl.float32)
+                block_scores = zero
+                for level in tl.static_range(SUB_LEVELS, LEVELS):
+                    upper, lower, _, select = _level_select(local, level)
+                    block_scores = tl.where(upper & lower, _level_scores(q, k, gk, upper, select, zero, PRECISION, DT),
+                                            block_scores)
+                # A pair t > j keeps the value of the last level with bit LEVEL set in t and clear in
+                # j: its highest differing bit, its own level (in one aligned block).
+                if PRECISION == "fp16":
+                    block_scores = (block_scores * qk_inverse) * qk_inverse
+                scores += block_scores
+
+            offsets3 = ((b * T + rows3) * H + h) * K + keys[None, None, :]
+            mask3 = (rows3 < T) & (keys < K)[None, None, :]
+            q3 = tl.load(q_ptr + offsets3, mask=mask3, other=0.0).to(tl.float32)
+            k3 = tl.load(k_ptr + offsets3, mask=mask3, other=0.0).to(tl.float32)
+            gk3 = tl.load(gk_ptr + offsets3, mask=mask3, other=0.0)
+            diagonal += tl.sum(q3 * k3, axis=2)
+            if PRECISION == "fp16":
+                q3 = q3 * qk_scale
+                k3 = k3 * qk_scale
+            zero3 = tl.zeros([NC, BC, BC], dtype=tl.float32)
+            block_scores3 = zero3
+            for level in tl.static_range(SUB_LEVELS):
+                upper, lower, _, select = _level_select(sub, level)
+                select3 = tl.broadcast_to(select[None, :, :], (NC, BC, BC))
+                block_scores3 = tl.where(upper[None, :, :] & lower[None, :, :],
+                                         _level_scores(q3, k3, gk3, upper[None, :, :], select3,
+                                                       zero3, PRECISION, DT),
+                                         block_scores3)
+            if PRECISION == "fp16":
+                block_scores3 = (block_scores3 * qk_inverse) * qk_inverse
+            blocks += block_scores3
         else:
             scores = _dot(q, tl.trans(k), scores, PRECISION, DT)
 
+    if PRECISION == "fp16":
+        if not HAS_GK:
+            bound = _peak(scores)
+        A_scale, A_inverse = _pow2_scale_of(bound)
+        tl.store(A_scale_ptr + bh.to(tl.int64) * NT + c, A_inverse)
+    else:
+        A_scale = 1.0
+    A_base = A_ptr + (bh.to(tl.int64) * NT + c) * BT * BT
+    causal = local[:, None] >= local[None, :]
     if HAS_GK:
-        scores = tl.where(local[:, None] == local[None, :], diagonal[:, None], scores)
-    scores = tl.where(local[:, None] >= local[None, :], scores, 0.0)
-    A_offsets = (bh.to(tl.int64) * NT + c) * BT * BT + local[:, None] * BT + local[None, :]
-    tl.store(A_ptr + A_offsets, scores.to(A_ptr.dtype.element_ty))
+        # Everything but the diagonal blocks here (the pairs in different sub-chunks, zeros above
+        # the diagonal); the diagonal blocks below.
+        tl.store(A_base + local[:, None] * BT + local[None, :],
+                 (tl.where(causal, scores, 0.0) * A_scale).to(A_ptr.dtype.element_ty),
+                 mask=(local[:, None] // BC) != (local[None, :] // BC))
+        blocks = tl.where(sub[:, None] == sub[None, :], diagonal[:, :, None], blocks)
+        blocks = tl.where(sub[:, None] >= sub[None, :], blocks, 0.0)
+        block_rows = rows3 - c * BT
+        tl.store(A_base + block_rows * BT + (block_rows - sub[None, :, None]) + sub[None, None, :],
+                 (blocks * A_scale).to(A_ptr.dtype.element_ty))
+    else:
+        tl.store(A_base + local[:, None] * BT + local[None, :],
+                 (tl.where(causal, scores, 0.0) * A_scale).to(A_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _level_scores(q, k, g, upper, select, zero, PRECISION: tl.constexpr, DT: tl.constexpr):
+    """One level of the hierarchy: (upper * q * E) @ (lower * k * E)^T with E = exp(select @ g),
+    over the last two dimensions (2-D tiles, or batches of them); zero has the result's shape.
+    With "fp16", q and k are already scaled to fp16's range."""
+    decay = tl.exp(_segment_sums(g, select, DT))
+    q_decayed = tl.where(upper, q * decay, 0.0)
+    k_decayed = tl.where(upper, 0.0, k * decay)
+    if len(q.shape) == 3:
+        k_decayed = tl.permute(k_decayed, (0, 2, 1))
+    else:
+        k_decayed = tl.trans(k_decayed)
+    if PRECISION == "fp16":
+        return tl.dot(q_decayed.to(tl.float16), k_decayed.to(tl.float16), out_dtype=tl.float32)
+    else:
+        return _dot(q_decayed, k_decayed, zero, PRECISION, DT)
 
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, v_ptr, gk_ptr, gv_ptr, h_ptr, A_ptr, o_ptr,
+    q_ptr, v_ptr, gk_ptr, gv_ptr, h_ptr, h_scale_ptr, v_scale_ptr, A_ptr, A_scale_ptr, o_ptr,
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
@@ -330,9 +504,13 @@ def _chunk_output_kernel(
 
     Gk, Gv are the gates' prefix sums over the chunk. Without gv, intra = A @ v. With gv the
     value-side decay acts per value channel, so intra reuses the scores kernel's levels on the
-    V side, with E = exp(_level_exponents(gv)):
+    V side, with E = exp(select_l @ gv):
         intra = diag(A) v + sum_levels (upper * E) * ((same_block * A) @ (lower * v * E))
+    With "fp16", h and A arrive as scaled fp16 with their inverse scales, v's tile scale comes
+    from the states kernel, and q * exp(Gk) is scaled per row (a reduction within a warp): no
+    reduction across warps.
     """
+    NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
     vb = pid % NV
@@ -342,6 +520,8 @@ def _chunk_output_kernel(
     h = bh % H
     bh64 = bh.to(tl.int64)
     local = tl.arange(0, BT)
+    # Prefix sums within the chunk, each row's own gate included.
+    upto = local[None, :] <= local[:, None]
     rows = c * BT + local
     row_mask = rows < T
     values = vb * BV + tl.arange(0, BV)
@@ -355,28 +535,55 @@ def _chunk_output_kernel(
         q_mask = row_mask[:, None] & key_mask[None, :]
         q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
         if HAS_GK:
-            gk = tl.load(gk_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)
-            q = q.to(tl.float32) * tl.exp(tl.cumsum(gk, axis=0))
+            gk = tl.load(gk_ptr + q_offsets, mask=q_mask, other=0.0)
+            q = q.to(tl.float32) * tl.exp(_segment_sums(gk, upto, DT))
         state_offsets = (bh64 * NT + c) * K * V + keys[:, None] * V + values[None, :]
         S = tl.load(h_ptr + state_offsets, mask=key_mask[:, None] & value_mask[None, :], other=0.0)
-        inter = _dot(q, S, inter, PRECISION, DT)
+        if PRECISION == "fp16":
+            q = q.to(tl.float32)
+            q_scale, q_inverse = _pow2_scale_of(tl.max(tl.abs(q), axis=1, keep_dims=True))
+            S_inverse = tl.load(h_scale_ptr + ((bh64 * NT + c) * NK + k0 // BK) * NV + vb)
+            product = tl.dot((q * q_scale).to(tl.float16), S, out_dtype=tl.float32)
+            inter += (product * q_inverse) * S_inverse
+        else:
+            inter = _dot(q, S, inter, PRECISION, DT)
 
     v_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
     v_mask = row_mask[:, None] & value_mask[None, :]
     v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
-    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :]).to(tl.float32)
+    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :])
+    if PRECISION == "fp16":
+        # Exact powers of two: A is A_scaled * A_inverse, and v * v_scale fits fp16 (the states
+        # kernel's scale for this tile); masking and decays (<= 1) only lower them.
+        A_scaled = A
+        A_inverse = tl.load(A_scale_ptr + bh64 * NT + c)
+        v_inverse = tl.load(v_scale_ptr + (bh64 * NT + c) * NV + vb)
+        v_scale = 1.0 / v_inverse
+        A = A.to(tl.float32) * A_inverse
+    else:
+        A = A.to(tl.float32)
 
     if HAS_GV:
-        gv, gv_next = _load_gate(gv_ptr, b, h, rows, values, T, H, V, c * BT + BT)
+        gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
         v = v.to(tl.float32)
         diagonal = tl.sum(tl.where(local[:, None] == local[None, :], A, 0.0), axis=1)
-        o = inter * tl.exp(tl.cumsum(gv, axis=0)) + diagonal[:, None] * v
+        o = inter * tl.exp(_segment_sums(gv, upto, DT)) + diagonal[:, None] * v
+        if PRECISION == "fp16":
+            v_scaled = v * v_scale
         for level in tl.static_range(LEVELS):
-            upper, same_block = _level_masks(local, level)
-            decay = tl.exp(_level_exponents(gv, gv_next, local, level, BT, BV))
-            level_o = _dot(tl.where(same_block, A, 0.0), tl.where(upper, 0.0, v * decay),
-                           tl.zeros([BT, BV], dtype=tl.float32), PRECISION, DT)
+            upper, _, same_block, select = _level_select(local, level)
+            decay = tl.exp(_segment_sums(gv, select, DT))
+            if PRECISION == "fp16":
+                level_o = tl.dot(tl.where(same_block, A_scaled, 0.0).to(tl.float16),
+                                 tl.where(upper, 0.0, v_scaled * decay).to(tl.float16), out_dtype=tl.float32)
+                level_o = (level_o * A_inverse) * v_inverse
+            else:
+                level_o = _dot(tl.where(same_block, A, 0.0), tl.where(upper, 0.0, v * decay),
+                               tl.zeros([BT, BV], dtype=tl.float32), PRECISION, DT)
             o += tl.where(upper, decay, 0.0) * level_o
+    elif PRECISION == "fp16":
+        product = tl.dot(A_scaled, (v.to(tl.float32) * v_scale).to(tl.float16), out_dtype=tl.float32)
+        o = inter + (product * A_inverse) * v_inverse
     else:
         o = _dot(A, v, inter, PRECISION, DT)
 
@@ -452,8 +659,8 @@ def chunkwise(
     state: tuple[torch.Tensor, ...] | None,
     return_state: bool,
     chunk_size: int = 64,
-    precision: str = "split",
-    block_k: int = 64,
+    precision: str = "auto",
+    block_k: int = 32,
     block_v: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
@@ -469,8 +676,11 @@ def chunkwise(
     BK = min(block_k, block_size(K))
     BV = min(block_v, block_size(V))
     levels = BT.bit_length() - 1
+    BC = min(16, BT)  # the scores kernel's sub-chunks
     DT = triton_dtype(q.dtype)
-    if DT == tl.float32 and precision in ("split", "input"):
+    if precision == "auto":
+        precision = {tl.bfloat16: "fp16", tl.float16: "split", tl.float32: "ieee"}[DT]
+    if DT == tl.float32 and precision in ("fp16", "split", "input"):
         precision = "ieee"  # the operands already are fp32: splitting or rounding changes nothing
     device = q.device
 
@@ -480,22 +690,31 @@ def chunkwise(
     # "input" rounds h and A to the input dtype before every dot that reads them, so storing them
     # rounded changes nothing and halves their memory traffic (h alone is B*H*T*K*V/BT floats).
     # Not for fp16, whose "input" dots first normalise the fp32 values (the state may exceed 65504).
+    # "fp16" stores them as scaled fp16 (what its dots read) with one fp32 inverse scale per tile.
     rounded = precision == "input" and DT == tl.bfloat16
-    intermediate_dtype = q.dtype if rounded else torch.float32
+    intermediate_dtype = torch.float16 if precision == "fp16" else q.dtype if rounded else torch.float32
     h = torch.empty((B * H, NT, K, V), dtype=intermediate_dtype, device=device)
     final = torch.empty((B, H, K, V), dtype=torch.float32, device=device) if return_state else h
     A = torch.empty((B * H, NT, BT, BT), dtype=intermediate_dtype, device=device)
+    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    fp16 = precision == "fp16"
+    h_scale = torch.empty((B * H, NT, NK, NV) if fp16 else (1,), dtype=torch.float32, device=device)
+    v_scale = torch.empty((B * H, NT, NV) if fp16 else (1,), dtype=torch.float32, device=device)
+    A_scale = torch.empty((B * H, NT) if fp16 else (1,), dtype=torch.float32, device=device)
     o = torch.empty_like(v)
     flags = dict(HAS_GK=gk is not None, PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
 
-    _chunk_states_kernel[(triton.cdiv(K, BK) * triton.cdiv(V, BV) * B * H,)](
-        k, v, gk_arg, gv_arg, h, initial, final, T, H, NT,
+    _chunk_states_kernel[(NK * NV * B * H,)](
+        k, v, gk_arg, gv_arg, h, h_scale, v_scale, initial, final, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_GV=gv is not None,
         HAS_INITIAL=state is not None, STORE_FINAL=return_state, **flags,
     )
-    _chunk_scores_kernel[(NT * B * H,)](q, k, gk_arg, A, T, H, NT, K=K, BT=BT, BK=BK, LEVELS=levels, **flags)
-    _chunk_output_kernel[(triton.cdiv(V, BV) * NT * B * H,)](
-        q, v, gk_arg, gv_arg, h, A, o, scale, T, H, NT,
+    _chunk_scores_kernel[(NT * B * H,)](
+        q, k, gk_arg, A, A_scale, T, H, NT, K=K, BT=BT, BK=BK, BC=BC,
+        LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **flags,
+    )
+    _chunk_output_kernel[(NV * NT * B * H,)](
+        q, v, gk_arg, gv_arg, h, h_scale, v_scale, A, A_scale, o, scale, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, HAS_GV=gv is not None, **flags,
     )
     return o, ((final,) if return_state else None)

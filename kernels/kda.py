@@ -7,8 +7,9 @@ v and o are [B, T, H, V], beta is [B, T, H], the state S is [B, H, K, V] in
 fp32. g holds per-key-channel log gates (<= 0): exp(g_t) scales the rows of S.
 Inputs are fp16, bf16 or fp32 (one dtype); o comes back in that dtype.
 Everything inside is fp32: gates, cumulative gates, the UT inverse, every
-intermediate block and the carried state. No tensor is rounded to 16 bits
-before a dot; the fp32 dots run at the ``precision`` OPTION (see below).
+intermediate block, the scratch buffers between the kernels and the carried
+state; the fp32 dots run at the ``precision`` OPTION (see below), which for
+bf16 inputs rounds their operands to fp16 after a power-of-two scaling.
 
 Chunkwise form: seed 000's UT transform with the per-channel gates folded in,
 exactly oracles/_chunks.py's ``delta_chunk``. For one chunk of C positions
@@ -17,62 +18,83 @@ with chunk-local cumulative gates G [C, K] (G_t = sum_{s<=t} g_s, fp32):
     A_kk[t, j] = sum_c k_tc k_jc exp(G_tc - G_jc)              (t > j)
     A_qk[t, j] = scale sum_c q_tc k_jc exp(G_tc - G_jc)        (t >= j)
     L = Diag(beta) A_kk,   T = (I + L)^-1 Diag(beta)           (fp32, never rounded)
-    Delta = T (V - (K * exp(G)) S)                             (= U - W S of the seed)
-    O = scale (Q * exp(G)) S + A_qk Delta
-    S_next = exp(G_C) * S (rows) + (K * exp(G_C - G))^T Delta
+    W = T (K * exp(G)),  U = T V,  Qg = scale Q * exp(G),  Kd = K * exp(G_C - G)
+    Delta = U - W S
+    O = Qg S + A_qk Delta
+    S_next = exp(G_C) * S (rows) + Kd^T Delta
 
 Two kernels do it:
 
 1. ``_kda_intra_chunk_kernel``, grid (chunks, B*H), all chunks in parallel:
-   A_kk and A_qk by secondary chunking (sub-chunks of 16 rows), the inverse by
-   block forward substitution, then T and A_qk (fp32) go to scratch buffers.
-   The pairwise decay exp(G_t - G_j) does not factor out of a dot as a whole;
-   for a sub-chunk of query rows starting at row r, every key row j < r is
-   paired through the anchor r: exp(G_t - G_r) exp(G_r - G_j), both exponents
-   <= 0 because j < r <= t. The anchor is the sub-chunk's FIRST row, so it is
-   never later than the query it serves (no future row enters, also in a
-   partial trailing sub-chunk). Diagonal 16 x 16 blocks are computed
-   elementwise in fp32 with the exponent masked to -inf above the diagonal
-   before exp. Key channels are summed in slices of 32 (the decays are per
-   channel), which keeps the M=16 dot operands small: compiled offline for
-   sm_90 (ptxas) at K=128 it uses 255 registers at 4 warps and does not spill.
+   everything that does not need the carried state. A_kk and A_qk by
+   secondary chunking (sub-chunks of 16 rows), the inverse by block forward
+   substitution, then W, U, Qg, Kd, exp(G_C) and A_qk go to fp32 scratch
+   buffers ([B*H, chunks*C, *], the last chunk padded). The pairwise decay
+   exp(G_t - G_j) does not factor out of a dot as a whole; for a sub-chunk
+   of query rows starting at row r, every key row j < r is paired through
+   the anchor r: exp(G_t - G_r) exp(G_r - G_j), both exponents <= 0 because
+   j < r <= t. The anchor is the sub-chunk's FIRST row, so it is never later
+   than the query it serves (no future row enters, also in a partial
+   trailing sub-chunk). Diagonal 16 x 16 blocks use the same anchors by
+   halving: at level h (8, 4, 2, 1) each group of 2h rows pairs its later
+   half with its earlier half through the later half's first row, so every
+   pair t > j is formed once, by one [16, BKC] x [BKC, 16] dot per level
+   (the former [16, 16, 16] exp tiles, summed over channels with shuffles,
+   and 16-channel steps with a barrier each kept the kernel latency-bound:
+   6.9 ms at the bench shape). A_qk's diagonal t = j is sum_c q_tc k_tc.
 2. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
    the fp32 state stays in registers as up to four blocks of 64 key channels
    (as fla does: a whole [K, BV] fp32 tile and its [C, K] operands do not fit
-   the registers and shared memory at K >= 128); per chunk it forms Delta,
-   writes O and advances S, one key-channel block at a time. Fusing the output here saves storing per-chunk states (fp32
+   the registers and shared memory at K >= 128); per chunk four dots
+   (W S, Qg S, A_qk Delta, Kd^T Delta) and no exp or cumsum: all gate work is
+   in kernel 1. Fusing the output here saves storing per-chunk states (fp32
    [B, H, T/C, K, V] would cost more traffic than q, k, v and o together).
 
 Every exponent evaluated is <= 0 (cross-time factors exp(G_t - G_j) with
 t >= j, exp(G) and exp(G_C - G)); entries that would have a positive exponent
 are masked to -inf first, so strong decays (-20 per step and beyond) only
-underflow to 0. Each exponent is summed over just the steps it spans
-(G_t - G_j = sum_{j<s<=t} g_s by a masked cumsum, suffix sums for G_r - G_j
-and G_C - G_t), never taken as a difference of two cumulative sums: its
+underflow to 0. Each exponent is summed over just the steps it spans, as
+a product span @ g of a 0/1 matrix with the gates (``_span_sums``: one
+tensor-core dot in the gates' own 16-bit dtype, exact products and fp32
+sums of same-signed terms; fp32 on CUDA cores for fp32 gates), never taken
+as a difference of two cumulative sums: its
 rounding error is then relative to itself, not to the decay accumulated
 before it (a difference of cumulative sums loses about u * |G| to
 cancellation, which at -20 per step tripled the fp32 error).
 
 OPTIONS (chunkwise):
 - ``chunk_size`` (64; 16, 32 or 64): C, a multiple of the 16-row sub-chunk.
-- ``precision`` ("auto"): tl.dot input precision of the fp32 x fp32 dots.
-  "auto" is "bf16x3" for fp16/bf16 inputs (each fp32 operand split into bf16
-  hi + lo, three bf16 tensor-core products, about 2^-16 relative per product:
-  far below the rounding floors 2^-9 of bf16 and 2^-11 of fp16) and "ieee"
-  for fp32 inputs (whose floor no split reaches). "tf32x3" (three TF32
-  products, about 2^-21) costs twice "bf16x3" on tensor cores and spills more
-  registers; "tf32" (2^-11) is faster but costs accuracy (fp16 especially);
+- ``precision`` ("auto"): how the fp32 x fp32 dots run. "auto" is "fp16"
+  for bf16 inputs, "bf16x3" for fp16 inputs and "ieee" for fp32 inputs.
+  "fp16" scales each operand tile by a power of two (exact) so its peak lies
+  in [2^13, 2^14), rounds it to fp16 and does one fp16 tensor-core product:
+  2^-11 relative per operand, 4x below bf16's output rounding, at the cost
+  of one bf16 product plus a max-reduction per operand. Emulated in torch
+  (bf16 inputs, K=V=128, T=64..4096) its excess is 1.016-1.019, against
+  1.000 for fp32 dots and 1.68-1.78 for "bf16". For fp16 inputs it would sit
+  at their own floor, so they keep "bf16x3" (each fp32 operand split into
+  bf16 hi + lo, three bf16 products, about 2^-16 relative per product).
+  "tf32x3" (three TF32 products, about 2^-21) costs twice "bf16x3" on tensor
+  cores; "tf32" (2^-11) is faster but costs accuracy (fp16 especially);
   "bf16" rounds both operands to bf16 and does one product, fla's own choice
   and the fastest (SPEED_OPTIONS), at about fla's accuracy; "ieee" is exact
   fp32 on CUDA cores (slow). The Triton interpreter computes every fp32 dot
   exactly whatever is asked (its builder does not know "bf16x3", which is
-  passed to it as "ieee").
+  passed to it as "ieee"); "bf16" and "fp16" are emulated there by rounding
+  the operands and multiplying them exactly.
 - ``block_v`` (32; 16, 32, 64 or 128): V columns per program of the state
   pass (32 gives B*H*4 programs at V=128, two resident per SM at 4 warps).
 - ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128, else 1) of the
-  state pass. Compiled offline for sm_90 (ptxas, bf16 inputs, defaults): K=V=128
-  255 registers, no spills, 140 KB shared memory; K=V=256 (1 stage) 96 bytes
-  of spills, 24 KB shared memory; the limit is 227 KB.
+  state pass. Compiled offline for sm_90 (ptxas, bf16 inputs, K=V=128, C=64):
+  intra kernel (4 warps) 255 registers, 364 / 644 bytes of spill stores /
+  loads ("fp16"), 40 KB shared memory; state pass 253 ("fp16"), 255
+  ("bf16x3") or 164 ("bf16") registers, no spills, 132 KB shared memory;
+  the limit is 227 KB.
+
+Scratch traffic (fp32): W, U, Qg, Kd are [B*H, T, 128] each, A_qk [B*H, T, C]:
+at B=8, H=16, T=4096, K=V=128 that is 1.2 GB written by kernel 1 and read by
+the state pass (about 0.55 ms at 4.3 TB/s); storing them in 16 bits would
+halve it.
 
 Recurrent form (``_kda_recurrent_kernel``): one program per (B*H, V block),
 the literal recurrence token by token with the fp32 state in registers.
@@ -90,13 +112,14 @@ import triton.language as tl
 from ._util import block_size, zero_state
 
 SUB_CHUNK = 16
-INTRA_CHANNEL_SLICE = 32  # key channels per step of the intra-chunk kernel (register budget)
+INTRA_CHANNEL_SLICE = 128  # key channels per step of the intra-chunk A blocks (few, large steps: each costs barriers)
+INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the intra-chunk kernel (no spills at 32)
 STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64)),
-        "precision": ("auto", ("auto", "tf32x3", "bf16x3", "ieee", "tf32", "bf16")),
+        "precision": ("auto", ("auto", "fp16", "tf32x3", "bf16x3", "ieee", "tf32", "bf16")),
         "block_v": (32, (16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8, 16)),
         "num_stages": ("auto", ("auto", 1, 2, 3, 4)),
@@ -124,55 +147,100 @@ def _check_choice(form: str, name: str, value: object) -> None:
 def _dot_precision(precision: str, dtype: torch.dtype) -> str:
     """The tl.dot input_precision for fp32 operands (see the module docstring)."""
     if precision == "auto":
-        precision = "ieee" if dtype == torch.float32 else "bf16x3"
+        precision = {torch.float32: "ieee", torch.bfloat16: "fp16"}.get(dtype, "bf16x3")
     if os.environ.get("TRITON_INTERPRET", "0") == "1" and precision not in _INTERPRETER_PRECISIONS:
-        # "bf16" is no input_precision (_dot casts the operands itself), and the interpreter's
-        # bf16 dots are wrong: round the operands to bf16 and multiply them in fp32 instead.
-        precision = "bf16_emulated" if precision == "bf16" else "ieee"
+        # "bf16" and "fp16" are no input_precision (_dot casts the operands itself), and the interpreter's
+        # 16-bit dots are wrong: round the operands and multiply them in fp32 instead.
+        precision = {"bf16": "bf16_emulated", "fp16": "fp16_emulated"}.get(precision, "ieee")
     return precision
 
 
+def _gate_dot(dtype: torch.dtype) -> str:
+    """How _span_sums multiplies the 16-bit gates: natively on tensor cores on the GPU."""
+    if dtype in (torch.float16, torch.bfloat16) and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return "native"
+    return "ieee"
+
+
 # ---------------------------------------------------------------------------
-# Chunkwise, kernel 1: the intra-chunk blocks T = (I + L)^-1 Diag(beta) and A_qk
+# Chunkwise, kernel 1 (parallel over chunks): everything that does not need the carried state
 # ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _fp16_scale(x):
+    """Powers of two (2^s, 2^-s) bringing the peak |x| of a tile into [2^13, 2^14): x * 2^s
+    rounds to fp16 with 2^-11 relative error, neither overflowing nor going subnormal at the
+    top (s is clamped to [-100, 100] so both factors stay normal fp32 numbers)."""
+    peak_exponent = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
+    biased = tl.minimum(tl.maximum(267 - peak_exponent, 27), 227)  # 127 + s, s = 140 - peak_exponent
+    return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
     """a @ b of fp32 tiles: "bf16" rounds both operands to bf16 first (one bf16 tensor-core
-    product, as fla does); "bf16_emulated" is the same rounding for the Triton interpreter,
-    whose bf16 dots are wrong (it multiplies the values as fp32 exactly after rounding);
-    any other PRECISION is tl.dot's input_precision."""
+    product, as fla does); "fp16" scales each operand by a power of two (exact) into fp16's
+    range and rounds it to fp16 (one fp16 product, 2^-11 relative per operand, 4x below bf16's);
+    "bf16_emulated" and "fp16_emulated" are the same roundings for the Triton interpreter,
+    whose 16-bit dots are wrong (it multiplies the rounded values as fp32 exactly); any other
+    PRECISION is tl.dot's input_precision."""
     if PRECISION == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     elif PRECISION == "bf16_emulated":
         return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    elif PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        a_up, a_down = _fp16_scale(a)
+        b_up, b_down = _fp16_scale(b)
+        a16 = (a * a_up).to(tl.float16)
+        b16 = (b * b_up).to(tl.float16)
+        if PRECISION == "fp16":
+            product = tl.dot(a16, b16)
+        else:
+            product = tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
+        return product * a_down * b_down
     else:
         return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _kda_intra_chunk_kernel(
-    q_ptr, k_ptr, g_ptr, beta_ptr, t_out_ptr, aqk_out_ptr,
-    T, H, K, scale,
-    C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One chunk: T = (I + Diag(beta) A_kk)^-1 Diag(beta) and scale * A_qk, both [C, C] fp32.
+def _span_sums(span, g, GATE_DOT: tl.constexpr):
+    """span @ g for a 0/1 matrix span [M, N] and gates g [N, BKC] (all <= 0): every output sums
+    only the steps it spans, with no cancellation (rounding relative to itself). "native" runs
+    one tensor-core product in g's own 16-bit dtype (exact products, fp32 sums); "ieee" is
+    fp32 on CUDA cores (fp32 gates, and the Triton interpreter)."""
+    if GATE_DOT == "native":
+        return tl.dot(span.to(g.dtype), g)
+    else:
+        return tl.dot(span.to(tl.float32), g.to(tl.float32), input_precision="ieee")
 
-    Block row I (query rows r = I*SUB .. r+SUB-1) of A against key rows j, summed
-    over key channels in slices of BKC (the decays are per channel, so slices
-    are independent; narrow slices keep the dot operands small in registers):
-      j < r (earlier sub-chunks): (k_I exp(G_I - G_r)) . (k_j exp(G_r - G_j)), one dot;
-      j in the same sub-chunk:    sum_c k_tc k_jc exp(G_tc - G_jc), elementwise, t >= j.
-    Inverse X = (I + L)^-1, block row by block row (L strictly lower):
-      X_II = (I + L_II)^-1 by column-oriented forward substitution,
-      X_I  = X_II (E_I - L_I,<r X_<r),  E_I the identity's rows of the block.
+
+@triton.jit
+def _kda_intra_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr,
+    T, H, K, V, scale,
+    C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BKW: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
+):
+    """One chunk, fp32 throughout; rows past T read as 0 (g = 0 adds no decay).
+
+    A [C, C] block row I (query rows t = r .. r+SUB-1, r = I*SUB) against key rows j,
+    summed over key channels in slices of BKC (the decays are per channel):
+      j < r:  (k_I exp(G_I - G_r)) . (k_j exp(G_r - G_j)), one dot through the anchor r;
+      j in the sub-chunk: by halving, level h pairing rows t >= a with j < a in each
+              group of 2h rows through its anchor a (one dot per level), plus t = j for A_qk.
+    Inverse X = (I + Diag(beta) A_kk)^-1 by block rows:
+      X_II = (I + L_II)^-1 by forward substitution, X_I = X_II (E_I - L_I,<r X_<r).
+    Then, with T = X Diag(beta):
+      W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
+      Aqk = scale A_qk (t >= j, 0 above the diagonal).
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     NC: tl.constexpr = C // SUB
+    LOG_SUB: tl.constexpr = 4  # halving levels of a SUB = 16 row diagonal block
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
@@ -182,56 +250,61 @@ def _kda_intra_chunk_kernel(
 
     positions = chunk * C + rows
     row_ok = positions < T
-    row_offsets = ((b * T + positions).to(tl.int64) * H + h) * K
-    # Rows past T load as 0: g = 0 there adds no decay, k = q = beta = 0 zero their entries.
-    beta = tl.load(beta_ptr + (b * T + positions).to(tl.int64) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    next_ok = (rows + 1 < C) & (positions + 1 < T)  # g_next[j] = g[j+1] inside the chunk
+    token = (b * T + positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    beta = tl.load(beta_ptr + token, mask=row_ok, other=0.0).to(tl.float32)
+    # Scratch rows of this chunk in the [B*H, chunks*C, *] buffers (partial chunks padded).
+    scratch_row = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C + rows
+    aqk_base = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C * C
 
-    out_base = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C * C
     X3 = tl.zeros((NC, SUB, C), dtype=tl.float32)  # block rows of (I + L)^-1 found so far
     for I in tl.static_range(NC):
         r = I * SUB
         strip_positions = chunk * C + r + local
         strip_ok = strip_positions < T
-        strip_offsets = ((b * T + strip_positions).to(tl.int64) * H + h) * K
-        beta_I = tl.load(beta_ptr + (b * T + strip_positions).to(tl.int64) * H + h, mask=strip_ok, other=0.0).to(tl.float32)
+        strip_token = (b * T + strip_positions).to(tl.int64) * H + h
+        beta_I = tl.load(beta_ptr + strip_token, mask=strip_ok, other=0.0).to(tl.float32)
 
-        aqk_strip = tl.zeros((SUB, C), dtype=tl.float32)  # A_qk[I, :]
+        aqk_before = tl.zeros((SUB, C), dtype=tl.float32)  # A_qk[I, :r]
         akk_before = tl.zeros((SUB, C), dtype=tl.float32)  # A_kk[I, :r]
+        aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)  # A_qk[I, I]
         akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)  # A_kk[I, I]
         for channel_start in range(0, BK, BKC):
             channels = channel_start + slice_channels
             channel_ok = channels < K
-            strip_ptrs = strip_offsets[:, None] + channels[None, :]
+            strip_ptrs = strip_token[:, None] * K + channels[None, :]
             strip_mask = strip_ok[:, None] & channel_ok[None, :]
             q_I = tl.load(q_ptr + strip_ptrs, mask=strip_mask, other=0.0).to(tl.float32)
             k_I = tl.load(k_ptr + strip_ptrs, mask=strip_mask, other=0.0).to(tl.float32)
-            g_I = tl.load(g_ptr + strip_ptrs, mask=strip_mask, other=0.0).to(tl.float32)
+            g16_I = tl.load(g_ptr + strip_ptrs, mask=strip_mask, other=0.0)  # input dtype, for _span_sums
             if I > 0:
                 # Anchor row r: G_t - G_r = sum_{r < s <= t} g_s for the query rows t >= r, and
-                # G_r - G_j = sum_{j < s <= r} g_s = sum of g_next[j..r-1] for the key rows j < r.
-                tile_ptrs = row_offsets[:, None] + channels[None, :]
-                to_anchor = tl.exp(tl.cumsum(tl.where(local[:, None] > 0, g_I, 0.0), axis=0))
-                g_next = tl.load(g_ptr + tile_ptrs + H * K, mask=next_ok[:, None] & channel_ok[None, :], other=0.0)
-                up_to_anchor = tl.cumsum(tl.where(rows[:, None] < r, g_next.to(tl.float32), 0.0), axis=0, reverse=True)
-                from_anchor = tl.exp(tl.where(rows[:, None] < r, up_to_anchor, float("-inf")))
+                # G_r - G_j = sum_{j < s <= r} g_s for the key rows j < r (rows from r on: k is 0).
+                tile_ptrs = token[:, None] * K + channels[None, :]
+                to_anchor = tl.exp(_span_sums((local[None, :] > 0) & (local[None, :] <= local[:, None]), g16_I, GATE_DOT))
+                g_chunk = tl.load(g_ptr + tile_ptrs, mask=row_ok[:, None] & channel_ok[None, :], other=0.0)
+                from_anchor = tl.exp(_span_sums((rows[:, None] < cols[None, :]) & (cols[None, :] <= r), g_chunk, GATE_DOT))
                 # Key rows j < r only (earlier sub-chunks); rows from r on are 0 here.
                 k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & row_ok)[:, None] & channel_ok[None, :], other=0.0)
                 keys_before = tl.trans(k_before.to(tl.float32) * from_anchor)  # [BKC, C]
-                aqk_strip += _dot(q_I * to_anchor, keys_before, PRECISION)
+                aqk_before += _dot(q_I * to_anchor, keys_before, PRECISION)
                 akk_before += _dot(k_I * to_anchor, keys_before, PRECISION)
-            # Diagonal block, one key column jj at a time, elementwise in fp32.
-            for jj in range(SUB):
-                pick = local[:, None] == jj
-                k_j = tl.sum(tl.where(pick, k_I, 0.0), axis=0)
-                # G_t - G_j = sum_{j < s <= t} g_s; rows t < j are masked to -inf before exp.
-                spanned = tl.cumsum(tl.where(local[:, None] > jj, g_I, 0.0), axis=0)
-                decay = tl.exp(tl.where(local[:, None] >= jj, spanned, float("-inf")))
-                k_j_decayed = k_j[None, :] * decay
-                a_kk = tl.sum(k_I * k_j_decayed, axis=1)
-                a_qk = tl.sum(q_I * k_j_decayed, axis=1)
-                akk_diag += tl.where(local[None, :] == jj, a_kk[:, None], 0.0)
-                aqk_strip += tl.where(cols[None, :] == r + jj, a_qk[:, None], 0.0)
+            # Diagonal block by halving: at level h every group of 2h rows pairs its later half
+            # (t >= a) with its earlier half (j < a) through the anchor a, the later half's first
+            # row, so each pair t > j is formed once, at the level that separates them.
+            for level in tl.static_range(LOG_SUB):
+                half = SUB >> (level + 1)
+                anchor = (local // (2 * half)) * (2 * half) + half
+                later_half = local >= anchor
+                # Exponents G_t - G_a (t >= a) and G_a - G_j (j < a): sums of the steps spanned.
+                span = tl.where(later_half[:, None],
+                                (anchor[:, None] < local[None, :]) & (local[None, :] <= local[:, None]),
+                                (local[:, None] < local[None, :]) & (local[None, :] <= anchor[:, None]))
+                decay = tl.exp(_span_sums(span, g16_I, GATE_DOT))
+                keys = tl.trans(tl.where(later_half[:, None], 0.0, k_I * decay))  # [BKC, SUB], rows j < a
+                pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later_half[:, None]
+                akk_diag += tl.where(pair, _dot(tl.where(later_half[:, None], k_I * decay, 0.0), keys, PRECISION), 0.0)
+                aqk_diag += tl.where(pair, _dot(tl.where(later_half[:, None], q_I * decay, 0.0), keys, PRECISION), 0.0)
+            aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q_I * k_I, axis=1)[:, None], 0.0)
 
         # X_II = (I + L_II)^-1, column by column: X_II -= L[:, jj] X_II[jj, :] (row jj is final).
         l_diag = tl.where(local[:, None] > local[None, :], beta_I[:, None] * akk_diag, 0.0)
@@ -246,9 +319,37 @@ def _kda_intra_chunk_kernel(
         X_I = _dot(X_II, rhs, PRECISION)
         X3 = tl.where((blocks == I)[:, None, None], X_I[None, :, :], X3)
 
-        out_ptrs = out_base + (r + local)[:, None] * C + cols[None, :]
-        tl.store(t_out_ptr + out_ptrs, X_I * beta[None, :])
-        tl.store(aqk_out_ptr + out_ptrs, aqk_strip * scale)
+        # scale A_qk: the strip left of the diagonal block (0 right of it), then the block itself.
+        aqk_rows = aqk_base + (r + local)[:, None] * C
+        outside = (cols < r) | (cols >= r + SUB)
+        tl.store(aqk_ptr + aqk_rows + cols[None, :], aqk_before * scale, mask=outside[None, :])
+        tl.store(aqk_ptr + aqk_rows + (r + local)[None, :], aqk_diag * scale)
+
+    # W, Qg, Kd and gC, BKW key channels at a time; G is summed from the chunk start (exp(G) <= 1)
+    # and G_C - G over the later steps only (a suffix sum, exp <= 1).
+    t_matrix = tl.reshape(X3, (C, C)) * beta[None, :]
+    for channel_start in range(0, BK, BKW):
+        channels = channel_start + tl.arange(0, BKW)
+        channel_ok = channels < K
+        ptrs = token[:, None] * K + channels[None, :]
+        mask = row_ok[:, None] & channel_ok[None, :]
+        q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + ptrs, mask=mask, other=0.0)
+        from_start = tl.exp(_span_sums(cols[None, :] <= rows[:, None], g, GATE_DOT))
+        to_end = tl.exp(_span_sums(cols[None, :] > rows[:, None], g, GATE_DOT))
+        out_ptrs = scratch_row[:, None] * K + channels[None, :]
+        tl.store(w_ptr + out_ptrs, _dot(t_matrix, k * from_start, PRECISION), mask=channel_ok[None, :])
+        tl.store(qg_ptr + out_ptrs, (q * scale) * from_start, mask=channel_ok[None, :])
+        tl.store(kd_ptr + out_ptrs, k * to_end, mask=channel_ok[None, :])
+        tl.store(gc_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + channels,
+                 tl.exp(tl.sum(g.to(tl.float32), axis=0)), mask=channel_ok)
+    for value_start in range(0, V, BV):
+        values = value_start + tl.arange(0, BV)
+        value_ok = values < V
+        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :], other=0.0)
+        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _dot(t_matrix, v.to(tl.float32), PRECISION),
+                 mask=value_ok[None, :])
 
 
 # ---------------------------------------------------------------------------
@@ -257,52 +358,42 @@ def _kda_intra_chunk_kernel(
 
 
 @triton.jit
-def _project_block(q_ptr, k_ptr, g_ptr, S, token, row_ok, channel_start, K, scale, ks, qs,
+def _project_block(w_ptr, qg_ptr, S, scratch_row, channel_start, K, ws, qs,
                    BKB: tl.constexpr, PRECISION: tl.constexpr):
-    """Adds one block of BKB key channels to ks = (K * exp(G)) S and qs = (scale Q * exp(G)) S."""
+    """Adds one block of BKB key channels to ws = W S and qs = Qg S."""
     channels = channel_start + tl.arange(0, BKB)
-    ptrs = token[:, None] * K + channels[None, :]
-    mask = row_ok[:, None] & (channels < K)[None, :]
-    q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    # G_t = sum_{s <= t} g_s, chunk-local; rows past T have g = 0 and add nothing.
-    from_start = tl.exp(tl.cumsum(g, axis=0))
-    ks += _dot(k * from_start, S, PRECISION)
-    qs += _dot((q * scale) * from_start, S, PRECISION)
-    return ks, qs
+    ptrs = scratch_row[:, None] * K + channels[None, :]
+    mask = (channels < K)[None, :]
+    ws += _dot(tl.load(w_ptr + ptrs, mask=mask, other=0.0), S, PRECISION)
+    qs += _dot(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), S, PRECISION)
+    return ws, qs
 
 
 @triton.jit
-def _advance_block(k_ptr, g_ptr, S, delta, token, row_ok, next_ok, channel_start, H, K,
+def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_start, K,
                    BKB: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BKB key channels of S_next = exp(G_C) * S + (K * exp(G_C - G))^T Delta."""
+    """One block of BKB key channels of S_next = gC * S (rows) + Kd^T Delta."""
     channels = channel_start + tl.arange(0, BKB)
     channel_ok = channels < K
-    ptrs = token[:, None] * K + channels[None, :]
-    mask = row_ok[:, None] & channel_ok[None, :]
-    k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    # g_next[t] = g[t + 1] inside the chunk (the next token is H * K elements on).
-    g_next = tl.load(g_ptr + ptrs + H * K, mask=next_ok[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
-    # G_C - G_t = sum_{s > t} g_s, summed over its own steps only (no cancellation).
-    k_to_end = k * tl.exp(tl.cumsum(g_next, axis=0, reverse=True))
-    return tl.exp(tl.sum(g, axis=0))[:, None] * S + _dot(tl.trans(k_to_end), delta, PRECISION)
+    kd_t = tl.load(kd_ptr + scratch_row[None, :] * K + channels[:, None],
+                   mask=channel_ok[:, None], other=0.0)  # [BKB, C]
+    decay = tl.load(gc_ptr + gc_offset + channels, mask=channel_ok, other=0.0)
+    return decay[:, None] * S + _dot(kd_t, delta, PRECISION)
 
 
 @triton.jit
 def _kda_state_pass_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, t_in_ptr, aqk_in_ptr, o_ptr, state_in_ptr, state_out_ptr,
-    T, H, K, V, scale, num_chunks,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, o_ptr, state_in_ptr, state_out_ptr,
+    T, H, K, V, num_chunks,
     C: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """S [NKB * BKB, BV] fp32 in registers, held as NKB (1, 2 or 4) blocks S0..S3 of BKB key
-    channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, with
-    G the chunk-local cumulative gates:
-      Delta  = T (V - (K * exp(G)) S)
-      O      = (scale Q * exp(G)) S + A_qk Delta
-      S_next = exp(G_C) * S + (K * exp(G_C - G))^T Delta      (block by block)
+    channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, from
+    kernel 1's W, U, Qg, Kd, gC and Aqk:
+      Delta  = U - W S
+      O      = Qg S + Aqk Delta
+      S_next = gC * S + Kd^T Delta      (block by block)
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -334,32 +425,32 @@ def _kda_state_pass_kernel(
     for n in range(num_chunks):
         positions = n * C + rows
         row_ok = positions < T
-        next_ok = (rows + 1 < C) & (positions + 1 < T)
         token = (b * T + positions).to(tl.int64) * H + h
-        vo_ptrs = token[:, None] * V + values[None, :]
-        vo_mask = row_ok[:, None] & value_ok[None, :]
+        scratch_row = (bh.to(tl.int64) * num_chunks + n) * C + rows
+        gc_offset = (bh.to(tl.int64) * num_chunks + n) * K
 
-        ks = tl.zeros((C, BV), dtype=tl.float32)
+        ws = tl.zeros((C, BV), dtype=tl.float32)
         qs = tl.zeros((C, BV), dtype=tl.float32)
-        ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S0, token, row_ok, 0, K, scale, ks, qs, BKB, PRECISION)
+        ws, qs = _project_block(w_ptr, qg_ptr, S0, scratch_row, 0, K, ws, qs, BKB, PRECISION)
         if NKB > 1:
-            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S1, token, row_ok, BKB, K, scale, ks, qs, BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S1, scratch_row, BKB, K, ws, qs, BKB, PRECISION)
         if NKB > 2:
-            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S2, token, row_ok, 2 * BKB, K, scale, ks, qs, BKB, PRECISION)
-            ks, qs = _project_block(q_ptr, k_ptr, g_ptr, S3, token, row_ok, 3 * BKB, K, scale, ks, qs, BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S2, scratch_row, 2 * BKB, K, ws, qs, BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S3, scratch_row, 3 * BKB, K, ws, qs, BKB, PRECISION)
 
-        block_ptrs = (bh.to(tl.int64) * num_chunks + n) * C * C + rows[:, None] * C + cols[None, :]
-        v = tl.load(v_ptr + vo_ptrs, mask=vo_mask, other=0.0).to(tl.float32)
-        delta = _dot(tl.load(t_in_ptr + block_ptrs), v - ks, PRECISION)
-        o = qs + _dot(tl.load(aqk_in_ptr + block_ptrs), delta, PRECISION)
-        tl.store(o_ptr + vo_ptrs, o.to(o_ptr.dtype.element_ty), mask=vo_mask)
+        u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
+        delta = u - ws
+        aqk = tl.load(aqk_ptr + scratch_row[:, None] * C + cols[None, :])
+        o = qs + _dot(aqk, delta, PRECISION)
+        tl.store(o_ptr + token[:, None] * V + values[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & value_ok[None, :])
 
-        S0 = _advance_block(k_ptr, g_ptr, S0, delta, token, row_ok, next_ok, 0, H, K, BKB, PRECISION)
+        S0 = _advance_block(kd_ptr, gc_ptr, S0, delta, scratch_row, gc_offset, 0, K, BKB, PRECISION)
         if NKB > 1:
-            S1 = _advance_block(k_ptr, g_ptr, S1, delta, token, row_ok, next_ok, BKB, H, K, BKB, PRECISION)
+            S1 = _advance_block(kd_ptr, gc_ptr, S1, delta, scratch_row, gc_offset, BKB, K, BKB, PRECISION)
         if NKB > 2:
-            S2 = _advance_block(k_ptr, g_ptr, S2, delta, token, row_ok, next_ok, 2 * BKB, H, K, BKB, PRECISION)
-            S3 = _advance_block(k_ptr, g_ptr, S3, delta, token, row_ok, next_ok, 3 * BKB, H, K, BKB, PRECISION)
+            S2 = _advance_block(kd_ptr, gc_ptr, S2, delta, scratch_row, gc_offset, 2 * BKB, K, BKB, PRECISION)
+            S3 = _advance_block(kd_ptr, gc_ptr, S3, delta, scratch_row, gc_offset, 3 * BKB, K, BKB, PRECISION)
 
     if STORE_FINAL_STATE:
         tl.store(state_out_ptr + state_ptrs, S0, mask=(block_channels < K)[:, None] & value_ok[None, :])
@@ -391,28 +482,31 @@ def chunkwise(
     BV = min(block_v, block_size(V))
     dot_precision = _dot_precision(precision, q.dtype)
     if num_stages == "auto":
-        # Prefetching the next chunk's tiles (2 stages) fits in shared memory up to K = 128 only.
         num_stages = 2 if BK <= 128 else 1
 
-    t_blocks = torch.empty((B * H, num_chunks, C, C), dtype=torch.float32, device=q.device)
-    aqk_blocks = torch.empty_like(t_blocks)
+    rows = B * H * num_chunks * C  # scratch rows: whole chunks, the last one padded
+    scratch = dict(dtype=torch.float32, device=q.device)
+    w, qg, kd = (torch.empty((rows, K), **scratch) for _ in range(3))
+    u = torch.empty((rows, V), **scratch)
+    gc = torch.empty((B * H * num_chunks, K), **scratch)
+    aqk = torch.empty((rows, C), **scratch)
     _kda_intra_chunk_kernel[(num_chunks, B * H)](
-        q, k, g, beta, t_blocks, aqk_blocks, T, H, K, scale,
-        C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, INTRA_CHANNEL_SLICE), PRECISION=dot_precision, num_warps=4,
+        q, k, v, g, beta, w, u, qg, kd, gc, aqk, T, H, K, V, scale,
+        C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, INTRA_CHANNEL_SLICE), BKW=min(BK, INTRA_OUTPUT_BLOCK),
+        BV=min(block_size(V), INTRA_OUTPUT_BLOCK), PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype), num_warps=4,
     )
 
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, v, g, t_blocks, aqk_blocks, o,
-        initial if initial is not None else t_blocks, final if final is not None else t_blocks,
-        T, H, K, V, scale, num_chunks,
+        w, u, qg, kd, gc, aqk, o,
+        initial if initial is not None else gc, final if final is not None else gc,
+        T, H, K, V, num_chunks,
         C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
         PRECISION=dot_precision, num_warps=num_warps, num_stages=num_stages,
     )
     return o, ((final,) if return_state else None)
-
 
 # ---------------------------------------------------------------------------
 # Recurrent

@@ -16,14 +16,19 @@ side by side and share its keys and values in L2.
 Speed (sm_90, no TMA): the block sizes come from _DEFAULT_CONFIGS, checked
 with ptxas for registers, spills and shared memory; for 16-bit inputs with
 head dims <= 128, 128 queries x 128 keys on 8 warps (the smallest tile
-Triton's attention tutorial admits for 8 warps on Hopper) (two warpgroups of 64 rows, whose softmax and
-tensor-core phases interleave) with 3 stages of K/V in shared memory, which
-halves the per-key cost of the accumulator rescale and of the dot waits
-against 64-key blocks. Unmasked key blocks (all but the diagonal or the
-tail) load without masks when the head dims fill their tiles (EVEN_K,
-EVEN_V constexpr). Key pointers are rebuilt from the base each block rather
-than carried and incremented: carried pointers across the two loops made the
-pipeliner keep more buffers (196 KB and spills at 128 x 64, offline).
+Triton's attention tutorial admits for 8 warps on Hopper; two warpgroups of
+64 rows, each dot one wgmma per warpgroup) with 3 stages of K/V in shared
+memory (224 KB at D = 128), which halves the per-key cost of the
+accumulator rescale and of the dot waits against 64-key blocks. Unmasked
+key blocks (all but the diagonal or the tail) load without masks when the
+head dims fill their tiles (EVEN_K, EVEN_V constexpr). Key pointers are
+rebuilt from the base each block rather than carried and incremented:
+carried pointers across the two loops made the pipeliner keep more buffers
+(196 KB and spills at 128 x 64, offline). With precision "fp16" each V tile
+goes shared memory -> registers (scale, convert) -> shared memory before its
+dot; the pipeliner then keeps 2 stages of V plus the converted tile in the
+same 224 KB, and ptxas reports 255 registers with 8 bytes spilled once per
+program, outside the key loops (D = 128, bf16).
 
 Numerics (OPTIONS["chunkwise"]["precision"]):
 
@@ -32,19 +37,36 @@ Numerics (OPTIONS["chunkwise"]["precision"]):
   fp16's normal range and its small entries keep their relative precision;
   the factor cancels in acc / l. (The shifted exponent rounds to 2^-20
   absolute, invisible at 16-bit precision but 10x fp32's, so fp32 inputs
-  skip it.)
+  skip it.) The row max m, the row sum l (of the unrounded P) and the
+  accumulator stay fp32 in every mode; only the P @ V operands differ.
+- "fp16" (the default for bf16 inputs): one P @ V dot in fp16. P in
+  [0, 2^15] rounds to fp16 with 2^-11 relative error, 4x below bf16's
+  output rounding (2^-9). V is made exact in fp16 by a power-of-two scale
+  per (batch, head, value column), 2^(13 - floor(log2 max_t |v|)): bf16's
+  8 significant bits fit fp16's 11 once the column peak lies in
+  [2^13, 2^14); entries more than 2^30 below the peak become fp16
+  subnormals, off by at most 2^-38 of the peak. The
+  wrapper reads max |v| once (one reduction over T); the kernel turns it
+  into the scale from its exponent bits, converts each V tile as it is
+  used, and divides the scale out of the output. Emulated in float64
+  (bf16, P rounded per mode, 128-key blocks): excess 1.001 at T=2, 1.003
+  at T=64, 1.004 at T=1024, 1.005 at T=4096 on the registry's inputs; on
+  2000 property-suite-like small cases (T 1..300, head dims 1..128, one
+  value channel, logits up to 80) worst 1.33, where "input" fails 18
+  (worst 5.6) and "split" stays at 1.00. For fp16 inputs it is "input"
+  with the (exact) column scale.
 - "input": P is rounded once to the input dtype for the P @ V dot,
-  as FlashAttention does. That rounding is the kernel's only error beyond
-  the fp32 accumulation; emulated in float64 on the registry's inputs it
-  gives excess (rel_err / rounding floor) 1.18 at T=64, 1.25 at T=1024 and
-  1.27 at T=4096 in bf16 (the same in fp16), below the 1.5 target; the
-  interpreter measures 1.20 to 1.30 in fp16 at T=37 to 200. On tiny
-  outputs, where nothing averages out, the property suite measured excess 3
-  in bf16 on the GPU (T=2, one value channel): hence not the default.
-- "split" (default): P = hi + lo with hi = P rounded to the input dtype and lo the
-  rounded remainder, two P @ V dots; P is then exact to about 2^-16 and the
-  excess drops to 1.00 (emulated, and measured in fp16 under the
-  interpreter), for about 1.5x the tensor-core work.
+  as FlashAttention does: the fastest. Emulated in bf16 on the registry's
+  inputs: excess 1.15 at T=64, 1.23 at T=1024, 1.26 at T=4096 (the same
+  in fp16), but on tiny outputs, where nothing averages out, up to 3 on
+  the GPU (property suite, T=2, one value channel) and 5.6 emulated.
+- "split" (the default for fp16 inputs): P = hi + lo with hi = P rounded to
+  the input dtype and lo the rounded remainder, two P @ V dots; P is then
+  exact to about 2^-16 and the excess is 1.00 (emulated, and measured in
+  fp16 under the interpreter), for 1.5x the tensor-core work. In fp16,
+  rounding P to fp16 costs as much as the output rounding itself, so only
+  the split reaches the floor there.
+- "auto" (default): "fp16" for bf16 inputs, "split" for fp16 inputs.
 - fp32 inputs keep P in fp32 and run both dots with input_precision="ieee"
   (exact fp32 products; TF32 would round scores to 10 bits). precision has
   no effect there.
@@ -70,7 +92,7 @@ OPTIONS = {
         "block_m": (None, (None, 16, 32, 64, 128)),  # queries per program; None: see _launch_config
         "num_warps": (None, (None, 1, 2, 4, 8, 16)),
         "num_stages": (None, (None, 1, 2, 3, 4, 5)),
-        "precision": ("split", ("input", "split")),
+        "precision": ("auto", ("auto", "input", "split", "fp16")),
     }
 }
 # The fast side of the precision trade: P rounded once, as FlashAttention does.
@@ -121,22 +143,42 @@ def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.co
 
 
 @triton.jit
+def _v_column_scale(peak_ptrs, offs_v, V, INVERSE: tl.constexpr):
+    """The power-of-two scale 2^(13 - floor(log2 peak)) of each value column (or its inverse), where peak
+    is the column's max |v| over the head: peak * scale lies in [2^13, 2^14), so v * scale converts to fp16
+    exactly (a bf16 value's 8 significant bits, no overflow). Built from peak's exponent bits, exact where
+    exp2/log2 approximate; clamped to 2^[-126, 126] so that the scale and its inverse are normal fp32
+    (an all-zero column gets 2^126). A non-finite peak (inf or NaN in the column) gets 1, so that the
+    column's finite entries are not scaled away.
+    """
+    peak = tl.load(peak_ptrs + offs_v, mask=offs_v < V, other=0.0)
+    exponent = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    biased = tl.where(exponent == 0xFF, 127, tl.minimum(tl.maximum(267 - exponent, 1), 253))
+    if INVERSE:
+        biased = 254 - biased
+    return (biased << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _online_softmax_step(
-    acc, row_max, row_sum, q, k_ptrs, v_ptrs,
+    acc, row_max, row_sum, q, k_ptrs, v_ptrs, v_scale,
     offs_m, offs_n, offs_k, offs_v, T, K, V, qk_scale,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    P_EXP2_SHIFT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, PV_FP16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, P_EXP2_SHIFT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     """One key block: fold exp2(s - m) v into the running (acc, row_max, row_sum).
 
     MASK_KEYS: the block may hold keys past T or (causal) after a query; their
     scores become -inf before the max and the exp2. EVEN_K / EVEN_V: the head
-    dims fill their tiles, so those loads need no mask.
+    dims fill their tiles, so those loads need no mask. PV_FP16: v_scale holds
+    the head's power-of-two column scales, which make V exact in fp16.
     """
     key_ok = offs_n < T
     # k is read as k^T tiles [BLOCK_K, BLOCK_N], v as [BLOCK_N, BLOCK_V].
     k_block = _load_tile(k_ptrs, offs_k < K, key_ok, not EVEN_K, MASK_KEYS)
     v_block = _load_tile(v_ptrs, key_ok, offs_v < V, MASK_KEYS, not EVEN_V)
+    if PV_FP16:
+        v_block = (v_block.to(tl.float32) * v_scale[None, :]).to(tl.float16)
     scores = tl.dot(q, k_block, input_precision=DOT_PRECISION)
     if MASK_KEYS:
         scores = scores * qk_scale
@@ -168,9 +210,10 @@ def _online_softmax_step(
 
 @triton.jit
 def _softmax_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, v_peak_ptr,
     T, H, K, V, qk_scale,
-    CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, DOT_PRECISION: tl.constexpr, P_EXP2_SHIFT: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, PV_FP16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    P_EXP2_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
@@ -192,6 +235,11 @@ def _softmax_fwd_kernel(
     k_ptrs = k_ptr + qk_base + offs_n[None, :] * (H * K) + offs_k[:, None]
     v_ptrs = v_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
 
+    if PV_FP16:
+        v_scale = _v_column_scale(v_peak_ptr + pid_bh * V, offs_v, V, False)
+    else:
+        v_scale = tl.full([BLOCK_V], 1.0, tl.float32)
+
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
@@ -207,18 +255,22 @@ def _softmax_fwd_kernel(
         end = T
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V),
+            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), v_scale,
             offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
-            False, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
+            False, CAUSAL, SPLIT_P, PV_FP16, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
         )
     for start_n in range(unmasked_end, end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V),
+            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), v_scale,
             offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
-            True, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
+            True, CAUSAL, SPLIT_P, PV_FP16, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
         )
 
     o = acc / row_sum[:, None]
+    if PV_FP16:
+        # Recomputed here rather than kept from before the loops: no [BLOCK_V] vector in the
+        # accumulator's layout stays live across them (the loops already use 255 registers at 128 x 128).
+        o = o * _v_column_scale(v_peak_ptr + pid_bh * V, offs_v, V, True)[None, :]
     o_ptrs = o_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :]
     if EVEN_V:
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
@@ -237,7 +289,7 @@ def chunkwise(
     block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    precision: str = "split",
+    precision: str = "auto",
 ) -> tuple[torch.Tensor, None]:
     """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None)."""
     B, T, H, K = q.shape
@@ -250,13 +302,19 @@ def chunkwise(
         # Negating q is exact; it keeps qk_scale >= 0, which the unmasked step relies on.
         q, scale = -q, -scale
     fp32 = q.dtype == torch.float32
+    if precision == "auto":
+        precision = "fp16" if q.dtype == torch.bfloat16 else "split"
+    pv_fp16 = precision == "fp16" and not fp32
+    # max |v| per (batch, head, value column), read once; the kernel turns it into a power-of-two scale.
+    v_peak = torch.linalg.vector_norm(v, ord=math.inf, dim=1, dtype=torch.float32) if pv_fp16 else None
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(T, block_m), B * H)
     _softmax_fwd_kernel[grid](
-        q, k, v, o,
+        q, k, v, o, v_peak,
         T, H, K, V, scale * LOG2E,
         CAUSAL=causal,
         SPLIT_P=(precision == "split") and not fp32,
+        PV_FP16=pv_fp16,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
         BLOCK_M=block_m, BLOCK_N=chunk_size, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,

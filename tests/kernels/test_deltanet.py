@@ -11,7 +11,8 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from kernel_checks import check_stateful_kernel
-from attnlab.metrics import rel_err
+from attnlab.metrics import rel_err, rounding_floor
+from properties.regressions import REGRESSIONS
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -55,7 +56,7 @@ def test_head_dims_not_powers_of_two(form):
 
 
 @pytest.mark.parametrize("chunk_size,precision", [(16, "auto"), (64, "auto"), (32, "split"), (32, "tf32x3"),
-                                                  (32, "ieee")])
+                                                  (32, "ieee"), (16, "mixed")])
 def test_chunk_sizes_and_precisions(chunk_size, precision):
     """Every chunk size (1, 2 and 4 diagonal blocks merged in the UT inverse) and precision mode."""
     _check(_sample(T=40), torch.float16, "chunkwise", chunk_size=chunk_size, precision=precision)
@@ -71,6 +72,26 @@ def test_split_precision_is_near_fp32():
     assert rel_err(exact, ref_state) <= 1e-6
 
 
+@pytest.mark.parametrize("precision", ["mixed", "fp16"])
+def test_16_bit_intermediates_stay_below_bf16_rounding(precision):
+    """The bf16 modes, run on fp16 inputs (bf16 cannot run here): fp16-scaled W, S (and U, Delta) add
+    at most half a bf16 output rounding, so a bf16 output stays within excess 1.5 even if errors add."""
+    x = {n: t.half() for n, t in _sample(T=72, K=32, V=48, H=2).items()}
+    ref = attnlab.oracle(NAME, "chunkwise", "float64")(**x)
+    o = kernel(NAME, "chunkwise", chunk_size=16, block_v=32, precision=precision)(**x)
+    assert rel_err(o, ref) <= 0.5 * rounding_floor(ref, torch.bfloat16)
+
+
+def test_mixed_precision_on_the_ill_conditioned_regression():
+    """beta = 2 and nearly parallel keys (properties/regressions.py): "mixed", the bf16 default, keeps U,
+    Delta and the score block's product in fp32 precision, so it holds even the fp16 bound there."""
+    case = REGRESSIONS["matches_oracle"][0]
+    x = case.call(torch.float16, "cpu")
+    tensors = {n: t for n, t in x.items() if isinstance(t, torch.Tensor)}
+    options = {n: t for n, t in x.items() if not isinstance(t, torch.Tensor)}
+    check_stateful_kernel(NAME, "chunkwise", tensors, torch.float16, call=options, precision="mixed")
+
+
 def test_forms_agree_in_fp32():
     """The chunkwise and recurrent kernels compute one function: they agree to fp32 accuracy."""
     x = {n: t.float() for n, t in _sample(T=45, K=16, V=24, H=2).items()}
@@ -82,6 +103,7 @@ def test_forms_agree_in_fp32():
 @pytest.mark.parametrize("form,opts", [
     ("chunkwise", {"chunk_size": 48}),
     ("chunkwise", {"precision": "fp64"}),
+    ("chunkwise", {"precision": "fp16x3"}),
     ("chunkwise", {"num_stages": 0}),
     ("recurrent", {"block_v": 24}),
     ("recurrent", {"num_warps": 3}),

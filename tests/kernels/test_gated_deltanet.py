@@ -11,7 +11,7 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from kernel_checks import check_stateful_kernel
-from attnlab.metrics import rel_err
+from attnlab.metrics import rel_err, rounding_floor
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -79,6 +79,28 @@ def test_head_dims_not_powers_of_two(form):
 def test_chunk_sizes(chunk_size):
     """1, 2 and 4 diagonal blocks merged in the UT inverse; a partial last chunk."""
     _check(_sample(T=40), torch.float16, "chunkwise", chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("precision", ["mixed", "fp16"])
+def test_16_bit_intermediates_stay_below_bf16_rounding(precision):
+    """The bf16 modes, run on fp16 inputs (bf16 cannot run here): fp16-scaled W, S (and U, Delta) add
+    at most half a bf16 output rounding, so a bf16 output stays within excess 1.5 even if errors add."""
+    x = {n: t.half() for n, t in _sample(T=72, K=32, V=48, H=2).items()}
+    ref = attnlab.oracle(NAME, "chunkwise", "float64")(**x)
+    o = kernel(NAME, "chunkwise", chunk_size=16, block_v=32, precision=precision)(**x)
+    assert rel_err(o, ref) <= 0.5 * rounding_floor(ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("precision", ["mixed", "fp16"])
+def test_16_bit_intermediates_with_gates_of_minus_20(precision):
+    """Strong gates shrink rows of W and columns of S by up to exp(-20 C): the per-row and per-column
+    power-of-two scales keep them normal in fp16, so the output stays finite and near bf16 rounding."""
+    x = _sample(T=48, K=32, V=32)
+    x["g"] = torch.where(torch.arange(48)[None, :, None] % 3 == 0, -20.0, x["g"])
+    x = {n: t.half() for n, t in x.items()}
+    ref = attnlab.oracle(NAME, "chunkwise", "float64")(**x)
+    o = kernel(NAME, "chunkwise", chunk_size=16, precision=precision)(**x)
+    assert torch.isfinite(o).all() and rel_err(o, ref) <= 0.5 * rounding_floor(ref, torch.bfloat16)
 
 
 def test_forms_agree_in_fp32():

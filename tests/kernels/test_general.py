@@ -51,6 +51,16 @@ def test_gates_of_minus_20_stay_finite_and_exact(form, dtype):
     _check(x, dtype, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
 
 
+def test_fp16_operands_with_strong_gates():
+    """"fp16" (the default for bf16 inputs) on fp16 inputs, both gates with exp(-20) steps, chunks of 16."""
+    x = _sample(T=34, K=32, V=48, seed=3)
+    gen = torch.Generator().manual_seed(6)
+    for name in ("gk", "gv"):
+        strong = torch.rand(x[name].shape, generator=gen, dtype=torch.float64) < 0.3
+        x[name] = torch.where(strong, torch.full_like(x[name], -20.0), x[name])
+    _check(x, torch.float16, "chunkwise", precision="fp16", chunk_size=16)
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_single_step_from_a_state(form):
     """T = 1 with two batches and two heads, each with its own initial state."""

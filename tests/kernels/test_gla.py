@@ -50,7 +50,7 @@ def test_single_step_from_a_state(form):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_head_dims_over_one_tile_and_not_powers_of_two(form):
-    """K = V = 100: two K and two V blocks of 64, the second partial."""
+    """K = V = 100: four K blocks of 32 and two V blocks of 64, the last of each partial."""
     _check(_sample(T=9, K=100, V=100), torch.float16, form)
 
 
@@ -65,15 +65,39 @@ def test_fp16_state_above_fp16_range(form):
     _check(x, torch.float16, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
 
 
-@pytest.mark.parametrize("precision", ["split", "tf32x3", "tf32", "ieee", "input"])
+@pytest.mark.parametrize("precision", ["auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input"])
 def test_precision_modes(precision):
-    """Every mode meets the fp16 target here; "split" (the default) sits at the rounding floor.
+    """Every mode meets the fp16 target here; "split" (the default for fp16 inputs) sits at the rounding floor.
 
     The interpreter computes tf32/tf32x3/ieee dots exactly in fp32; only the GPU shows their error.
     """
     excess = _check(_sample(T=16, seed=3), torch.float16, "chunkwise", precision=precision)
     if precision == "split":
         assert excess <= 1.05
+
+
+def test_fp16_operands_on_strong_gates_and_a_large_state():
+    """"fp16" (the default for bf16 inputs, which the interpreter cannot run) on fp16 inputs: its
+    power-of-two scaling with exp(-20) gates and with a state above fp16's range, two chunks of 32."""
+    x = _sample(T=40, K=48, V=32, seed=6)
+    strong = torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64) < 0.3
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    _check(x, torch.float16, "chunkwise", precision="fp16", chunk_size=32)
+    x["g"] = torch.zeros_like(x["g"])
+    x["k"] = torch.full_like(x["k"], 60.0)
+    x["v"] = 60.0 + x["v"]
+    x["q"] = 0.01 * x["q"]
+    _check(x, torch.float16, "chunkwise", precision="fp16", chunk_size=32)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "split"])
+def test_sub_chunks_of_full_chunks(precision):
+    """Chunks of 64 (the default): the scores kernel's sub-chunk levels and its batched diagonal
+    blocks, three chunks with the last partial, strong gates, h and A stored in scaled fp16 with "fp16"."""
+    x = _sample(T=150, K=48, V=32, seed=8)
+    strong = torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64) < 0.2
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    _check(x, torch.float16, "chunkwise", precision=precision, chunk_size=64)
 
 
 def test_chunk_size_32_agrees_with_the_oracle():

@@ -126,6 +126,21 @@ def test_bf16_operand_rounding_speed_option():
     assert 1e-5 < error <= 8 * 2.0**-9
 
 
+@pytest.mark.parametrize("magnitude", [2.0**-20, 1.0, 2.0**20], ids=["tiny", "unit", "huge"])
+def test_fp16_operand_scaling(magnitude):
+    """precision="fp16" (the default for bf16 inputs) scales every dot operand by a power of two
+    into fp16's range before rounding it: values and an initial state 2^20 times too small or
+    too large (far outside fp16's range unscaled) keep the error at a few fp16 roundings (2^-11)."""
+    x = _cast(_inputs(T=24, seed=11), torch.float32)
+    x["v"] = x["v"] * magnitude
+    initial = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(11)) * magnitude
+    o, state = make_kernel("kda", "chunkwise", chunk_size=16, precision="fp16")(**x, initial_state=initial, return_state=True)
+    ref, ref_state = attnlab.oracle("kda", "recurrent", "float64")(**x, initial_state=initial, return_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(state).all()
+    assert 1e-6 < rel_err(o, ref) <= 8 * 2.0**-11
+    assert rel_err(state, ref_state) <= 8 * 2.0**-11
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_chunk_sizes(chunk_size):
     """Every chunk size gives the oracle's answer, with partial chunks and a partial sub-chunk (T = 45)."""
@@ -151,7 +166,7 @@ def test_causality_in_partial_trailing_sub_chunk():
     assert torch.equal(kernel(**x)[:, :36], kernel(**y)[:, :36])
 
 
-@pytest.mark.parametrize("precision", ["tf32x3", "bf16x3", "ieee", "tf32"])
+@pytest.mark.parametrize("precision", ["fp16", "tf32x3", "bf16x3", "ieee", "tf32"])
 def test_precision_options_run(precision):
     """Every precision choice launches; the interpreter computes fp32 dots exactly, so all match the oracle."""
     x = _cast(_inputs(T=16, seed=8), torch.float16)

@@ -7,7 +7,15 @@ or exact identities.
 
 - causal=False, separate q/k and v head dims, non-powers of two (K=40, V=100).
 - T = 1 returns v exactly (one key: P = 2^15 exactly, l = 2^15).
-- precision="split" (P as hi + lo) brings fp16 to within 1.05 of the floor.
+- precision="split" (P as hi + lo) brings fp16 to within 1.05 of the floor;
+  "auto" is "split" for fp16 inputs.
+- precision="fp16" (the bf16 default; P and V in fp16 for the P @ V dot, V
+  by a power-of-two column scale): in fp16 it runs the scale path, which
+  must keep the excess bound for V up to 2^12 times larger, commute exactly
+  with power-of-two scalings of V, and give zero for all-zero columns; the
+  scale itself, built from exponent bits, brings every column peak into
+  [2^13, 2^14) and is a power of two with an exact inverse (1 for
+  non-finite peaks).
 - Query blocks smaller than key blocks (the causal unmasked range must end on
   a key-block boundary), several chunk sizes, negative and zero scale,
   near-one-hot rows (scores spanning ~80 nats).
@@ -21,12 +29,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
-from attnlab.kernels.softmax import OPTIONS, _launch_config
+from attnlab.kernels.softmax import OPTIONS, _launch_config, _v_column_scale
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
@@ -69,6 +79,61 @@ def test_single_token_returns_v_exactly(dtype, causal):
 def test_split_precision_reaches_the_rounding_floor_in_fp16(causal):
     x = _inputs(torch.float16, T=80, K=32, V=32)
     assert _excess(x, torch.float16, causal, precision="split") <= 1.05
+
+
+def test_auto_precision_is_split_in_fp16():
+    x = _inputs(torch.float16, T=50, K=24, V=24)
+    assert torch.equal(kernel("softmax")(**x, causal=True), kernel("softmax", precision="split")(**x, causal=True))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("v_exponent", [2, 7, 12])
+def test_fp16_precision_scales_v_exactly(causal, v_exponent):
+    x = _inputs(torch.float16, T=70, K=40, V=100)
+    scaled = {**x, "v": (x["v"].double() * 2.0**v_exponent).half()}
+    assert torch.equal(scaled["v"].double(), x["v"].double() * 2.0**v_exponent)
+    assert _excess(scaled, torch.float16, causal, precision="fp16") <= EXCESS_BOUND[torch.float16]
+    o = kernel("softmax", precision="fp16")(**scaled, causal=causal).double()
+    o_unscaled = kernel("softmax", precision="fp16")(**x, causal=causal).double()
+    # Equal wherever the unscaled output is no fp16 subnormal (those hold fewer bits).
+    normal = o_unscaled.abs() >= 2.0**-14
+    assert normal.float().mean() > 0.9
+    assert torch.equal(o[normal], o_unscaled[normal] * 2.0**v_exponent)
+
+
+def test_fp16_precision_zero_value_columns():
+    x = _inputs(torch.float16, T=33, K=16, V=32)
+    x["v"][..., 5] = 0.0
+    o = kernel("softmax", precision="fp16")(**x, causal=True)
+    assert torch.equal(o[..., 5], torch.zeros_like(o[..., 5]))
+    assert _excess(x, torch.float16, precision="fp16") <= EXCESS_BOUND[torch.float16]
+
+
+@triton.jit
+def _column_scales_kernel(peak_ptr, scale_ptr, inverse_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(scale_ptr + offs, _v_column_scale(peak_ptr, offs, N, False), mask=offs < N)
+    tl.store(inverse_ptr + offs, _v_column_scale(peak_ptr, offs, N, True), mask=offs < N)
+
+
+def test_v_column_scale():
+    exponents = torch.arange(-149, 128, dtype=torch.float64)
+    peaks = torch.cat([torch.tensor([0.0, 65504.0, 3.0e38, 1.0 - 2.0**-24]), 2.0**exponents, 1.75 * 2.0**exponents[:-1]])
+    peaks = peaks.to(torch.float32)
+    scale, inverse = torch.empty_like(peaks), torch.empty_like(peaks)
+    _column_scales_kernel[(1,)](peaks, scale, inverse, peaks.numel(), BLOCK=triton.next_power_of_2(peaks.numel()))
+    mantissa, _ = torch.frexp(scale)
+    assert torch.all(mantissa == 0.5)  # powers of two
+    assert torch.all(scale * inverse == 1.0)
+    # The largest finite peak (< 2^128) gets 2^-114; zero and tiny peaks the clamp, 2^126.
+    assert scale.min() == 2.0**-114 and scale.max() == 2.0**126
+    scaled = peaks.double() * scale.double()
+    unclamped = peaks >= 2.0**-113  # 2^(13 - floor(log2 peak)) <= 2^126
+    assert torch.all((scaled[unclamped] >= 2.0**13) & (scaled[unclamped] < 2.0**14))
+    assert torch.all(scaled < 2.0**14)
+    nonfinite = torch.tensor([float("inf"), float("nan")])
+    _column_scales_kernel[(1,)](nonfinite, scale[:2], inverse[:2], 2, BLOCK=2)
+    assert torch.all(scale[:2] == 1.0) and torch.all(inverse[:2] == 1.0)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
