@@ -1,4 +1,4 @@
-"""The ``attnlab`` command line: ``list``, ``bench``, ``report``, ``map`` (and ``selftest``)."""
+"""The ``attnlab`` command line: ``list``, ``bench``, ``report``, ``map``, ``selftest`` and ``validate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab import report, selftest, stability
+from attnlab import report, selftest, stability, validate
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -59,7 +59,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from attnlab.evaluate import parse_dtype
 
     dtype = parse_dtype(args.dtype)
-    rows = bench.run(args.formulations, B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype=dtype, form=args.form)
     import triton
 
     header = {
@@ -68,13 +67,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "versions": f"torch {torch.__version__}, triton {triton.__version__}, fla {_version('fla-core')}, python {platform.python_version()}",
         "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms) after one warm-up call",
     }
-    text = bench.markdown(rows, header)
+    rows: list[dict] = []
+    for name in args.formulations:  # the table is rewritten after each formulation: a cut-short run keeps its rows
+        rows += bench.run([name], B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype=dtype, form=args.form)
+        text = bench.markdown(rows, header)
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+            out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2, default=str))
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2, default=str))
     return 0
 
 
@@ -103,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_parser(sub)
     stability.add_parser(sub)
     selftest.add_parser(sub)
+    validate.add_parser(sub)
     return parser
 
 

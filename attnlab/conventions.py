@@ -58,6 +58,15 @@ class Convention:
     - ``rwkv_state``: "tuple" (a, b, p) or "stacked" ``[B, 3, 1, C]`` (fla).
     - ``state_dtype``: the dtype the kernel wants its initial state in (fla: fp32);
       None passes it as given.
+    - ``carries``: which of attnlab's state parts the kernel's state holds, as
+      rules ``(condition, parts)``; the condition is ``""`` (always) or
+      ``"option=value"`` (e.g. fla's linear attention carries only ``S`` when
+      ``normalize=False``, ``(S, z)`` when normalized); the first rule that
+      applies wins, none: every part. Parts a kernel does not carry come back
+      as ``None`` and are not passed in (the properties compare only the parts
+      carried, and say so when a run needs one that is not).
+    - ``part_unsqueeze``: part -> dimension where the kernel's tensor has an
+      extra singleton dimension (fla's normalizer z is ``[B, 1, H, K]``).
     """
 
     name: str = "attnlab"
@@ -76,6 +85,20 @@ class Convention:
     rwkv_decay: Literal["w", "log_w"] = "w"
     rwkv_state: Literal["tuple", "stacked"] = "tuple"
     state_dtype: torch.dtype | None = None
+    carries: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    part_unsqueeze: Mapping[str, int] = field(default_factory=dict)
+
+    def carried(self, f: Formulation, options: Mapping[str, Any]) -> tuple[str, ...]:
+        """The names of ``f``'s state parts this kernel's state holds under ``options``."""
+        assert f.state is not None
+        for condition, parts in self.carries:
+            if not condition:
+                return tuple(parts)
+            option, _, value = condition.partition("=")
+            default = next((o.default for o in f.options if o.name == option), None)
+            if str(options.get(option, default)) == value:
+                return tuple(parts)
+        return f.state.names
 
     def describe(self) -> str:
         """One line saying how this convention differs from attnlab's."""
@@ -121,19 +144,28 @@ class Adapted:
         want_state = inputs.pop("return_state", False)
         if (initial_state is not None or want_state) and not self.supports_state:
             raise ValueError(f"{c.name} takes no state: initial_state and return_state are not supported")
+        carried = self.carried(inputs)
         named = self._arguments(inputs)
         kwargs: dict[str, Any] = dict(c.fixed)
         if self.formulation.name == "rwkv4" and c.rwkv_state == "stacked":
             initial_state = self._rwkv_stacked(initial_state, inputs["k"])
         elif initial_state is not None:
-            initial_state = self._state_in(initial_state)
+            initial_state = self._state_in(initial_state, carried)
         if initial_state is not None:
             kwargs[c.state_keyword] = initial_state
         if want_state and c.final_state_flag is not None:
             kwargs[c.final_state_flag] = True
         args = [named.pop(n) for n in c.positional]
         kwargs.update({c.names.get(n, n): value for n, value in named.items()})
-        return self._result(self.kernel(*args, **kwargs), want_state)
+        return self._result(self.kernel(*args, **kwargs), want_state, carried)
+
+    def carried(self, inputs: Mapping[str, Any]) -> tuple[str, ...]:
+        """attnlab's state parts the kernel carries for these inputs (all of them for a kernel with no state)."""
+        f = self.formulation
+        if f.state is None:
+            return ()
+        options = {o.name: inputs.get(o.name, o.default) for o in f.options}
+        return self.convention.carried(f, options)
 
     def _arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """attnlab's tensors and resolved options, translated value by value."""
@@ -168,13 +200,24 @@ class Adapted:
                 out[name] = feature(backend, backend.asarray(t), feature_map).to(t.dtype)
         return {**out, **options}
 
-    def _state_in(self, state: Any) -> Any:
-        f = self.formulation
-        dtype = self.convention.state_dtype
-        parts = tuple((s if dtype is None else s.to(dtype)).contiguous() for s in f.state.split(state))
-        if self.convention.state == "VK":
-            parts = tuple(p.transpose(-1, -2).contiguous() if p.dim() == 4 else p for p in parts)
-        return f.state.join(parts)
+    def _state_in(self, state: Any, carried: tuple[str, ...] | None = None) -> Any:
+        """attnlab's state (parts the kernel does not carry may be None) -> the kernel's, carried parts only."""
+        f, c = self.formulation, self.convention
+        carried = f.state.names if carried is None else carried
+        dtype = c.state_dtype
+        parts = []
+        for name, s in zip(f.state.names, f.state.split(state)):
+            if name not in carried:
+                continue
+            if s is None:
+                raise ValueError(f"{c.name} needs the state part {name}, which is None")
+            s = s if dtype is None else s.to(dtype)
+            if c.state == "VK" and s.dim() == 4:
+                s = s.transpose(-1, -2)
+            if name in c.part_unsqueeze:
+                s = s.unsqueeze(c.part_unsqueeze[name])
+            parts.append(s.contiguous())
+        return parts[0] if len(parts) == 1 else tuple(parts)
 
     def _rwkv_stacked(self, state: Any, k: torch.Tensor) -> torch.Tensor:
         """(a, b, p) -> fla's [B, 3, 1, C]; the empty state's p = -inf becomes -1e38 (fla's log zero)."""
@@ -186,7 +229,8 @@ class Adapted:
         a, b, p = (s.to(dtype) for s in state)
         return torch.stack([a, b, torch.clamp(p, min=-1e38)], dim=1)[:, :, None, :].contiguous()
 
-    def _result(self, result: Any, want_state: bool) -> Any:
+    def _result(self, result: Any, want_state: bool, carried: tuple[str, ...] | None = None) -> Any:
+        """The kernel's result in attnlab's convention; state parts it does not carry come back as None."""
         f, c = self.formulation, self.convention
         if c.returns != "o_state":
             return result
@@ -195,10 +239,20 @@ class Adapted:
             return o
         if f.name == "rwkv4" and c.rwkv_state == "stacked":
             return o, tuple(state[:, i, -1, :] for i in range(3))
-        parts = f.state.split(state)
-        if c.state == "VK":
-            parts = tuple(p.transpose(-1, -2) if p.dim() == 4 else p for p in parts)
-        return o, f.state.join(parts)
+        carried = f.state.names if carried is None else carried
+        if state is None:
+            return o, state
+        given = dict(zip(carried, (state,) if isinstance(state, torch.Tensor) else tuple(state)))
+        parts = []
+        for name in f.state.names:
+            p = given.get(name)
+            if p is not None:
+                if name in c.part_unsqueeze:
+                    p = p.squeeze(c.part_unsqueeze[name])
+                if c.state == "VK" and p.dim() == 4:
+                    p = p.transpose(-1, -2)
+            parts.append(p)
+        return o, f.state.join(tuple(parts))
 
 
 def adapt(kernel: Callable[..., Any], convention: Convention, name: str) -> Adapted:
@@ -219,13 +273,18 @@ def _accepts(kernel: Callable[..., Any], keyword: str) -> bool:
 # ----------------------------------------------------------------------------- flash-linear-attention 0.6.0
 
 _FLA_STATE = dict(state_keyword="initial_state", final_state_flag="output_final_state", returns="o_state", state_dtype=torch.float32)
+# fla 0.6.0's linear attention (fla/ops/linear_attn/{chunk,fused_recurrent}.py): the state is S alone when
+# normalize=False; when normalized, the tuple (S, z) with the normalizer z (running key sum) as [B, 1, H, K].
+_FLA_LINEAR_STATE = dict(carries=(("normalize=False", ("S",)),), part_unsqueeze={"z": 1})
 
 FLA: dict[str, dict[str, Convention]] = {
     "softmax": {"parallel_attn": Convention("fla:parallel_attn", implied={"causal": True}, state_keyword=None,
                                             final_state_flag=None, returns="o")},
     "linear_attn": {
-        "chunk_linear_attn": Convention("fla:chunk_linear_attn", feature_map_outside=True, **_FLA_STATE),
-        "fused_recurrent_linear_attn": Convention("fla:fused_recurrent_linear_attn", feature_map_outside=True, **_FLA_STATE),
+        "chunk_linear_attn": Convention("fla:chunk_linear_attn", feature_map_outside=True, **_FLA_STATE,
+                                        **_FLA_LINEAR_STATE),
+        "fused_recurrent_linear_attn": Convention("fla:fused_recurrent_linear_attn", feature_map_outside=True,
+                                                  **_FLA_STATE, **_FLA_LINEAR_STATE),
     },
     "retnet": {
         "chunk_simple_gla": Convention("fla:chunk_simple_gla", names={"g": "g_gamma"}, **_FLA_STATE),
@@ -303,10 +362,7 @@ def _error(kernel: Callable[..., Any], convention: Convention, name: str, inputs
     reference = oracle(name, "chunkwise", "float64")
     try:
         adapted = adapt(kernel, convention, name)
-        if "initial_state" in inputs:
-            o, _ = adapted(**inputs, return_state=True)
-            return rel_err(o, reference(**inputs))
-        o = adapted(**inputs)
+        o = adapted(**inputs)  # with an initial state, only the output is compared: the final state comes later
         return rel_err(o, reference(**inputs)) if isinstance(o, torch.Tensor) else math.inf
     except Exception:
         return math.inf
@@ -340,5 +396,60 @@ def detect(kernel: Callable[..., Any], name: str, inputs: Mapping[str, torch.Ten
         with_layout = replace(convention, name=f"{convention.name[:-1]}, state={layout})", state=layout)
         errors[with_layout.name] = _error(kernel, with_layout, name, {**inputs, "initial_state": f.state.join(state)})
         if errors[with_layout.name] <= tolerance:
-            return Detection(with_layout, errors)
+            return Detection(_final_state_flag(kernel, with_layout, name, inputs, tolerance, errors), errors)
     return Detection(None, errors)
+
+
+# Keywords a kernel may use to ask for its final state, tried when it returns (o, state) but no state comes back.
+FINAL_STATE_FLAGS = ("output_final_state", "return_final_state", "return_state", "output_state")
+
+
+def _state_error(kernel: Callable[..., Any], convention: Convention, name: str, inputs: Mapping[str, Any]) -> float:
+    """Relative error of the final state returned under ``convention`` against the float64 oracle's."""
+    from attnlab.metrics import rel_err
+    from attnlab.oracle import oracle
+
+    f = formulation(name)
+    try:
+        _, state = adapt(kernel, convention, name)(**inputs, return_state=True)
+        _, reference = oracle(name, "chunkwise", "float64")(**inputs, return_state=True)
+        mine = [p.to(torch.float64) for p in f.state.split(state)]
+        return rel_err(mine, [p.to(torch.float64) for p in f.state.split(reference)])
+    except Exception:
+        return math.inf
+
+
+def _final_state_flag(kernel: Callable[..., Any], convention: Convention, name: str, inputs: Mapping[str, Any],
+                      tolerance: float, errors: dict[str, float]) -> Convention:
+    """``convention`` with the keyword that makes the kernel return its final state, where it needs one.
+
+    Only for kernels that return ``(o, state)``: when the state they return
+    without any flag is not the oracle's final state (fla returns ``None``
+    unless ``output_final_state=True``), the flags the signature accepts are
+    tried. When none gives the right state, the convention is kept as it is
+    (its output matched) and the state properties will say what is wrong.
+    """
+    if convention.returns != "o_state" or convention.final_state_flag is not None:
+        return convention
+    errors[f"{convention.name[:-1]}, final state without a flag)"] = _state_error(kernel, convention, name, inputs)
+    if errors[f"{convention.name[:-1]}, final state without a flag)"] <= tolerance:
+        return convention
+    for flag in FINAL_STATE_FLAGS:
+        if not _named(kernel, flag):  # only flags the signature names: a **kwargs kernel would swallow any
+            continue
+        flagged = replace(convention, name=f"{convention.name[:-1]}, final_state_flag={flag})", final_state_flag=flag)
+        errors[flagged.name] = _state_error(kernel, flagged, name, inputs)
+        if errors[flagged.name] <= tolerance:
+            return flagged
+    return convention
+
+
+def _parameters(kernel: Callable[..., Any]) -> list[inspect.Parameter]:
+    try:
+        return list(inspect.signature(kernel).parameters.values())
+    except (TypeError, ValueError):
+        return []
+
+
+def _named(kernel: Callable[..., Any], keyword: str) -> bool:
+    return any(p.name == keyword for p in _parameters(kernel))

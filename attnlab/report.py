@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -175,7 +175,8 @@ def _blank_row(base: Row) -> Row:
 
 def mpmath_agreement(name: str, inputs: dict[str, torch.Tensor], reference_output: torch.Tensor) -> float:
     """``rel_err`` of the float64 oracle's output against the mpmath recurrent oracle's, on CPU copies of ``inputs``."""
-    certified = oracle(name, "recurrent", "mpmath")(**{n: t.cpu() for n, t in inputs.items()})
+    certified = oracle(name, "recurrent", "mpmath")(**{n: t.cpu() if isinstance(t, torch.Tensor) else t
+                                                        for n, t in inputs.items()})
     return rel_err(reference_output.cpu(), certified)
 
 
@@ -192,13 +193,15 @@ def measure_point(
     check_with_mpmath: bool = False,
     extra: Row | None = None,
     reference_form: str = "chunkwise",
+    options: dict[str, Any] | None = None,
 ) -> list[Row]:
     """Rows for every implementation at one (formulation, dtype, T), against the float64 oracle.
 
     The reference output and the conditioning floor are computed once and
     shared by the implementations. ``transform`` edits the float64 inputs
     before rounding (the stability maps); ``extra`` is merged into each row;
-    ``reference_form`` is the float64 oracle's form (chunkwise: the fast one).
+    ``reference_form`` is the float64 oracle's form (chunkwise: the fast one);
+    ``options`` (``scale=...``) are passed to the reference and every implementation.
     A failure of the reference fails every row of the point; a failure of
     one implementation fails its row only.
     """
@@ -207,6 +210,7 @@ def measure_point(
     try:
         inputs = rounded_inputs(f.name, DTYPES[dtype], device, B=sizes.B, T=T, H=sizes.H, K=sizes.K, V=sizes.V,
                                 seed=seed, transform=transform)
+        inputs = {**inputs, **(options or {})}
         chunking = {"chunk_size": REFERENCE_CHUNK_SIZE} if reference_form == "chunkwise" else {}
         reference = oracle(f.name, reference_form, "float64", **chunking)
         ref = reference(**inputs)

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from attnlab.evaluate import DTYPES
-from attnlab.registry import REGISTRY, formulation
+from attnlab.registry import REGISTRY
 from attnlab.report import (
     REFERENCE_CHUNK_SIZE,
     Row,

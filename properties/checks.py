@@ -172,6 +172,16 @@ def _measurement_detail(m: Measurement, o: torch.Tensor) -> str:
             f"floor_cond {m.floor_cond:.3e} (computed only when needed), non-finite entries {m.nonfinite} of {o.numel()}")
 
 
+def max_ulps(o: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    """The largest |o - ref| in units in the last place of ``dtype`` at the reference entry."""
+    ref = ref.detach().to(torch.float64).cpu()
+    diff = (o.detach().to(torch.float64).cpu() - ref).abs()
+    finfo = torch.finfo(dtype)
+    exponent = torch.floor(torch.log2(ref.abs().clamp(min=finfo.tiny)))
+    ulp = torch.exp2(exponent - (finfo.nmant if hasattr(finfo, "nmant") else -math.log2(finfo.eps)))
+    return float((diff / ulp).max()) if diff.numel() else 0.0
+
+
 def _judge(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, o: Any, ref: torch.Tensor,
            floor_cond: Callable[[], float], note: str = "") -> CheckResult:
     """The excess of ``o`` over the floors of ``ref``, against EXCESS_BOUND.
@@ -189,6 +199,8 @@ def _judge(prop: str, target: Target, case: Case, dtype: torch.dtype, device: st
         m = measure(o, ref, dtype, floor_cond())
     held = m.nonfinite == 0 and m.excess <= bound
     detail = _measurement_detail(m, o) + (f"; {note}" if note else "")
+    if m.floor_round == 0 and m.nonfinite == 0 and not held:
+        detail += f"; the exact output is representable in {str(dtype).replace('torch.', '')}: off by up to {max_ulps(o, ref, dtype):.3g} ulps"
     if m.nonfinite:
         detail = "NaN or inf where the float64 oracle is finite; " + detail
     return CheckResult(prop, held, m.excess, bound, "excess = rel_err / floor", target.label, case, dtype, device, detail)
@@ -215,7 +227,11 @@ def comparable_state(name: str, state: Any) -> tuple[torch.Tensor, ...]:
     """The parts of a returned state (tensor or tuple, any dtype or device) as float64 CPU tensors."""
     spec = formulation(name).state
     assert spec is not None
-    return tuple(p.detach().to(torch.float64).cpu() for p in spec.split(state))
+    return tuple(None if p is None else p.detach().to(torch.float64).cpu() for p in spec.split(state))
+
+
+# Plain words for state parts, where a report names one a kernel does not carry.
+PART_WORDS = {("linear_attn", "z"): "the normalizer z", ("linear_attn", "S"): "the key-value sum S"}
 
 
 def _same_scale(name: str, state: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -233,6 +249,14 @@ def _same_scale(name: str, state: tuple[torch.Tensor, ...], ref: tuple[torch.Ten
     factor = torch.exp(state[logs[0]] - ref[logs[0]])
     plain = [i for i in range(len(spec.parts)) if i not in logs]
     return [state[i] * factor for i in plain], [ref[i] for i in plain]
+
+
+def _difference_over(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
+    """|a - b| / |ref|: 0 when a equals b, also where the reference is exactly 0 (beta = 0 makes every
+    delta-rule output 0), inf for a difference from a zero reference, NaN when either holds a NaN."""
+    gap = (a.double() - b.double()).norm().item()
+    scale = ref.double().norm().item()
+    return 0.0 if gap == 0 else gap / scale if scale > 0 else math.inf
 
 
 def _ratio(error: float, floor: float) -> float:
@@ -333,8 +357,7 @@ def check_chunk_size_invariance(target: Target, case: Case, dtype: torch.dtype, 
     except Exception as error:  # noqa: BLE001
         return _raised("chunk_size_invariance", target, case, dtype, device, error)
     first, *others = target.chunk_sizes
-    differences = {c: rel_err(outputs[c], outputs[first].double()) * (outputs[first].double().norm() / ref.norm()).item()
-                   for c in others}
+    differences = {c: _difference_over(outputs[c], outputs[first], ref) for c in others}
     worst = max(differences, key=lambda c: math.inf if math.isnan(differences[c]) else differences[c])
     difference = differences[worst] if not math.isnan(differences[worst]) else math.inf
     floor = rounding_floor(ref, dtype)
@@ -363,6 +386,23 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
     except Exception as error:  # noqa: BLE001
         return _raised("split_and_resume", target, case, dtype, device, error)
     note = f"split at {case.cut} of {case.T}"
+    spec = formulation(case.name).state
+    missing = [n for n, p in zip(spec.names, spec.split(state)) if p is None] if isinstance(o_head, torch.Tensor) else []
+    if missing:
+        # The kernel's state omits parts: the run can be resumed only if the tail's output does not depend on them.
+        _, ref_head_state = reference(**head, return_state=True)
+        parts = spec.split(ref_head_state)
+        blank = spec.join(tuple(torch.full_like(p, e) if n in missing else p
+                                for n, p, e in zip(spec.names, parts, spec.empty)))
+        needed = reference(**tail, initial_state=ref_head_state)
+        without = reference(**tail, initial_state=blank)
+        if not torch.allclose(needed, without, rtol=1e-12, atol=0.0, equal_nan=True):
+            words = " and ".join(PART_WORDS.get((case.name, n), f"the state part {n}") for n in missing)
+            options = ", ".join(f"{k}={v}" for k, v in dict(case.options).items()) if case.options else "these options"
+            return CheckResult("split_and_resume", False, math.inf, EXCESS_BOUND[dtype], "state parts carried",
+                               target.label, case, dtype, device,
+                               f"the kernel's state omits {words}, so a run with {options} cannot be split and resumed "
+                               f"(the output after the split depends on it); {note}")
     if not all(isinstance(o, torch.Tensor) for o in (o_head, o_tail)):
         return CheckResult("split_and_resume", False, math.inf, EXCESS_BOUND[dtype], "excess = rel_err / floor",
                            target.label, case, dtype, device, "did not return (o, state) with return_state=True")
@@ -370,7 +410,12 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
                     lambda: _conditioning_floor(case.name, reference, x), note)
     if not result.held:
         return result
-    mine, theirs = _same_scale(case.name, comparable_state(case.name, final), comparable_state(case.name, ref_state))
+    mine_parts, ref_parts = comparable_state(case.name, final), comparable_state(case.name, ref_state)
+    if any(p is None for p in mine_parts):  # compare the parts the kernel carries
+        kept = [i for i, p in enumerate(mine_parts) if p is not None]
+        mine_parts, ref_parts = tuple(mine_parts[i] for i in kept), tuple(ref_parts[i] for i in kept)
+        note += f"; final state compared on {', '.join(spec.names[i] for i in kept)} (the parts the kernel carries)"
+    mine, theirs = _same_scale(case.name, mine_parts, ref_parts)
     error = rel_err(mine, theirs)
     state_floor = _conditioning_floor(case.name, _state_reference(case.name), x) if error > STATE_BOUND[dtype] else 0.0
     bound = max(STATE_BOUND[dtype], EXCESS_BOUND[dtype] * state_floor)

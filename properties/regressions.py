@@ -28,4 +28,16 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
         Case(name="linear_attn", seed=517, B=1, T=1, H=2, K=7, V=8, key_coherence=0.5101055313207358, spread=4.0,
              scale=1.9673736050656103, options=(("feature_map", "elu1"), ("normalize", True))),
     ),
+    # fp16, gk absent: general's chunkwise kernel normalised its value columns by their peak over the
+    # whole chunk before the split dots, so outputs at positions 7 and 12 moved when later positions
+    # changed; normalising by a power of two keeps every entry's rounding its own.
+    "causality": (
+        Case(name="general", seed=2208985, B=1, T=38, H=2, K=7, V=16, gate_low=0.0, spread=4.0, scale=1.5,
+             absent=("gk",), cut=17),
+    ),
+    # beta = 0: every deltanet output is exactly 0; the check divided the difference between chunk sizes
+    # by a zero output (0 / 0) and reported inf for two identical outputs.
+    "chunk_size_invariance": (
+        Case(name="deltanet", seed=2071880, B=1, T=65, H=1, K=16, V=14, beta_low=0.0, beta_high=0.0),
+    ),
 }

@@ -120,15 +120,21 @@ class Outcome:
 
 
 def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
-           settings: hypothesis.settings | None = None, outcome: Outcome | None = None) -> Callable[[], None]:
+           settings: hypothesis.settings | None = None, outcome: Outcome | None = None, *,
+           fit: Callable[[Case], Case] | None = None, regressions: bool = True) -> Callable[[], None]:
     """A hypothesis test that checks ``prop`` on ``target``: call it; it raises AssertionError on a failure.
 
     ``settings`` default to the loaded hypothesis profile; ``outcome``, if
-    given, is filled in as the search runs.
+    given, is filled in as the search runs. ``fit``, if given, edits every
+    case (drawn or kept regression) before it is checked (``attnlab
+    validate``: a kernel's fixed scale, its head dims); ``regressions=False``
+    leaves the kept regressions out.
     """
     record = outcome if outcome is not None else Outcome(prop.name, target.label, dtype)
 
     def check_one(case: Case) -> None:
+        if fit is not None:
+            case = fit(case)
         result = prop.check(target, case, dtype, device)
         record.examples += 1
         hypothesis.target(result.score, label=f"log({prop.name} figure / bound)")
@@ -139,7 +145,7 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
         result.assert_held()
 
     test = given(case=prop.cases(target, dtype, sizes))(check_one)
-    for regression in REGRESSIONS.get(prop.name, ()):
+    for regression in REGRESSIONS.get(prop.name, ()) if regressions else ():
         if prop.fits(target, regression):
             test = example(case=regression)(test)
     if settings is not None:
@@ -150,11 +156,12 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
 
 
 def run(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
-        settings: hypothesis.settings | None = None) -> Outcome:
+        settings: hypothesis.settings | None = None, *, fit: Callable[[Case], Case] | None = None,
+        regressions: bool = True) -> Outcome:
     """Run one search to its end and return its Outcome instead of raising."""
     outcome = Outcome(prop.name, target.label, dtype)
     try:
-        search(prop, target, dtype, device, sizes, settings, outcome)()
+        search(prop, target, dtype, device, sizes, settings, outcome, fit=fit, regressions=regressions)()
     except AssertionError as error:
         if outcome.failure is None:  # an assertion of the harness, not a failed property
             outcome.errors.append(f"AssertionError: {error}")

@@ -18,9 +18,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,23 +107,50 @@ def function_target(function: Callable[..., Any], name: str, label: str) -> Targ
     return Target(label, name, function, accepts_state and formulation(name).state is not None, chunk_sizes)
 
 
-def resolve(spec: str, name: str) -> Target:
-    """The target named ``MODULE:FUNCTION`` (a dotted module path, then an attribute path)."""
-    module_name, sep, attribute = spec.partition(":")
+def load_callable(spec: str, flag: str) -> Callable[..., Any]:
+    """The callable named ``MODULE:FUNCTION``; MODULE is a dotted module (importable from here or the
+    current directory) or a path to a ``.py`` file; FUNCTION may be an attribute path (``Class.method``).
+    ``flag`` names the option in the ValueError that says what is wrong (``--kernel``, ``--attnlab-kernel``)."""
+    module_name, sep, attribute = spec.rpartition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"--attnlab-kernel must be MODULE:FUNCTION (e.g. mypkg.ops:my_gla); got {spec!r}")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"--attnlab-kernel {spec}: cannot import module {module_name!r}: {error}") from error
+        raise ValueError(f"{flag} must be MODULE:FUNCTION (e.g. mypkg.ops:my_gla or path/to/file.py:my_gla); got {spec!r}")
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        path = Path(module_name)
+        if not path.is_file():
+            raise ValueError(f"{flag} {spec}: no such file {module_name!r}")
+        sys.path.insert(0, str(path.resolve().parent))  # so that the file's own imports of its neighbours work
+        loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"{flag} {spec}: cannot load {module_name!r} as a Python module")
+        module: Any = importlib.util.module_from_spec(loader_spec)
+        sys.modules[path.stem] = module
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 - the user's module: say what broke
+            raise ValueError(f"{flag} {spec}: importing {module_name} failed: {type(error).__name__}: {error}") from error
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ValueError(f"{flag} {spec}: cannot import module {module_name!r}: {error}") from error
+        except Exception as error:  # noqa: BLE001
+            raise ValueError(f"{flag} {spec}: importing {module_name} failed: {type(error).__name__}: {error}") from error
+    obj: Any = module
     for part in attribute.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"--attnlab-kernel {spec}: module {module_name!r} has no attribute {attribute!r}") from None
+            raise ValueError(f"{flag} {spec}: module {module_name!r} has no attribute {attribute!r}") from None
     if not callable(obj):
-        raise ValueError(f"--attnlab-kernel {spec}: {attribute!r} is not callable")
-    return function_target(obj, name, spec)
+        raise ValueError(f"{flag} {spec}: {attribute!r} is not callable")
+    return obj
+
+
+def resolve(spec: str, name: str) -> Target:
+    """The target named ``MODULE:FUNCTION`` (load_callable), checked against formulation ``name``."""
+    return function_target(load_callable(spec, "--attnlab-kernel"), name, spec)
 
 
 def rounded_oracle_target(name: str) -> Target:

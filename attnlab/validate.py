@@ -1,0 +1,963 @@
+"""``attnlab validate``: the property suite and the error-vs-length curve, on a kernel someone else wrote.
+
+    attnlab validate --formulation gla --kernel mypkg.ops:my_gla --convention fla --device cuda --dtype bfloat16
+    attnlab validate --fla-op chunk_gla --device cuda            # fla 0.6.0's own kernel, its convention
+    attnlab validate --formulation kda --kernel ./my_kda.py:kda --convention auto
+
+The kernel (``MODULE:FUNCTION``, MODULE importable or a path to a ``.py``
+file) is called in its own convention, translated by an adapter
+(attnlab.conventions): ``attnlab`` (FORMULATIONS.md keywords, the plugin's
+convention), ``fla`` (flash-linear-attention 0.6.0's convention of the fla
+function of that name, or of ``--fla-op``, or the one its signature fits) or
+``auto`` (tried on small inputs against the oracle: gates log or linear,
+scale passed, ``K**-0.5`` or 1, returns, keywords or FORMULATIONS.md's
+positional order, state ``[K, V]`` or ``[V, K]``, the final-state flag; the
+one found is printed, and none found exits 1).
+
+Every applicable property of attnlab.properties.suite runs under each
+strategy:
+
+- ``default``: the registry's default input distributions, over shapes,
+  seeds and options (T = 1, chunk edges, odd head dims, split points); the
+  ``overflow`` property, adversarial by nature, runs only under
+  ``adversarial``;
+- ``adversarial``: the suite's own strategies, which push gates to -20 per
+  step, beta to 0 and 2, keys nearly parallel, logits and keys past the
+  dtype's exp overflow, and the kept regressions.
+
+The search does not shrink (hypothesis' shrinking replays a kernel hundreds
+of times); a failure is instead minimized greedily (batch and heads to 1,
+distribution parameters back to the defaults, shorter T, smaller head dims,
+each kept only while the property still fails), and the minimal case is
+reported.
+
+Printed: the convention, then the verdict table (strategy, dtype, property,
+held or not, examples, the worst figure against its bound, the reproducing
+Case), then each failure's report with a script that reproduces it. Written
+to ``--out DIR``: ``report.json`` (verdicts, convention, detection, device,
+versions, the FLA_* environment variables that change fla's numerics, the
+curve's rows), ``summary.md`` (the same, readable), and ``curve/`` (the
+error-vs-length rows, plot and index.md of attnlab.report, with attnlab's own
+kernels and the naive recurrences side by side under ``--compare``).
+
+Exit status: 0 when every property held; 1 when one failed (or raised, or was
+not run within ``--time-budget``), or when ``--convention auto`` found no
+convention; 2 for a usage error (bad MODULE:FUNCTION, unknown formulation or
+fla op, bad dtype, ``--device cuda`` without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attnlab import report
+from attnlab.conventions import ATTNLAB, FLA, FLA_NUMERICS_ENV, Convention, Detection, adapt, detect, fixed_scale
+from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 without a GPU
+from attnlab.registry import formulation, names
+
+__all__ = ["EXIT_HELD", "EXIT_FAILED", "EXIT_USAGE", "STRATEGIES", "UsageError", "Verdict", "Validation", "load_kernel",
+           "fla_kernel", "choose_fla_convention", "make_target", "validate", "verdict_table", "write_outputs",
+           "add_parser"]
+
+EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+STRATEGIES = ("default", "adversarial")
+CONVENTIONS = ("attnlab", "fla", "auto")
+# Examples per (strategy, dtype, property) when --examples is not given, by --profile (the plugin's profiles).
+PROFILE_EXAMPLES = {"ci": 25, "dev": 50, "gpu": 200, "thorough": 2000}
+# --convention auto: the inputs candidates are tried on (K != V, so a transposed state cannot pass), and the
+# relative error against the oracle under which a candidate matches (a wrong convention is off by O(1)).
+DETECT_SIZES = dict(B=1, T=20, H=2, K=8, V=6)
+DETECT_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
+# The error-vs-length curve when --lengths / --curve-shape are not given.
+CURVE_DEFAULTS = {
+    "cpu": ((16, 32, 64, 128), report.Sizes(B=1, H=2, K=16, V=16)),
+    "cuda": ((64, 256, 1024, 4096, 16384), report.Sizes(B=1, H=4, K=64, V=64)),
+}
+MINIMIZE_TRIES = 24
+MINIMIZE_SECONDS = 60.0
+# fla 0.6.0 exports every kernel of attnlab.conventions.FLA from fla.ops, except these.
+FLA_MODULES = {"fused_recurrent_rwkv4": "fla.ops.rwkv4"}
+# The distribution parameters of a Case and their defaults (the registry's default distributions).
+DISTRIBUTION = {"gate_low": None, "beta_low": None, "beta_high": None, "key_norm": 1.0, "key_coherence": 0.0,
+                "spread": 1.0, "logit_max": None, "key_shift": 0.0}
+
+
+class UsageError(ValueError):
+    """A bad command line: exit status 2."""
+
+
+# ----------------------------------------------------------------------------- resolving the kernel
+
+
+def load_kernel(spec: str) -> Callable[..., Any]:
+    """The callable named ``MODULE:FUNCTION`` (attnlab.properties.targets.load_callable), or a UsageError."""
+    from attnlab.properties.targets import load_callable
+
+    try:
+        return load_callable(spec, "--kernel")
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def fla_kernel(op: str, name: str | None = None) -> tuple[str, str]:
+    """``(formulation, MODULE:FUNCTION)`` of fla 0.6.0's kernel ``op`` (``--fla-op``)."""
+    owners = [n for n, table in FLA.items() if op in table]
+    if not owners:
+        known = sorted({fn for table in FLA.values() for fn in table})
+        raise UsageError(f"--fla-op {op!r}: not a kernel attnlab knows fla's convention of; known: {', '.join(known)}")
+    if name is None:
+        name = owners[0]  # fused_recurrent_gla: gla first (general is the same function with gv)
+    elif name not in owners:
+        raise UsageError(f"--fla-op {op} computes {' or '.join(owners)}, not {name}")
+    return name, f"{FLA_MODULES.get(op, 'fla.ops')}:{op}"
+
+
+def _parameter_names(kernel: Callable[..., Any]) -> set[str] | None:
+    """The keywords ``kernel`` accepts; None when it takes any (``**kwargs``) or has no signature."""
+    try:
+        parameters = inspect.signature(kernel).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
+def _same_convention(a: Convention, b: Convention) -> bool:
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(Convention) if f.name != "name")
+
+
+def choose_fla_convention(name: str, kernel: Callable[..., Any], function: str, fla_op: str | None) -> Convention:
+    """The fla 0.6.0 convention a kernel follows: ``--fla-op``'s, else that of the fla function of the
+    same name, else the one whose keywords the kernel's signature takes (the one passing the most arguments)."""
+    table = FLA.get(name)
+    if not table:
+        known = ", ".join(f"{n} ({', '.join(t)})" for n, t in FLA.items())
+        raise UsageError(f"fla 0.6.0 has no kernel of {name}; --convention fla knows: {known}")
+    if fla_op is not None:
+        if fla_op not in table:
+            raise UsageError(f"--fla-op {fla_op!r}: fla's kernels of {name} are {', '.join(table)}")
+        return table[fla_op]
+    if function in table:
+        return table[function]
+    f = formulation(name)
+    accepted = _parameter_names(kernel)
+
+    def passed(c: Convention) -> list[str]:
+        return [c.names.get(a.name, a.name) for a in f.args
+                if a.name not in c.derived and a.name not in c.positional and not a.optional]
+
+    fitting = [c for c in table.values() if accepted is None or all(k in accepted for k in passed(c))]
+    if fitting:
+        most = max(len(passed(c)) for c in fitting)
+        fitting = [c for c in fitting if len(passed(c)) == most]
+    if fitting and all(_same_convention(fitting[0], c) for c in fitting):
+        return fitting[0]
+    raise UsageError(f"cannot tell which of fla's {name} kernels {function} is called like; "
+                     f"pass --fla-op with one of {', '.join(table)}")
+
+
+def _returns_state(kernel: Callable[..., Any], convention: Convention) -> bool:
+    if convention.returns == "o_state":
+        return True
+    if convention.returns == "attnlab" and convention.final_state_flag is not None:
+        accepted = _parameter_names(kernel)
+        return accepted is None or convention.final_state_flag in accepted
+    return False
+
+
+def make_target(kernel: Callable[..., Any], name: str, label: str, convention: Convention):
+    """The property suite's Target for ``kernel``, called in ``convention``.
+
+    attnlab's own convention needs no adapter (and keeps ``chunk_size``, so
+    the chunk-size property runs when the kernel takes one); any other goes
+    through attnlab.conventions.adapt, and the state properties run when the
+    adapted kernel both takes an initial state and returns its final one.
+    """
+    from attnlab.properties.targets import Target, function_target
+
+    if convention == ATTNLAB:
+        return function_target(kernel, name, label)
+    adapted = adapt(kernel, convention, name)
+    accepts_state = formulation(name).state is not None and adapted.supports_state and _returns_state(kernel, convention)
+    return Target(label, name, adapted, accepts_state, ())
+
+
+def detect_convention(kernel: Callable[..., Any], name: str, dtype: torch.dtype, device: str) -> Detection:
+    """``--convention auto``: attnlab.conventions.detect on small inputs of ``dtype`` on ``device``."""
+    x = formulation(name).sample(**DETECT_SIZES, seed=0)
+    inputs = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    return detect(kernel, name, inputs, DETECT_TOLERANCE[dtype])
+
+
+def describe_detection(found: Detection, dtype: torch.dtype) -> str:
+    """Plain words: which convention matched, or that none did and which came closest."""
+    tolerance = DETECT_TOLERANCE[dtype]
+    tried = len(found.errors)
+    if found.convention is not None:
+        return (f"--convention auto: found {found.convention.describe().split(': ', 1)[1]} "
+                f"({tried} candidates tried on {DETECT_SIZES}, {_dtype_name(dtype)}; matched the oracle within "
+                f"{tolerance:g} relative)")
+    ranked = sorted(found.errors.items(), key=lambda item: item[1])
+    closest = ", ".join(f"{label}: rel_err {error:.3g}" for label, error in ranked[:3] if math.isfinite(error))
+    return (f"--convention auto: NO convention matched: none of the {tried} candidates (gates log or linear, scale "
+            f"passed, K**-0.5 or 1, returns o, (o, state) or attnlab's, keywords or FORMULATIONS.md's positional "
+            f"order, state [K,V] or [V,K]) gave the oracle's output within {tolerance:g} relative on "
+            f"{DETECT_SIZES} in {_dtype_name(dtype)}. "
+            + (f"Closest: {closest}. " if closest else "Every candidate raised or returned no tensor. ")
+            + "Either the kernel computes something else (a bug, or another formulation), or it is called in a "
+              "convention attnlab does not try: describe it with attnlab.conventions.Convention.")
+
+
+# ----------------------------------------------------------------------------- cases
+
+
+def _snap(value: int, choices: Sequence[int]) -> int:
+    return min(choices, key=lambda c: (abs(c - value), c))
+
+
+def make_fit(target_name: str, convention: Convention, strategy: str, prop: str,
+             dims: Sequence[int] | None) -> Callable[[Any], Any]:
+    """The edit applied to every case of ``prop`` under ``strategy`` for a kernel in ``convention``.
+
+    ``default`` resets the distribution parameters (shift_invariance keeps its
+    key shift: it is the property); a kernel's fixed scale is passed
+    explicitly, its implied options forced, the arguments it derives itself
+    left at the registry's default; ``dims`` restricts K and V (fla
+    recompiles and autotunes for each head dimension).
+    """
+    from attnlab.properties import traits
+
+    target = formulation(target_name)
+    derived_gate = any(traits.is_log_gate(target.arg(a)) or traits.is_decay_rate(target.arg(a)) for a in convention.derived)
+    derived_beta = any(traits.is_write_strength(target.arg(a)) for a in convention.derived)
+
+    def fit(case: Any) -> Any:
+        changes: dict[str, Any] = {}
+        if strategy == "default":
+            changes.update({k: v for k, v in DISTRIBUTION.items() if not (prop == "shift_invariance" and k == "key_shift")})
+        if derived_gate:
+            changes["gate_low"] = None
+        if derived_beta:
+            changes.update(beta_low=None, beta_high=None)
+        if dims:
+            changes.update(K=_snap(case.K, dims), V=_snap(case.V, dims))
+        f = formulation(case.name)
+        if "scale" in f.option_names and convention.scale != "pass":
+            changes["scale"] = fixed_scale(convention, changes.get("K", case.K))
+        if convention.implied and case.name == target_name:
+            options = dict(case.options)
+            options.update({k: v for k, v in convention.implied.items() if k in f.option_names})
+            changes["options"] = tuple(sorted(options.items()))
+        return case.with_(**changes)
+
+    return fit
+
+
+def minimize(prop: Any, target: Any, case: Any, result: Any, dtype: torch.dtype, device: str,
+             fit: Callable[[Any], Any], *, tries: int = MINIMIZE_TRIES, seconds: float = MINIMIZE_SECONDS) -> tuple[Any, Any, int]:
+    """A smaller failing case: greedy simplifications, each kept while the property still fails the same way.
+
+    Returns ``(case, result, checks run)``. A failure by raising stays one
+    (a simplification that only makes the kernel raise is not kept, and vice versa).
+    """
+    from attnlab.properties.checks import RAISED
+
+    best, best_result = case, result
+    raised = result.measure == RAISED
+    runs = 0
+    started = time.perf_counter()
+
+    def budget_left() -> bool:
+        return runs < tries and time.perf_counter() - started < seconds
+
+    def attempt(candidate: Any) -> bool:
+        nonlocal best, best_result, runs
+        if candidate.cut is not None:
+            if candidate.T < 2:
+                return False
+            candidate = candidate.with_(cut=min(max(candidate.cut, 1), candidate.T - 1))
+        candidate = fit(candidate)
+        if candidate == best or not budget_left():
+            return False
+        runs += 1
+        try:
+            outcome = prop.check(target, candidate, dtype, device)
+        except Exception:  # noqa: BLE001 - a harness error on a simplified case: not kept
+            return False
+        if not outcome.held and (outcome.measure == RAISED) == raised:
+            best, best_result = candidate, outcome
+            return True
+        return False
+
+    attempt(best.with_(B=1, H=1)) or attempt(best.with_(B=1)) or attempt(best.with_(H=1))
+    for name, default in (*DISTRIBUTION.items(), ("scale", None), ("absent", ())):
+        if name == "beta_high" or getattr(best, name) == default:
+            continue
+        if name == "key_shift" and prop.name == "shift_invariance":
+            continue
+        changes = {"beta_low": None, "beta_high": None} if name == "beta_low" else {name: default}
+        attempt(best.with_(**changes))
+    for T in sorted({1, 2, 3, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, best.T // 4, best.T // 2}):
+        if 1 <= T < best.T and attempt(best.with_(T=T)):
+            break
+    for axis in ("K", "V"):
+        for size in sorted({1, 2, 4, 8, 16, 32, 64, getattr(best, axis) // 2}):
+            if 1 <= size < getattr(best, axis) and attempt(best.with_(**{axis: size})):
+                break
+    if best.cut is not None:
+        for cut in (best.T - 1, 1, best.T // 2):
+            if cut != best.cut and attempt(best.with_(cut=cut)):
+                break
+    return best, best_result, runs
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class Verdict:
+    """One property under one strategy in one dtype.
+
+    ``status``: "held", "failed" (on an input: ``case``), "error" (the
+    harness broke; counted as not held) or "skipped" (not run within the
+    time budget). ``figure``/``bound``: the failure's, or the worst held
+    figure's; ``case`` the reproducing input (minimized for a failure;
+    ``found`` is the one the search found first).
+    """
+
+    strategy: str
+    dtype: str
+    property: str
+    status: str
+    examples: int = 0
+    figure: float | None = None
+    bound: float | None = None
+    measure: str = ""
+    case: str = ""
+    found: str = ""
+    first_failure: int | None = None
+    minimize_checks: int = 0
+    detail: str = ""
+    message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def held(self) -> bool:
+        return self.status == "held"
+
+    def figure_text(self) -> str:
+        if self.figure is None and self.status in ("held", "failed") and self.measure:
+            return "none (raised)" if "raised" in self.measure else "inf"
+        if self.figure is None:
+            return ""
+        short = {"excess = rel_err / floor": "excess", "final state rel_err": "state rel_err",
+                 "output entries before the cut that changed": "entries changed",
+                 "|o_c1 - o_c2| / |ref| / floor": "chunk difference / floor",
+                 "max distance outside [min v, max v] / max |v|": "outside [min v, max v]"}.get(self.measure, self.measure)
+        return f"{self.figure:.3g} / {self.bound:.3g} ({short})"
+
+
+@dataclass
+class Validation:
+    """Everything ``attnlab validate`` found: what it ran on, the verdicts and the curve."""
+
+    kernel: str
+    formulation: str
+    convention: Convention | None
+    device: str
+    dtypes: list[str]
+    strategies: list[str]
+    examples: int
+    sizes: dict[str, Any]
+    verdicts: list[Verdict] = field(default_factory=list)
+    detection: dict[str, Any] | None = None
+    detection_text: str = ""
+    curve: list[dict[str, Any]] = field(default_factory=list)
+    curve_settings: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    command: str = ""
+    repro: dict[str, str] = field(default_factory=dict)  # verdict key -> reproducing script
+
+    @property
+    def exit_code(self) -> int:
+        if self.convention is None:
+            return EXIT_FAILED
+        return EXIT_HELD if self.verdicts and all(v.held for v in self.verdicts) else EXIT_FAILED
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _search_settings(examples: int):
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(max_examples=examples, derandomize=True, database=None, deadline=None, print_blob=False,
+                    phases=(Phase.explicit, Phase.generate, Phase.target), suppress_health_check=list(HealthCheck))
+
+
+def verdict_key(v: Verdict) -> str:
+    return f"{v.strategy}/{v.dtype}/{v.property}"
+
+
+def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes: Any, strategy: str, examples: int,
+                 convention: Convention, dims: Sequence[int] | None, minimize_tries: int) -> Verdict:
+    """One property's search under one strategy, reduced to a Verdict (a failure minimized)."""
+    from attnlab.properties import suite
+
+    started = time.perf_counter()
+    fit = make_fit(target.formulation, convention, strategy, prop.name, dims)
+    outcome = suite.run(prop, target, dtype, device, sizes, _search_settings(examples), fit=fit,
+                        regressions=strategy == "adversarial")
+    verdict = Verdict(strategy, _dtype_name(dtype), prop.name, "held", outcome.examples)
+    if outcome.failure is not None:
+        failure = outcome.failure
+        case, result, runs = failure.case, failure, 0
+        if minimize_tries > 0 and case is not None:
+            case, result, runs = minimize(prop, target, case, failure, dtype, device, fit, tries=minimize_tries)
+        verdict.status = "failed"
+        verdict.first_failure = outcome.first_failure
+        verdict.found = repr(failure.case)
+        verdict.minimize_checks = runs
+        chosen = result
+    elif outcome.errors:
+        verdict.status = "error"
+        verdict.detail = "\n".join(outcome.errors)
+        verdict.message = verdict.detail
+        chosen = outcome.worst
+    else:
+        chosen = outcome.worst
+    if chosen is not None:
+        verdict.figure, verdict.bound, verdict.measure = _finite(chosen.figure), chosen.bound, chosen.measure
+        verdict.case = repr(chosen.case) if chosen.case is not None else ""
+        if verdict.status != "error":
+            verdict.detail, verdict.message = chosen.detail, chosen.message()
+    verdict.seconds = round(time.perf_counter() - started, 2)
+    return verdict
+
+
+def smoke_call(target: Any, name: str, dtype: torch.dtype, device: str, convention: Convention,
+               dims: Sequence[int] | None = None) -> None:
+    """One call on small default inputs: a TypeError there means the kernel is not called like ``convention`` says
+    (a usage error, not a property of the kernel)."""
+    fit = make_fit(name, convention, "default", "matches_oracle", None)
+    from attnlab.properties.strategies import Case
+
+    size = dims[0] if dims else 16  # a head dim the search draws anyway: no extra Triton compile
+    case = fit(Case(name=name, T=4, H=1, K=size, V=size))
+    try:
+        target(**case.call(dtype, device))
+    except TypeError as error:
+        raise UsageError(f"{target.label} cannot be called in convention {convention.name}: TypeError: {error}; "
+                         "check --convention / --fla-op, or try --convention auto") from error
+    except Exception:  # noqa: BLE001 - anything else is the kernel's to answer for, in the properties
+        pass
+
+
+def properties_for(target: Any, convention: Convention, strategy: str, only: Sequence[str] | None) -> list[Any]:
+    """The applicable properties under ``strategy`` (overflow only when adversarial)."""
+    from attnlab.properties import suite
+
+    chosen = []
+    for prop in suite.applicable(target):
+        if strategy == "default" and prop.name == "overflow":
+            continue
+        if prop.name == "reduces_to_special_case" and convention.derived:
+            continue  # the special case sets an argument this kernel computes itself
+        if only and prop.name not in only:
+            continue
+        chosen.append(prop)
+    return chosen
+
+
+def curve_implementations(name: str, dtype: str, label: str, call: Callable[..., Any], compare: bool,
+                          device: str) -> list[report.Implementation]:
+    """The kernel under test, and with ``compare`` attnlab's kernels that run here and the naive recurrences."""
+    impls = [report.Implementation(label, lambda: call)]
+    if not compare:
+        return impls
+    f = formulation(name)
+    own_ok = importlib.util.find_spec(f.kernel_module) is not None and not (interpreter_active() and dtype == "bfloat16")
+    for impl in report.implementations(f, dtype):
+        if impl.name.startswith("attnlab:") and not own_ok:
+            continue
+        impls.append(impl)
+    return impls
+
+
+def error_curve(name: str, call: Callable[..., Any], label: str, dtypes: Sequence[str], lengths: Sequence[int],
+                sizes: report.Sizes, device: str, *, compare: bool, options: dict[str, Any] | None, seed: int = 0,
+                progress: Any = None) -> list[dict[str, Any]]:
+    """attnlab.report's rows (excess at each length) for the kernel and, with ``compare``, attnlab's own."""
+    f = formulation(name)
+    rows: list[dict[str, Any]] = []
+    for dtype in dtypes:
+        impls = curve_implementations(name, dtype, label, call, compare, device)
+        for T in lengths:
+            if progress is not None:
+                progress.set_postfix_str(f"curve {dtype} T={T}")
+            rows += report.measure_point(f, dtype, T, sizes, impls, seed=seed, device=device, extra={"run": 0},
+                                         options=options)
+            if progress is not None:
+                progress.update()
+    return rows
+
+
+def _kernel_import(spec: str) -> tuple[str, str]:
+    """Lines importing the kernel in a standalone script, and the expression naming it."""
+    module_name, _, attribute = spec.rpartition(":")
+    first = attribute.split(".")[0]
+    if module_name.endswith(".py") or "/" in module_name:
+        path = Path(module_name).resolve()
+        return (f"import sys\nsys.path.insert(0, {str(path.parent)!r})\nfrom {path.stem} import {first}", attribute)
+    return f"from {module_name} import {first}", attribute
+
+
+def _convention_expression(convention: Convention) -> str:
+    for name, table in FLA.items():
+        for function, c in table.items():
+            if c == convention:
+                return f"fla_convention({name!r}, {function!r})"
+    return repr(convention)
+
+
+def repro_script(validation: Validation, verdict: Verdict, accepts_state: bool) -> str:
+    """A standalone script that re-runs the failed check on the reported case."""
+    imports, expression = _kernel_import(validation.kernel)
+    convention = validation.convention
+    assert convention is not None
+    if convention == ATTNLAB:
+        build = f"kernel = {expression}  # attnlab's convention: called as it is"
+    else:
+        build = (f"kernel = adapt({expression}, {_convention_expression(convention)}, {validation.formulation!r})"
+                 "  # the kernel, called in its own convention")
+    return "\n".join([
+        f"# attnlab validate: {verdict.property} failed for {validation.kernel} ({validation.formulation}) in "
+        f"{verdict.dtype} on {validation.device}, {verdict.strategy} strategy",
+        "import torch",
+        "from attnlab.conventions import Convention, adapt, fla_convention",
+        "from attnlab.properties import checks",
+        "from attnlab.properties.strategies import Case",
+        "from attnlab.properties.targets import Target",
+        imports,
+        "",
+        build,
+        f"target = Target({validation.kernel!r}, {validation.formulation!r}, kernel, accepts_state={accepts_state})",
+        f"case = {verdict.case}",
+        f"result = checks.check_{verdict.property}(target, case, torch.{verdict.dtype}, {validation.device!r})",
+        "print(result.message())",
+        "",
+    ])
+
+
+def validate(kernel_spec: str, name: str, *, convention: str = "attnlab", fla_op: str | None = None,
+             device: str = "cpu", dtypes: Sequence[torch.dtype] = (torch.float16,),
+             strategies: Sequence[str] = STRATEGIES, examples: int = 25, sizes: Any = None,
+             dims: Sequence[int] | None = None, only: Sequence[str] | None = None,
+             lengths: Sequence[int] = (), curve_sizes: report.Sizes | None = None, compare: bool = True,
+             minimize_tries: int = MINIMIZE_TRIES, time_budget: float | None = None, progress: bool = False,
+             command: str = "", say: Callable[[str], None] = print, curve_first: bool = False) -> Validation:
+    """Run the property suite and the error curve on ``kernel_spec`` (see the module's docstring)."""
+    from tqdm import tqdm
+
+    from attnlab.properties.suite import sizes_for
+
+    started = time.perf_counter()
+    if name not in names():
+        raise UsageError(f"unknown formulation {name!r}; expected one of {', '.join(names())}")
+    kernel = load_kernel(kernel_spec)
+    function = kernel_spec.rpartition(":")[2].split(".")[-1]
+    sizes = sizes or sizes_for(device, "ci")
+    validation = Validation(kernel_spec, name, None, device, [_dtype_name(d) for d in dtypes], list(strategies), examples,
+                            asdict(sizes), command=command)
+    if convention == "attnlab":
+        chosen: Convention | None = ATTNLAB
+    elif convention == "fla":
+        chosen = choose_fla_convention(name, kernel, function, fla_op)
+    elif convention == "auto":
+        found = detect_convention(kernel, name, dtypes[0], device)
+        validation.detection = {"errors": {k: _finite(v) for k, v in found.errors.items()},
+                                "tolerance": DETECT_TOLERANCE[dtypes[0]], "dtype": _dtype_name(dtypes[0]),
+                                "sizes": DETECT_SIZES}
+        validation.detection_text = describe_detection(found, dtypes[0])
+        say(validation.detection_text)
+        chosen = found.convention
+        if chosen is None:
+            validation.seconds = round(time.perf_counter() - started, 1)
+            return validation
+    else:
+        raise UsageError(f"--convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
+    validation.convention = chosen
+    say(f"kernel: {kernel_spec} as {name}; convention {chosen.describe()}")
+    target = make_target(kernel, name, kernel_spec, chosen)
+    smoke_call(target, name, dtypes[0], device, chosen, dims)
+    plan = [(dtype, strategy, prop) for dtype in dtypes for strategy in strategies
+            for prop in properties_for(target, chosen, strategy, only)]
+    curve_lengths = list(lengths)
+    curve_dtypes = validation.dtypes if curve_lengths else []
+    bar = tqdm(total=len(plan) + len(curve_lengths) * len(curve_dtypes), desc="attnlab validate", unit="step",
+               disable=not progress, file=sys.stderr)
+    def measure_curve() -> None:
+        nonlocal curve_sizes
+        if curve_lengths:
+            if time_budget is not None and time.perf_counter() - started > time_budget:
+                say(f"curve: not measured (past --time-budget {time_budget:g} s)")
+            else:
+                K = (curve_sizes or CURVE_DEFAULTS[device][1]).K
+                fixed = fixed_scale(chosen, K) if "scale" in formulation(name).option_names else None
+                curve_sizes = curve_sizes or CURVE_DEFAULTS[device][1]
+                validation.curve_settings = {"lengths": curve_lengths, "sizes": asdict(curve_sizes), "seed": 0,
+                                             "compare": compare, "options": {"scale": fixed} if fixed is not None else {}}
+                validation.curve = error_curve(name, lambda **x: target(**x), kernel_spec, curve_dtypes, curve_lengths,
+                                               curve_sizes, device, compare=compare,
+                                               options=validation.curve_settings["options"] or None, progress=bar)
+
+    if curve_first:
+        measure_curve()
+    for dtype, strategy, prop in plan:
+        if time_budget is not None and time.perf_counter() - started > time_budget:
+            validation.verdicts.append(Verdict(strategy, _dtype_name(dtype), prop.name, "skipped",
+                                               detail=f"not run: past --time-budget {time_budget:g} s"))
+            bar.update()
+            continue
+        bar.set_postfix_str(f"{_dtype_name(dtype)} {strategy} {prop.name}")
+        verdict = run_property(prop, target, dtype, device, sizes, strategy, examples, chosen, dims, minimize_tries)
+        validation.verdicts.append(verdict)
+        if verdict.status == "failed":
+            validation.repro[verdict_key(verdict)] = repro_script(validation, verdict, target.accepts_state)
+        bar.update()
+    if not curve_first:
+        measure_curve()
+    bar.close()
+    validation.seconds = round(time.perf_counter() - started, 1)
+    return validation
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()  # noqa: E731
+    return [fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body)]
+
+
+VERDICT_WORDS = {"held": "held", "failed": "FAILED", "error": "ERROR", "skipped": "not run"}
+TABLE_HEADER = ("strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "reproducing input")
+
+
+def _table_rows(verdicts: Sequence[Verdict]) -> list[tuple[str, ...]]:
+    return [(v.strategy, v.dtype, v.property, VERDICT_WORDS[v.status], str(v.examples), v.figure_text(),
+             v.case or v.detail.splitlines()[0] if (v.case or v.detail) else "") for v in verdicts]
+
+
+def verdict_table(verdicts: Sequence[Verdict]) -> str:
+    """The verdict table, plain text: one line per (strategy, dtype, property)."""
+    return "\n".join(_aligned(TABLE_HEADER, _table_rows(verdicts)))
+
+
+def _markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
+    escape = lambda cell: cell.replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(escape(c) for c in row) + " |" for row in body)]
+
+
+def environment() -> dict[str, Any]:
+    """The environment variables that change the numbers: fla's (FLA_NUMERICS_ENV) and TRITON_INTERPRET."""
+    return {name: os.environ.get(name) for name in (*FLA_NUMERICS_ENV, "TRITON_INTERPRET")}
+
+
+def all_versions(kernel_spec: str) -> dict[str, str]:
+    """attnlab.report's versions, fla-core's when installed, and the kernel's package version when it has one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = report.versions()
+    try:
+        found["fla-core"] = version("fla-core")
+    except PackageNotFoundError:
+        pass
+    module_name = kernel_spec.rpartition(":")[0]
+    top = sys.modules.get(module_name.split(".")[0]) or sys.modules.get(Path(module_name).stem)
+    if top is not None and getattr(top, "__version__", None):
+        found[f"kernel package {top.__name__}"] = str(top.__version__)
+    return found
+
+
+def convention_dict(convention: Convention | None) -> dict[str, Any] | None:
+    if convention is None:
+        return None
+    out: dict[str, Any] = {}
+    for f in fields(Convention):
+        value = getattr(convention, f.name)
+        out[f.name] = (dict(value) if isinstance(value, Mapping) else list(value) if isinstance(value, tuple)
+                       else str(value) if isinstance(value, torch.dtype) else value)
+    out["describe"] = convention.describe()
+    return out
+
+
+def device_name(device: str) -> str:
+    return report.device_description(device)
+
+
+def verdict_counts(verdicts: list[Verdict]) -> str:
+    """"2 failed, 1 error, 3 not run of 9 property runs": skipped runs are not counted as failures."""
+    counts = {status: sum(x.status == status for x in verdicts) for status in ("failed", "error", "skipped")}
+    parts = [f"{counts['failed']} failed"] + [f"{n} {label}" for label, n in (("error", counts["error"]), ("not run", counts["skipped"])) if n]
+    return f"{', '.join(parts)} of {len(verdicts)} property runs"
+
+
+def summary_markdown(v: Validation, data: dict[str, Any]) -> str:
+    verdict = "PASS: every property held" if v.exit_code == EXIT_HELD else (
+        "FAIL: no convention matched" if v.convention is None else f"FAIL: {verdict_counts(v.verdicts)}")
+    env = ", ".join(f"{k}={'unset' if val is None else val}" for k, val in data["env"].items())
+    lines = [f"# attnlab validate: `{v.kernel}` ({v.formulation})", "", f"**{verdict}** (exit {v.exit_code}).", "",
+             f"- Convention: {v.convention.describe() if v.convention else 'none matched'}",
+             *([f"- Detection: {v.detection_text}"] if v.detection_text else []),
+             f"- Device: {data['device']['name']}; dtypes {', '.join(v.dtypes)}; strategies {', '.join(v.strategies)}; "
+             f"{v.examples} examples per property; sizes {v.sizes}",
+             f"- Environment: {env}",
+             "- Versions: " + ", ".join(f"{k} {val}" for k, val in data["versions"].items()),
+             f"- Command: `{v.command}`" if v.command else "", f"- Time: {v.seconds:.0f} s", ""]
+    if v.verdicts:
+        lines += ["## Verdicts", "", *_markdown_table(TABLE_HEADER, _table_rows(v.verdicts)), ""]
+    failed = [x for x in v.verdicts if x.status in ("failed", "error")]
+    if failed:
+        lines += ["## Failures", ""]
+        for x in failed:
+            lines += [f"### {x.property} ({x.strategy}, {x.dtype})", "", "```", x.message.strip(), "```", ""]
+            if x.found and x.found != x.case:
+                lines += [f"Found first as `{x.found}` (after {x.first_failure} examples), minimized in "
+                          f"{x.minimize_checks} checks.", ""]
+            if verdict_key(x) in v.repro:
+                lines += ["Reproduce:", "", "```python", v.repro[verdict_key(x)].rstrip(), "```", ""]
+    if v.curve:
+        lines += ["## Error vs length", "",
+                  "Excess = rel_err / floor against the float64 oracle on the registry's default inputs "
+                  f"({v.curve_settings['sizes']}, seed 0); 1.0 is a perfect kernel."
+                  + (" `attnlab:<form>`: attnlab's own kernels; `fp32-recurrent` and `<dtype>-recurrent`: the naive "
+                     "recurrences." if v.curve_settings.get("compare") else ""), "",
+                  *report.summary_table(v.curve), "", f"![error vs length](curve/{v.formulation}.png)", ""]
+        problems = report.failures(v.curve)
+        if problems:
+            lines += ["Curve points that failed:", "", *problems, ""]
+    return "\n".join(line for line in lines if line is not None).rstrip() + "\n"
+
+
+def write_outputs(v: Validation, out: Path) -> dict[str, Path]:
+    """report.json, summary.md and (with a curve) curve/ with attnlab.report's report.json, plot and index.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {
+        "what": "attnlab validate: the property suite and the error-vs-length curve on a third-party kernel",
+        "kernel": v.kernel, "formulation": v.formulation, "exit_code": v.exit_code,
+        "held": v.exit_code == EXIT_HELD,
+        "convention": convention_dict(v.convention), "detection": v.detection, "detection_text": v.detection_text,
+        "device": {"type": v.device, "name": device_name(v.device)},
+        "dtypes": v.dtypes, "strategies": v.strategies, "examples": v.examples, "sizes": v.sizes,
+        "env": environment(), "versions": all_versions(v.kernel), "command": v.command, "seconds": v.seconds,
+        "verdicts": [{**asdict(x), "held": x.held, "figure_text": x.figure_text()} for x in v.verdicts],
+        "repro": v.repro,
+        "curve": {**v.curve_settings, "rows": v.curve},
+    }
+    paths = {"report.json": out / "report.json", "summary.md": out / "summary.md"}
+    paths["report.json"].write_text(json.dumps(data, indent=1, default=str) + "\n")
+    paths["summary.md"].write_text(summary_markdown(v, data))
+    if v.curve:
+        curve_dir = out / "curve"
+        curve_dir.mkdir(exist_ok=True)
+        s = v.curve_settings
+        settings = report.Settings(formulations=(v.formulation,), dtypes=tuple(v.dtypes), lengths=tuple(s["lengths"]),
+                                   device=v.device, seed=s["seed"], sizes=report.Sizes(**s["sizes"]), mpmath_check_max_T=0)
+        run = {"settings": {**asdict(settings), "command": v.command or "attnlab validate"}, "seed": s["seed"],
+               "device": data["device"], "versions": data["versions"], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "seconds": v.seconds}
+        report._write_report(curve_dir / "report.json", settings, run, v.curve, None)  # noqa: SLF001 - same package
+        report.plot_error_vs_length(v.curve, v.formulation, curve_dir / f"{v.formulation}.png")
+        paths["curve"] = report.write_index(curve_dir)
+    return paths
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{what} must be positive integers, comma-separated; got {text!r}")
+    return sorted(set(values))
+
+
+def _lengths_arg(text: str) -> list[int]:
+    return [] if text.strip().lower() in ("none", "0", "") else _ints(text, "lengths")
+
+
+def _dims_arg(text: str) -> list[int]:
+    return _ints(text, "dims")
+
+
+def _strategy_arg(text: str) -> list[str]:
+    if text == "both":
+        return list(STRATEGIES)
+    if text not in STRATEGIES:
+        raise argparse.ArgumentTypeError(f"--strategy must be default, adversarial or both; got {text!r}")
+    return [text]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``attnlab validate`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "validate", help="run the property suite on a third-party kernel: verdict table, report, exit 0/1",
+        description=__doc__.split("\n\n", 2)[2].split("Exit status")[0].strip() if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 every property held; 1 a property failed (or auto found no convention); 2 usage error.")
+    parser.add_argument("--formulation", metavar="NAME", help=f"what the kernel computes: one of {', '.join(names())}")
+    parser.add_argument("--kernel", metavar="MODULE:FUNCTION",
+                        help="the kernel: an importable module or a path to a .py file, then the function")
+    parser.add_argument("--fla-op", metavar="OP",
+                        help="an fla 0.6.0 kernel name: alone, validates fla.ops's OP in fla's convention; with "
+                             "--kernel and --convention fla, says whose fla convention the kernel follows")
+    parser.add_argument("--convention", choices=CONVENTIONS, default=None,
+                        help="how the kernel is called (default attnlab; fla with --fla-op alone)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
+    parser.add_argument("--dtype", default=None,
+                        help="comma-separated, from float16, bfloat16, float32 (default: float16,float32 on the CPU, "
+                             "bfloat16,float16 on a GPU)")
+    parser.add_argument("--strategy", type=_strategy_arg, default=list(STRATEGIES), metavar="default|adversarial|both",
+                        help="input strategies (default both)")
+    parser.add_argument("--profile", choices=tuple(PROFILE_EXAMPLES), default=None,
+                        help="examples per property: " + ", ".join(f"{k} {n}" for k, n in PROFILE_EXAMPLES.items())
+                             + " (default ci on the CPU, gpu on a GPU); also picks the shapes as the plugin does")
+    parser.add_argument("--examples", type=int, default=None, help="examples per property, strategy and dtype (overrides --profile)")
+    parser.add_argument("--properties", default=None, help="comma-separated property names (default: every applicable one)")
+    parser.add_argument("--max-T", type=int, default=None, help="longest sequence drawn (default 72 on the CPU, 1024 on a GPU)")
+    parser.add_argument("--dims", type=_dims_arg, default=None, metavar="LIST",
+                        help="draw K and V only from these (e.g. 64,128: each new head dim recompiles a Triton kernel)")
+    parser.add_argument("--max-H", type=int, default=None, help="most heads drawn")
+    parser.add_argument("--max-B", type=int, default=None, help="largest batch drawn")
+    parser.add_argument("--minimize", type=int, default=MINIMIZE_TRIES, metavar="N",
+                        help=f"checks spent minimizing each failure (default {MINIMIZE_TRIES}; 0: report it as found)")
+    parser.add_argument("--lengths", type=_lengths_arg, default=None, metavar="LIST|none",
+                        help="lengths of the error-vs-length curve (default 16,32,64,128 on the CPU, 64,...,16384 on a "
+                             "GPU; none: no curve)")
+    parser.add_argument("--curve-shape", type=report.shape_arg, default=None, metavar="B,H,K,V",
+                        help="shape of the curve's inputs (default 1,2,16,16 on the CPU, 1,4,64,64 on a GPU)")
+    parser.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                        help="put attnlab's own kernels (where they run on this device and dtype) and the naive "
+                             "recurrences on the curve (default on)")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="S",
+                        help="stop starting new searches after S seconds (those left are 'not run': exit 1)")
+    parser.add_argument("--curve-first", action="store_true",
+                        help="measure the curve before the property searches (so a --time-budget spent on the "
+                             "searches still leaves the curve)")
+    parser.add_argument("--out", type=Path, default=None, help="write report.json, summary.md and curve/ here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--verbose", action="store_true", help="print every property's report, held ones too")
+    parser.set_defaults(func=command)
+    return parser
+
+
+def _usage(message: str) -> int:
+    print(f"attnlab validate: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def command(args: argparse.Namespace) -> int:
+    from attnlab.evaluate import parse_dtype
+    from attnlab.properties.suite import KERNEL_PROPERTIES, sizes_for
+
+    name, spec, convention = args.formulation, args.kernel, args.convention
+    if spec is None and args.fla_op is not None:
+        try:
+            name, spec = fla_kernel(args.fla_op, name)
+        except UsageError as error:
+            return _usage(str(error))
+        convention = convention or "fla"
+    if spec is None:
+        return _usage("--kernel MODULE:FUNCTION is required (or --fla-op OP for fla's own kernel)")
+    if name is None:
+        return _usage("--formulation NAME is required: which function the kernel computes "
+                      f"(one of {', '.join(names())})")
+    if name not in names():
+        return _usage(f"unknown formulation {name!r}; expected one of {', '.join(names())}")
+    convention = convention or "attnlab"
+    if args.fla_op is not None and convention != "fla":
+        return _usage("--fla-op with --kernel needs --convention fla")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return _usage("--device cuda: no CUDA GPU is visible to torch here; use --device cpu")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dtype_names = [d.strip() for d in args.dtype.split(",") if d.strip()] if args.dtype else (
+            ["bfloat16", "float16"] if device == "cuda" else ["float16", "float32"])
+        dtypes = [parse_dtype(d) for d in dtype_names]
+    except ValueError as error:
+        return _usage(f"--dtype: {error}")
+    if not dtypes:
+        return _usage("--dtype: give at least one dtype")
+    only = [p.strip() for p in args.properties.split(",") if p.strip()] if args.properties else None
+    known = [p.name for p in KERNEL_PROPERTIES]
+    if only and any(p not in known for p in only):
+        return _usage(f"--properties: unknown {', '.join(p for p in only if p not in known)}; expected some of {', '.join(known)}")
+    profile = args.profile or ("gpu" if device == "cuda" else "ci")
+    examples = args.examples if args.examples is not None else PROFILE_EXAMPLES[profile]
+    if examples < 1:
+        return _usage("--examples must be at least 1")
+    sizes = sizes_for(device, profile)
+    sizes = replace(sizes, **{k: v for k, v in (("max_T", args.max_T), ("max_H", args.max_H), ("max_B", args.max_B),
+                                                 ("max_dim", max(args.dims) if args.dims else None)) if v is not None})
+    if sizes.max_T < 2 or sizes.max_H < 1 or sizes.max_B < 1:
+        return _usage("--max-T must be at least 2, --max-H and --max-B at least 1")
+    lengths = args.lengths if args.lengths is not None else list(CURVE_DEFAULTS[device][0])
+    command_line = "attnlab validate " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["validate"] else ""
+    try:
+        validation = validate(spec, name, convention=convention, fla_op=args.fla_op if args.kernel else None,
+                              device=device, dtypes=dtypes, strategies=args.strategy, examples=examples, sizes=sizes,
+                              dims=args.dims, only=only, lengths=lengths, curve_sizes=args.curve_shape,
+                              compare=args.compare, minimize_tries=args.minimize, time_budget=args.time_budget,
+                              progress=not args.no_progress, command=command_line, curve_first=args.curve_first)
+    except UsageError as error:
+        return _usage(str(error))
+    if validation.convention is not None:
+        print()
+        print(verdict_table(validation.verdicts))
+        for v in validation.verdicts:
+            if v.status in ("failed", "error") or (args.verbose and v.message):
+                print(f"\n--- {VERDICT_WORDS[v.status]}: {v.property} ({v.strategy}, {v.dtype})\n{v.message.strip()}")
+                if v.found and v.found != v.case:
+                    print(f"  found first: {v.found} (example {v.first_failure}); minimized in {v.minimize_checks} checks")
+                if verdict_key(v) in validation.repro:
+                    print("  reproduce (standalone script):\n" + "\n".join(
+                        "    " + line for line in validation.repro[verdict_key(v)].rstrip().splitlines()))
+    if args.out is not None:
+        paths = write_outputs(validation, args.out)
+        print(f"\nreport: {', '.join(str(p) for p in paths.values())}")
+    bad = [v for v in validation.verdicts if not v.held]
+    if validation.convention is None:
+        print("\nverdict: FAIL (no convention matched; nothing validated)")
+    elif bad:
+        print(f"\nverdict: FAIL: {verdict_counts(validation.verdicts)} "
+              f"({', '.join(sorted({v.property for v in bad}))}); {validation.seconds:.0f} s")
+    else:
+        print(f"\nverdict: PASS: all {len(validation.verdicts)} property runs held; {validation.seconds:.0f} s")
+    return validation.exit_code
