@@ -82,16 +82,6 @@ def test_chunk_sizes(chunk_size):
 
 
 @pytest.mark.parametrize("precision", ["mixed", "fp16"])
-def test_16_bit_intermediates_stay_below_bf16_rounding(precision):
-    """The bf16 modes, run on fp16 inputs (bf16 cannot run here): fp16-scaled W, S (and U, Delta) add
-    at most half a bf16 output rounding, so a bf16 output stays within excess 1.5 even if errors add."""
-    x = {n: t.half() for n, t in _sample(T=72, K=32, V=48, H=2).items()}
-    ref = attnlab.oracle(NAME, "chunkwise", "float64")(**x)
-    o = kernel(NAME, "chunkwise", chunk_size=16, block_v=32, precision=precision)(**x)
-    assert rel_err(o, ref) <= 0.5 * rounding_floor(ref, torch.bfloat16)
-
-
-@pytest.mark.parametrize("precision", ["mixed", "fp16"])
 def test_16_bit_intermediates_with_gates_of_minus_20(precision):
     """Strong gates shrink rows of W and columns of S by up to exp(-20 C): the per-row and per-column
     power-of-two scales keep them normal in fp16, so the output stays finite and near bf16 rounding."""
