@@ -374,7 +374,8 @@ def detect(kernel: Callable[..., Any], name: str, inputs: Mapping[str, torch.Ten
     First the output conventions (gates log or linear, scale passed or the
     kernel's own K**-0.5 or 1, what it returns, keywords or FORMULATIONS.md's
     positional order) on ``inputs`` without a state; then, for a kernel that
-    takes an initial state, its layout ([K, V] or [V, K]) with a random one.
+    takes an initial state (under one of STATE_KEYWORDS), its layout ([K, V]
+    or [V, K]) with a random one.
     A candidate matches when its output is within ``tolerance`` (relative) of
     the float64 oracle on the same inputs.
     """
@@ -386,7 +387,11 @@ def detect(kernel: Callable[..., Any], name: str, inputs: Mapping[str, torch.Ten
             break
     else:
         return Detection(None, errors)
-    if f.state is None or name == "rwkv4" or not adapt(kernel, convention, name).supports_state:
+    if f.state is None or name == "rwkv4":
+        return Detection(convention, errors)
+    keyword = next((k for k in STATE_KEYWORDS if _named_parameter(kernel, k)), convention.state_keyword)
+    convention = replace(convention, state_keyword=keyword)
+    if not adapt(kernel, convention, name).supports_state:
         return Detection(convention, errors)
     dims = {d: size for a in f.args if inputs.get(a.name) is not None for d, size in zip(a.dims, inputs[a.name].shape)}
     generator = torch.Generator().manual_seed(0)
@@ -398,6 +403,17 @@ def detect(kernel: Callable[..., Any], name: str, inputs: Mapping[str, torch.Ten
         if errors[with_layout.name] <= tolerance:
             return Detection(_final_state_flag(kernel, with_layout, name, inputs, tolerance, errors), errors)
     return Detection(None, errors)
+
+
+# Names a kernel may give its initial state, tried in this order among its named parameters.
+STATE_KEYWORDS = ("initial_state", "h0", "state", "init_state", "hidden_state", "initial_states")
+
+
+def _named_parameter(kernel: Callable[..., Any], keyword: str) -> bool:
+    try:
+        return keyword in inspect.signature(kernel).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # Keywords a kernel may use to ask for its final state, tried when it returns (o, state) but no state comes back.

@@ -71,6 +71,11 @@ def unusual_gla(q, k, v, decay, initial_state=None):
     return o, S.transpose(-1, -2)
 
 
+def h0_gla(q, k, v, decay, h0=None):
+    """unusual_gla whose initial state is called h0."""
+    return unusual_gla(q, k, v, decay, initial_state=h0)
+
+
 def not_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     return torch.zeros_like(v), None
 '''
@@ -203,6 +208,13 @@ def test_auto_finds_an_unusual_convention_and_validates_under_it(kernels: Path, 
     # Every case was drawn with the kernel's own scale, 1.
     assert all("scale=1.0" in v["case"] for v in data["verdicts"])
     assert all(r["excess"] <= 64 for r in data["curve"]["rows"])
+
+
+def test_auto_finds_a_state_keyword_other_than_initial_state(kernels: Path) -> None:
+    found = detect(load_kernel(f"{kernels}:h0_gla"), "gla", formulation("gla").sample(B=1, T=12, H=2, K=4, V=3, seed=1),
+                   tolerance=1e-5)
+    assert found.convention is not None
+    assert (found.convention.state_keyword, found.convention.state) == ("h0", "VK")
 
 
 def test_auto_says_plainly_when_no_convention_matches(kernels: Path, tmp_path: Path) -> None:
