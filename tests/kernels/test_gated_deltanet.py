@@ -62,14 +62,6 @@ def test_every_gate_minus_20_in_a_long_chunk():
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_single_step_from_a_state(form):
-    """T = 1 with two batches and two heads, each with its own initial state."""
-    x = _sample(T=1, B=2, H=2)
-    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    _check(x, torch.float32, form)
-
-
-@pytest.mark.parametrize("form", FORMS)
 def test_head_dims_not_powers_of_two(form):
     """K = 20 (one padded 32-wide tile) and V = 100 (two 64-column programs, the second partial)."""
     _check(_sample(T=19, K=20, V=100), torch.float16, form)

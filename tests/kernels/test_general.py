@@ -62,14 +62,6 @@ def test_fp16_operands_with_strong_gates():
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_single_step_from_a_state(form):
-    """T = 1 with two batches and two heads, each with its own initial state."""
-    x = _sample(T=1, B=2, H=2)
-    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    _check(x, torch.float32, form)
-
-
-@pytest.mark.parametrize("form", FORMS)
 def test_value_dim_100(form):
     """V = 100 with a value gate: two V blocks of 64, the second partial."""
     _check(_sample(T=9, V=100), torch.float16, form)

@@ -41,14 +41,6 @@ def test_gates_of_minus_20_stay_finite_and_exact(form, dtype):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_single_step_from_a_state(form):
-    """T = 1 with two batches and two heads, each with its own initial state."""
-    x = _sample(T=1, B=2, H=2)
-    x["initial_state"] = torch.randn(2, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    _check(x, torch.float32, form)
-
-
-@pytest.mark.parametrize("form", FORMS)
 def test_head_dims_over_one_tile_and_not_powers_of_two(form):
     """K = V = 100: four K blocks of 32 and two V blocks of 64, the last of each partial."""
     _check(_sample(T=9, K=100, V=100), torch.float16, form)

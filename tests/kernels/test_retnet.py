@@ -50,14 +50,6 @@ def test_no_decay(form):
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_single_step_from_a_state(form):
-    x = _sample(T=1)
-    x["initial_state"] = torch.randn(1, 2, 16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    _check(x, torch.float16, form)
-    _check(x, torch.float32, form)
-
-
-@pytest.mark.parametrize("form", FORMS)
 def test_head_dims_not_powers_of_two_over_several_v_blocks(form):
     """K=20 pads to a 32 tile; V=100 spans two V blocks of 64 (chunkwise) or four of 32 (recurrent)."""
     _check(_sample(T=19, K=20, V=100, H=1), torch.float16, form)
