@@ -51,5 +51,5 @@ def measure_against_oracle(
     reference = oracle(name, "chunkwise", "float64", chunk_size=chunk_size)
     ref = reference(**inputs)
     o = implementation(**inputs)
-    floor_cond = conditioning_floor(reference, inputs) if conditioning else 0.0
+    floor_cond = conditioning_floor(reference, inputs, base=ref) if conditioning else 0.0
     return measure(o, ref, out_dtype, floor_cond), ref

@@ -73,31 +73,50 @@ def conditioning_floor(
     trials: int = 3,
     unit: float = UNIT_ROUNDOFF[torch.float32],
     seed: int = 0,
+    base: Any = None,
 ) -> float:
     """Largest relative change of ``reference(**inputs)`` under componentwise input perturbations of size ``unit``.
 
     Each floating tensor ``x`` becomes ``x * (1 + unit * r)`` with ``r``
     uniform in [-1, 1]; non-tensor inputs are passed unchanged. When
     ``reference`` is an attnlab oracle, perturbed values are clamped into
-    their argument's valid range (beta = 2 stays 2, a log gate stays <= 0).
+    their argument's valid range (beta = 2 stays 2, a log gate stays <= 0),
+    and, when every floating input has the batch dimension first, the trials
+    run as one call on the inputs stacked along it (sequences are independent,
+    so each trial's output is its slice: one pass of a recurrent oracle, whose
+    cost is its token loop, instead of ``trials``). ``base``: the already
+    computed ``reference(**inputs)``, if any.
     """
     spec = getattr(reference, "formulation", None)
-    bounds = {a.name: (a.low, a.high) for a in spec.args} if spec is not None else {}
-    base = reference(**inputs)
+    args = {a.name: a for a in spec.args} if spec is not None else {}
+    if base is None:
+        base = reference(**inputs)
     generator = torch.Generator().manual_seed(seed)
-    worst = 0.0
-    for _ in range(trials):
-        perturbed = {}
-        for name, value in inputs.items():
-            if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
-                r = torch.rand(value.shape, generator=generator, dtype=torch.float64).to(value.device) * 2 - 1
-                low, high = bounds.get(name, (None, None))
-                moved = value.to(torch.float64) * (1 + unit * r)
-                perturbed[name] = moved if low is None and high is None else moved.clamp(min=low, max=high)
-            else:
-                perturbed[name] = value
-        worst = max(worst, rel_err(reference(**perturbed), base))
-    return worst
+    tensors = [name for name, value in inputs.items() if isinstance(value, torch.Tensor)]
+    nested = any(isinstance(value, (tuple, list)) for value in inputs.values())  # an initial state: not stacked
+    if trials > 1 and tensors and not nested and all(inputs[name].dtype.is_floating_point and name in args
+                                                     and args[name].dims[:1] == ("B",) for name in tensors):
+        perturbed = [_perturbed(inputs, args, unit, generator) for _ in range(trials)]
+        stacked = {name: torch.cat([p[name] for p in perturbed]) if name in tensors else value
+                   for name, value in inputs.items()}
+        parts = [part.chunk(trials) for part in _as_parts(reference(**stacked))]
+        return max(rel_err([chunks[i] for chunks in parts], base) for i in range(trials))
+    # One perturbed copy at a time: an input without a batch dimension can be large (aft's [T, T] position bias).
+    return max(rel_err(reference(**_perturbed(inputs, args, unit, generator)), base) for _ in range(trials))
+
+
+def _perturbed(inputs: Mapping[str, Any], args: Mapping[str, Any], unit: float, generator: torch.Generator) -> dict[str, Any]:
+    """One random perturbation of every floating tensor by ``unit`` componentwise, clamped into its argument's range."""
+    moved = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+            r = torch.rand(value.shape, generator=generator, dtype=torch.float64).to(value.device) * 2 - 1
+            arg = args.get(name)
+            x = value.to(torch.float64) * (1 + unit * r)
+            moved[name] = x if arg is None or (arg.low is None and arg.high is None) else x.clamp(min=arg.low, max=arg.high)
+        else:
+            moved[name] = value
+    return moved
 
 
 @dataclass(frozen=True)

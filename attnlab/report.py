@@ -214,7 +214,7 @@ def measure_point(
         chunking = {"chunk_size": REFERENCE_CHUNK_SIZE} if reference_form == "chunkwise" else {}
         reference = oracle(f.name, reference_form, "float64", **chunking)
         ref = reference(**inputs)
-        floor_cond = conditioning_floor(reference, inputs)
+        floor_cond = conditioning_floor(reference, inputs, base=ref)
         ref_nonfinite = int((~torch.isfinite(ref)).sum())
         if check_with_mpmath:
             base["oracle_check"] = _json_float(mpmath_agreement(f.name, inputs, ref))

@@ -241,7 +241,9 @@ class MapDefaults:
 
 MAP_DEFAULTS = {
     "cpu": MapDefaults(("float16",), (16, 64, 256), (64,), 6, Sizes(B=1, H=2, K=16, V=16)),
-    "cuda": MapDefaults(("bfloat16", "float16"), (64, 256, 1024, 4096, 16384), (1024,), 9, Sizes(B=1, H=4, K=64, V=64)),
+    # The shipped maps (reports/nvidia-h200): about 5 minutes per family on an H200, launch-bound (the naive
+    # recurrences and the delta map's float64 recurrent oracle run token by token).
+    "cuda": MapDefaults(("bfloat16", "float16"), (64, 1024, 16384), (1024,), 7, Sizes(B=1, H=4, K=64, V=64)),
 }
 SHIFT_DEFAULT_DTYPES = {"cpu": ("float16", "float32"), "cuda": ("float16", "bfloat16", "float32")}
 
@@ -254,8 +256,12 @@ def figure_groups(settings: MapSettings) -> list[tuple[str | None, int | None]]:
     return [(d, T) for d in dtypes for T in lengths]
 
 
-def run_map(settings: MapSettings, out: Path) -> Path:
-    """Sweep the grid, write map-<family>.json and the heatmaps, rewrite index.md; return index.md's path."""
+def run_map(settings: MapSettings, out: Path, *, append: bool = False) -> Path:
+    """Sweep the grid, write map-<family>.json and the heatmaps, rewrite index.md; return index.md's path.
+
+    The JSON is rewritten after every figure, so a sweep cut short keeps what it finished. With ``append``
+    the figures of an earlier map-<family>.json in ``out`` (same grid) are kept, except those this run redraws.
+    """
     from tqdm import tqdm
 
     family = FAMILIES[settings.family]
@@ -263,8 +269,21 @@ def run_map(settings: MapSettings, out: Path) -> Path:
     specs = {f.name: (f, spec) for f, spec in members(settings.family)}
     groups = figure_groups(settings)
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[Row] = []
-    figures: list[dict[str, Any]] = []
+    path = out / f"map-{family.name}.json"
+    earlier = _earlier_map(path, xs, ys) if append else None
+    run = {"settings": {**asdict(settings), "command": map_command(settings)},
+           "device": {"type": settings.device, "name": device_description(settings.device)},
+           "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    document = {
+        "what": f"stability map '{family.name}': {family.x_name} x {family.y_name} (attnlab map)",
+        "description": family.description,
+        **run,
+        "runs": [*(earlier["runs"] if earlier else []), run],
+        "axes": {"x": {"name": family.x_name, "values": xs}, "y": {"name": family.y_name, "values": ys}},
+        "figures": list(earlier["figures"]) if earlier else [],
+        "rows": list(earlier["rows"]) if earlier else [],
+    }
+    started = time.time()
     total = len(settings.formulations) * len(groups) * len(xs) * len(ys)
     with tqdm(total=total, desc=f"attnlab map {settings.family}", unit="point", file=sys.stderr) as progress:
         for name in settings.formulations:
@@ -278,29 +297,40 @@ def run_map(settings: MapSettings, out: Path) -> Path:
                         progress.set_postfix_str(f"{name} {dtype} T={T} {family.x_name}={x} y={y:.3g}")
                         mine += measure_point(f, dtype, T, settings.sizes, implementations(f, dtype), seed=settings.seed,
                                               device=settings.device, transform=family.transform(spec, x, y),
-                                              extra={"family": family.name, "x": x, "y": y},
+                                              extra={"family": family.name, "x": x, "y": y, "run": len(document["runs"]) - 1},
                                               reference_form=family.reference_form)
                         progress.update()
-                rows += mine
-                path = out / "-".join(["map", family.name, name, *([group_dtype] if group_dtype else []),
-                                       *([f"T{group_T}"] if group_T else [])])
-                png = path.with_suffix(".png")
+                stem = "-".join(["map", family.name, name, *([group_dtype] if group_dtype else []),
+                                 *([f"T{group_T}"] if group_T else [])])
+                png = out / f"{stem}.png"
                 boundaries = family.boundaries(xs, chunk_size)
                 plot_map(mine, family, xs, ys, boundaries, png, title=_figure_title(f, family, group_dtype, group_T))
-                figures.append({"formulation": name, "dtype": group_dtype, "T": group_T, "png": png.name,
-                                "chunk_size": chunk_size, "boundaries": [asdict(b) for b in boundaries]})
-    document = {
-        "what": f"stability map '{family.name}': {family.x_name} x {family.y_name} (attnlab map)",
-        "description": family.description,
-        "settings": {**asdict(settings), "command": map_command(settings)},
-        "device": {"type": settings.device, "name": device_description(settings.device)},
-        "versions": versions(),
-        "axes": {"x": {"name": family.x_name, "values": xs}, "y": {"name": family.y_name, "values": ys}},
-        "figures": figures,
-        "rows": rows,
-    }
-    (out / f"map-{family.name}.json").write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
+                redrawn = (name, group_dtype, group_T)
+                document["figures"] = [g for g in document["figures"] if (g["formulation"], g["dtype"], g["T"]) != redrawn]
+                document["figures"].append({"formulation": name, "dtype": group_dtype, "T": group_T, "png": png.name,
+                                            "chunk_size": chunk_size, "boundaries": [asdict(b) for b in boundaries]})
+                document["rows"] = [r for r in document["rows"] if not _in_group(r, *redrawn)] + mine
+                run["seconds"] = round(time.time() - started, 1)
+                path.write_text(json.dumps(document, indent=1, allow_nan=False) + "\n")
     return write_index(out)
+
+
+def _in_group(row: Row, name: str, dtype: str | None, T: int | None) -> bool:
+    """Whether ``row`` belongs to the figure of (formulation, dtype, T); None is an axis of the map (any value)."""
+    return row["formulation"] == name and dtype in (None, row["dtype"]) and T in (None, row["T"])
+
+
+def _earlier_map(path: Path, xs: Axis, ys: Axis) -> dict[str, Any] | None:
+    """The map already at ``path``, to append to; a ValueError when its grid is not ``xs`` x ``ys``."""
+    if not path.exists():
+        return None
+    earlier = json.loads(path.read_text())
+    if [earlier["axes"]["x"]["values"], earlier["axes"]["y"]["values"]] != json.loads(json.dumps([xs, ys])):
+        raise ValueError(f"{path} was drawn on another grid (x {earlier['axes']['x']['values']}, y "
+                         f"{earlier['axes']['y']['values']}); --append needs the same --steps, --lengths and --dtypes "
+                         f"axes, or leave --append out to start the map afresh")
+    earlier.setdefault("runs", [{key: earlier[key] for key in ("settings", "device", "versions") if key in earlier}])
+    return earlier
 
 
 def map_command(settings: MapSettings) -> str:
@@ -412,7 +442,8 @@ def index_sections(out: Path) -> list[str]:
         rows = document["rows"]
         family = document["settings"]["family"]
         lines += [f"## Stability map: {family}", "", document["description"], "",
-                  f"- Device: {document['device']['name']}; reproduce: `{document['settings']['command']}`",
+                  *[f"- Device: {run['device']['name']}; reproduce: `{run['settings']['command']}`"
+                    for run in document.get("runs", [document])],
                   f"- Axes: {document['axes']['x']['name']} x {document['axes']['y']['name']}", "",
                   "| formulation | impl | dtype | points | with non-finite output | failed | largest finite excess |",
                   "|---|---|---|---|---|---|---|"]
@@ -446,10 +477,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("family", choices=tuple(FAMILIES), help="which map")
     add_common_arguments(parser)
     parser.add_argument("--lengths", type=lengths_arg, default=None,
-                        help="gate: the T axis (default 16,64,256 on the CPU); delta and shift: one map per length "
+                        help="gate: the T axis (default 16,64,256 on the CPU, 64,1024,16384 on a GPU); delta and shift: one map per length "
                              "(default 64 on the CPU, 1024 on a GPU)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="grid points on each continuous axis (default 6 on the CPU, 9 on a GPU)")
+                        help="grid points on each continuous axis (default 6 on the CPU, 7 on a GPU)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the figures of the folder's map-<family>.json (same grid) that this run does not "
+                             "redraw, for a map built in several runs")
     parser.set_defaults(func=partial(cmd_map, parser))
     return parser
 
@@ -471,6 +505,9 @@ def cmd_map(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                            sizes=args.shape or defaults.sizes)
     out = args.out or Path("reports") / device_slug(device)
     started = time.time()
-    index = run_map(settings, out)
+    try:
+        index = run_map(settings, out, append=args.append)
+    except ValueError as error:
+        parser.error(str(error))
     print(f"map: {index} (map-{args.family}.json and map-{args.family}-*.png, {time.time() - started:.0f} s)")
     return 0

@@ -48,3 +48,22 @@ def test_conditioning_floor_grows_with_rwkv_key_shift():
     shifted = conditioning_floor(reference, {**x, "k": x["k"] + 200})
     assert 1e-9 < base < 1e-6
     assert shifted > 20 * base
+
+
+def test_conditioning_floor_runs_its_trials_as_one_batched_call_with_the_same_value():
+    """A recurrent oracle costs its token loop: the trials are stacked along B and the reference runs once (the
+    base output, when given, is not recomputed); the floor is the one of running the trials one by one."""
+    reference = attnlab.oracle("deltanet", "recurrent")
+    x = attnlab.formulation("deltanet").sample(B=2, T=9, H=2, K=8, V=8, seed=3)
+    base = reference(**x)
+    batches = []
+
+    def counting(**inputs):
+        batches.append(inputs["q"].shape[0])
+        return reference(**inputs)
+
+    counting.formulation = reference.formulation
+    batched = conditioning_floor(counting, x, base=base)
+    assert batches == [3 * 2]
+    sequential = conditioning_floor(lambda **inputs: reference(**inputs), x)  # no spec: the trials run one by one
+    assert batched == sequential > 0

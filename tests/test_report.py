@@ -163,6 +163,25 @@ def test_map_writes_heatmaps_and_links_them_from_the_index(tmp_path):
     assert "## Stability map: shift" in index and "](map-shift-rwkv4-T8.png)" in index
 
 
+def test_map_append_adds_figures_replaces_redrawn_ones_and_refuses_another_grid(tmp_path):
+    """A map built in two runs: the second run's formulation joins the first's; redrawing one replaces its rows."""
+    common = ("--dtypes", "float16", "--lengths", "8", "--steps", "2", "--device", "cpu", "--out", str(tmp_path), *TINY)
+    assert run_cli("map", "shift", "--formulations", "rwkv4", *common).returncode == 0
+    assert run_cli("map", "shift", "--formulations", "aft", "--append", *common).returncode == 0
+    document = json.loads((tmp_path / "map-shift.json").read_text())
+    assert [g["formulation"] for g in document["figures"]] == ["rwkv4", "aft"]
+    assert {r["formulation"] for r in document["rows"]} == {"rwkv4", "aft"} and len(document["runs"]) == 2
+    per_run = len(document["rows"]) // 2
+    assert run_cli("map", "shift", "--formulations", "aft", "--append", *common).returncode == 0
+    again = json.loads((tmp_path / "map-shift.json").read_text())
+    assert len(again["rows"]) == 2 * per_run and [g["formulation"] for g in again["figures"]] == ["rwkv4", "aft"]
+    assert {r["run"] for r in again["rows"] if r["formulation"] == "aft"} == {2}
+    index = (tmp_path / "index.md").read_text()
+    assert index.count("reproduce: `attnlab map shift") == 3
+    other_grid = run_cli("map", "shift", "--formulations", "aft", "--append", *common[:5], "3", *common[6:])
+    assert other_grid.returncode == 2 and "was drawn on another grid" in other_grid.stderr
+
+
 def test_growth_exponent_and_guides():
     assert growth_exponent([16, 64, 256], [1e-3, 2e-3, 4e-3]) == pytest.approx(0.5)
     assert growth_exponent([16, 64], [1e-3, None]) is None
