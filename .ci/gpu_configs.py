@@ -1,23 +1,49 @@
-"""Time a kernel's option settings against its peer at the bench shape, to choose defaults.
+"""Time a kernel's option settings against its peer at the bench shape, per launch, to choose defaults.
 
-    python3 .ci/gpu_configs.py NAME '{"chunk_size": 128}' '{"num_warps": 8}' ...
+    python3 .ci/gpu_configs.py NAME '{"chunk_size": 32}' '{"num_warps": 8}' ...
 
-Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults); each setting is
-timed with triton.testing.do_bench (median) after a warm-up call, beside the peer of attnlab.bench in the same run,
-and its bf16 excess against the float64 oracle at T=1024 is printed too, so a faster setting that loses accuracy shows.
+Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults). Every setting
+is compiled and its bf16 excess against the float64 oracle at T=1024 measured first, so that a faster setting
+that loses accuracy shows; then, holding an exclusive lock (/tmp/attnlab-gpu-timing.lock), each setting and the
+peer are timed: the whole call with triton.testing.do_bench (median) and each launch's GPU time under
+torch.profiler (.ci/gpu_profile.py). Several formulations can run as parallel processes (PROCESSES=N in the
+environment of each): they compile at once, wait for each other, then take turns at the GPU for the timing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import triton.testing
+from gpu_profile import kernel_times
 
 import attnlab
 from attnlab.bench import PEERS
 from attnlab.metrics import measure
+
+LOCK = "/tmp/attnlab-gpu-timing.lock"
+READY = Path("/tmp/attnlab-ready")
+
+
+def mark_ready(name: str) -> None:
+    READY.mkdir(exist_ok=True)
+    (READY / name).touch()
+
+
+def wait_for_the_others(name: str) -> None:
+    """With PROCESSES=N in the environment, wait (up to 6 minutes) until N processes have compiled, so that no
+    compilation's GPU calls overlap a timing."""
+    expected = int(os.environ.get("PROCESSES", "1"))
+    mark_ready(name)
+    deadline = time.time() + 360
+    while len(list(READY.iterdir())) < expected and time.time() < deadline:
+        time.sleep(1)
 
 
 def main() -> None:
@@ -28,18 +54,33 @@ def main() -> None:
     peer = PEERS.get(name)
     extra = peer.our_options or {} if peer else {}
     ref = attnlab.oracle(name, "chunkwise", "float64")(**small, **extra)
-    peer_ms = triton.testing.do_bench(peer.make(x), warmup=25, rep=100, return_mode="median") if peer else float("nan")
-    print(f"{name}: peer {peer.label if peer else None} {peer_ms:.3f} ms")
+    ready = []
     for opts in settings:
         try:
             kernel = attnlab.kernel(name, "chunkwise", **opts)
             kernel(**x, **extra)
-            ms = triton.testing.do_bench(lambda: kernel(**x, **extra), warmup=25, rep=100, return_mode="median")  # noqa: B023
             excess = measure(kernel(**small, **extra), ref, torch.bfloat16).excess
-            print(f"  {json.dumps(opts) or '{}':60s} {ms:8.3f} ms  ratio {ms / peer_ms:5.2f}  excess(T=1024) {excess:6.3f}", flush=True)
+            ready.append((opts, kernel, excess))
         except Exception as error:  # record and go on
-            print(f"  {json.dumps(opts):60s} {type(error).__name__}: {str(error)[:150]}", flush=True)
+            print(f"{name} {json.dumps(opts)}: {type(error).__name__}: {str(error)[:150]}", flush=True)
+    if peer:
+        peer.make(x)()
+    wait_for_the_others(name)
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        peer_ms = triton.testing.do_bench(peer.make(x), warmup=25, rep=100, return_mode="median") if peer else float("nan")
+        print(f"{name}: peer {peer.label if peer else None} {peer_ms:.3f} ms", flush=True)
+        for opts, kernel, excess in ready:
+            call = lambda: kernel(**x, **extra)  # noqa: E731, B023
+            ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+            launches = ", ".join(f"{kname.split('(')[0][:28]} {t:.3f}" for kname, t in kernel_times(call) if t > 0.01)
+            print(f"{name} {json.dumps(opts):44s} {ms:7.3f} ms  ratio {ms / peer_ms:5.2f}  "
+                  f"excess(T=1024) {excess:6.3f}  | {launches}", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a process that failed must not keep the others waiting
+        mark_ready(sys.argv[1])
