@@ -2,7 +2,10 @@
 
     python3 .ci/gpu_configs.py NAME '{"chunk_size": 32}' '{"num_warps": 8}' ...
 
-Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults). Every setting
+Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults); a "constants" entry
+({"constants": {"INTRA_CHANNEL_SLICE": 64}}, or "_gated.SCORES_NUM_WARPS" for another module of attnlab.kernels)
+sets module constants of the formulation's kernel module around each call of that setting instead (block sizes
+that are not options). Every setting
 is compiled and its bf16 excess against the float64 oracle at T=1024 measured first, so that a faster setting
 that loses accuracy shows; then, holding an exclusive lock (/tmp/attnlab-gpu-timing.lock), each setting and the
 peer are timed: the whole call with triton.testing.do_bench (median) and each launch's GPU time under
@@ -18,6 +21,9 @@ import os
 import sys
 import time
 from pathlib import Path
+
+import importlib
+from contextlib import contextmanager
 
 import torch
 import triton.testing
@@ -46,6 +52,41 @@ def wait_for_the_others(name: str) -> None:
         time.sleep(1)
 
 
+def _owner(module, name: str):
+    """(module, attribute) of a constant: NAME in the formulation's module, or MODULE.NAME in attnlab.kernels."""
+    if "." in name:
+        module_name, name = name.rsplit(".", 1)
+        module = importlib.import_module(f"attnlab.kernels.{module_name}")
+    if not hasattr(module, name):
+        raise AttributeError(f"{module.__name__} has no constant {name}")
+    return module, name
+
+
+@contextmanager
+def module_constants(module, constants: dict):
+    """Module constants set for the duration of a call (restored after)."""
+    owners = {name: _owner(module, name) for name in constants}
+    saved = {name: getattr(*owners[name]) for name in constants}
+    for name, value in constants.items():
+        setattr(*owners[name], value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(*owners[name], value)
+
+
+def with_constants(kernel, module, constants: dict):
+    if not constants:
+        return kernel
+
+    def call(**inputs):
+        with module_constants(module, constants):
+            return kernel(**inputs)
+
+    return call
+
+
 def main() -> None:
     name, settings = sys.argv[1], [{}] + [json.loads(a) for a in sys.argv[2:]]
     f = attnlab.formulation(name)
@@ -54,10 +95,12 @@ def main() -> None:
     peer = PEERS.get(name)
     extra = peer.our_options or {} if peer else {}
     ref = attnlab.oracle(name, "chunkwise", "float64")(**small, **extra)
+    module = importlib.import_module(f.kernel_module)
     ready = []
     for opts in settings:
         try:
-            kernel = attnlab.kernel(name, "chunkwise", **opts)
+            options = {n: v for n, v in opts.items() if n != "constants"}
+            kernel = with_constants(attnlab.kernel(name, "chunkwise", **options), module, opts.get("constants", {}))
             kernel(**x, **extra)
             excess = measure(kernel(**small, **extra), ref, torch.bfloat16).excess
             ready.append((opts, kernel, excess))

@@ -66,11 +66,24 @@ against the exact input K: two dots, and no conversion of K.
 In the 16-bit modes ("mixed", "fp16") T's inverse uses tf32x3 dots (its merge
 errors are amplified by the inverse's conditioning) and W = T K, U = T V bf16
 hi/lo T against the exact K, V (2 dots, 2^-16, amplified only ~3x); else both
-use the chosen precision. The diagonal 8-blocks of T are inverted by
-substitution, then merged by dots. Under the Triton
-interpreter bf16 arithmetic is broken, so "split" rounds to bf16 by integer
-RTNE on the fp32 bit pattern and multiplies the parts as fp32 (exact, like
-the tensor cores' bf16 products); tf32 precisions are exact fp32 there.
+use the chosen precision.
+
+The inverse (``_unit_lower_inverse``) is latency-bound: one program per
+chunk and head, two resident per SM. Its diagonal SUB x SUB blocks (16) are
+inverted by substitution on one [C/16, 16, 16] tile, the K K^T accumulator
+reshaped, so that each step's reductions stay inside a warp (masked [C, C]
+tiles cost ~4x the instructions per step and 3 barriers); then log2(C/16)
+merge levels of two dots each on the full tile, tf32x3 written out
+(``_merge_dot``: tl.dot's split, but accumulated on the tensor cores and
+without its NaN clean-up of the small products). On the H200 (B=8, T=4096,
+H=16, K=V=128, bf16) this took the prepare pass from 0.66 to 0.42 ms
+(deltanet) and 0.71 to 0.47 ms (gated); 8-blocks with 3 levels took 0.46 /
+0.51, at the same accuracy (excess 1.011 / 1.000 at T=1024).
+
+Under the Triton interpreter bf16 arithmetic is broken, so "split" rounds to
+bf16 by integer RTNE on the fp32 bit pattern and multiplies the parts as fp32
+(exact, like the tensor cores' bf16 products); tf32 precisions are exact fp32
+there.
 
 Recurrent form: one program per (head, block of V columns), the literal
 recurrence token by token on the fp32 state (the read k^T S spans the whole
@@ -105,10 +118,13 @@ CHUNKWISE_BLOCK_VS = (None, 64, 128)
 # took 0.49 ms against 0.77 at 8 (two programs resident per SM instead of one), the others unchanged.
 NUM_WARPS = (1, 2, 4, 8)
 NUM_STAGES = (1, 2, 3)
-# Diagonal blocks of T are inverted by substitution at this size, then merged by dots: a
-# substitution step costs a third of a merge level in instructions, so 8 steps + 3 levels
-# (BC = 64) beat 16 + 2.
-SUB = tl.constexpr(8)
+# Diagonal blocks of T are inverted by substitution at this size, then merged by dots. On
+# [C/SUB, SUB, SUB] tiles a step costs under a tenth of a merge level in instructions; at C = 64 the sm_90
+# build (ptxas) has 3750 instructions and 18 barriers with 16 steps + 2 levels, 3940 and 22 with 8 + 3,
+# 6260 and 110 with 32 + 1 (its reductions cross warps). The masked [C, C] substitution with Triton's
+# tf32x3 merges it replaces had ~7800 (8 steps + 3 levels) and ~41. Timed on the H200: 16 beat 8 (module
+# docstring).
+SUB = tl.constexpr(16)
 # fp16 scaling puts each row's or column's peak in [2^14, 2^15); the scale itself stays in [2^-100, 2^100].
 FP16_PEAK_EXPONENT = tl.constexpr(14)
 SCALE_EXPONENT_LIMIT = tl.constexpr(100)
@@ -277,29 +293,69 @@ def _pairwise_decay(G_hi, G_lo, BC: tl.constexpr):
 
 
 @triton.jit
+def _tf32_parts(x):
+    """x = hi + lo with hi = x rounded to tf32 (to nearest, ties away: cvt.rna's rounding, by integer ops)."""
+    hi = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _merge_dot(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b for fp32 tiles a, b, acc: tl.dot's tf32x3 written out, else _mm at PRECISION.
+
+    Written out, the tf32x3 products accumulate into acc on the tensor cores
+    (no separate addition) and skip tl.dot's NaN clean-up of the small
+    products (only an infinite input needs it); the split is the same (hi
+    rounded to tf32, lo the exact rest, truncated to tf32 by the tensor cores).
+    """
+    if PRECISION == "tf32x3":
+        a_hi, a_lo = _tf32_parts(a)
+        b_hi, b_lo = _tf32_parts(b)
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+    else:
+        acc += _mm(a, b, PRECISION, EMULATE_BF16)
+    return acc
+
+
+@triton.jit
 def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
                         EMULATE_BF16: tl.constexpr):
     """(I + L)^-1 for strictly lower-triangular L [BC, BC], in fp32.
 
-    The SUB x SUB diagonal blocks are inverted by column-oriented forward
-    substitution (all blocks at once: step r eliminates column r of every
-    block), then merged pairwise LEVELS times: for a block [[A, 0], [B, D]]
-    whose halves are already inverted, X <- X - X B X fills in -D^-1 B A^-1.
+    The diagonal blocks of size BC >> LEVELS are inverted by column-oriented
+    forward substitution, all at once as one [blocks, size, size] tile (step r
+    subtracts column r of each block of L times row r of its block of X; the
+    reductions run along one block's row or column, inside a warp), then
+    merged pairwise LEVELS times on the full tile: for a block [[A, 0], [B, D]]
+    whose halves are already inverted, X <- X + X (-B X) fills in -D^-1 B A^-1
+    (-B X is nonzero only where X is 0, so the accumulation into X is exact).
     """
+    SIZE: tl.constexpr = BC >> LEVELS
+    BLOCKS: tl.constexpr = BC // SIZE
+    # blocks[n, i, m, j] = L[n * SIZE + i, m * SIZE + j]; the diagonal blocks are m == n.
+    block_row = tl.arange(0, BLOCKS)[:, None, None, None]
+    block_col = tl.arange(0, BLOCKS)[None, None, :, None]
+    L_blocks = tl.sum(tl.where(block_row == block_col, tl.reshape(L, [BLOCKS, SIZE, BLOCKS, SIZE]), 0.0), axis=2)
+    i = tl.arange(0, SIZE)[None, :, None]
+    j = tl.arange(0, SIZE)[None, None, :]
+    X_blocks = tl.where(i == j, 1.0, 0.0) + tl.zeros([BLOCKS, SIZE, SIZE], dtype=tl.float32)
+    for r in tl.static_range(SIZE):
+        # Row r of each block of X is final after r steps; column r of L does not depend on X.
+        l = tl.sum(tl.where(j == r, L_blocks, 0.0), axis=2)
+        x = tl.sum(tl.where(i == r, X_blocks, 0.0), axis=1)
+        X_blocks = X_blocks - l[:, :, None] * x[:, None, :]
+    X = tl.reshape(tl.where(block_row == block_col, X_blocks[:, :, None, :], 0.0), [BC, BC])
+
     rows = tl.arange(0, BC)[:, None]
     cols = tl.arange(0, BC)[None, :]
-    same_block = (rows // SUB) == (cols // SUB)
-    L_diag = tl.where(same_block, L, 0.0)
-    X = tl.where(rows == cols, 1.0, 0.0)
-    for r in range(SUB):
-        # l[i] = L[i, j] and x[m] = X[j, m], with j the r-th column (row) of the block of i (m).
-        l = tl.sum(tl.where(cols % SUB == r, L_diag, 0.0), axis=1)
-        x = tl.sum(tl.where(rows % SUB == r, X, 0.0), axis=0)
-        X = X - tl.where(same_block, l[:, None] * x[None, :], 0.0)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
     for level in tl.static_range(LEVELS):
-        half = SUB << level
+        half = SIZE << level
         lower_left = ((rows // (2 * half)) == (cols // (2 * half))) & ((rows // half) % 2 == 1) & ((cols // half) % 2 == 0)
-        X = X - _mm(_mm(X, tl.where(lower_left, L, 0.0), PRECISION, EMULATE_BF16), X, PRECISION, EMULATE_BF16)
+        X = _merge_dot(X, _merge_dot(tl.where(lower_left, -L, 0.0), X, zero, PRECISION, EMULATE_BF16), X,
+                       PRECISION, EMULATE_BF16)
     return X
 
 

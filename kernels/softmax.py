@@ -13,7 +13,7 @@ before the exp2. The grid is (query blocks, B*H), query blocks in reverse
 order so the longest causal rows start first, and the blocks of one head run
 side by side and share its keys and values in L2.
 
-Speed (sm_90, no TMA): the block sizes come from _DEFAULT_CONFIGS, checked
+Speed (sm_90): the block sizes come from _DEFAULT_CONFIGS, checked
 with ptxas for registers, spills and shared memory; for 16-bit inputs with
 head dims <= 128, 128 queries x 128 keys on 8 warps (the smallest tile
 Triton's attention tutorial admits for 8 warps on Hopper; two warpgroups of
@@ -24,11 +24,25 @@ key blocks (all but the diagonal or the tail) load without masks when the
 head dims fill their tiles (EVEN_K, EVEN_V constexpr). Key pointers are
 rebuilt from the base each block rather than carried and incremented:
 carried pointers across the two loops made the pipeliner keep more buffers
-(196 KB and spills at 128 x 64, offline). With precision "fp16" each V tile
-goes shared memory -> registers (scale, convert) -> shared memory before its
-dot; the pipeliner then keeps 2 stages of V plus the converted tile in the
-same 224 KB, and ptxas reports 255 registers with 8 bytes spilled once per
-program, outside the key loops (D = 128, bf16).
+(196 KB and spills at 128 x 64, offline).
+
+Precision "fp16" converts V once per call, in a pre-pass of two launches
+over [128, V] tiles, parallel over T: the column peaks (an atomic maximum
+on |v|'s bit patterns), then v * scale in fp16 into a scratch copy of v's
+shape. The key loop is then that of "input" with fp16 V tiles that go
+straight to shared memory. It used to convert each V tile inside the key
+loop, shared memory -> registers -> shared memory, every query block again
+(2 V stages plus the converted tile, 8 bytes spilled). On the H200 at B=8,
+T=4096, H=16, D=128, bf16, causal (.ci/gpu_configs.py): 1.72 ms before
+(attention kernel 1.65), 1.38 ms now (attention 1.27, peaks 0.043,
+conversion 0.064), against 1.05 ms for torch's SDPA: 1.31x.
+
+Option tma (default True) loads Q, K and V through tensor descriptors built
+on the device, one [T, head dim] view per head (TMA on sm_90; the wrapper
+sets triton.set_allocator, process-wide, for their scratch), where every
+head's row starts 16 bytes aligned, and falls back to pointers elsewhere:
+ptxas 186 registers against 255, no spills, 225 KB; the attention kernel
+1.27 ms against 1.32 with pointer loads.
 
 Numerics (OPTIONS["chunkwise"]["precision"]):
 
@@ -46,9 +60,10 @@ Numerics (OPTIONS["chunkwise"]["precision"]):
   8 significant bits fit fp16's 11 once the column peak lies in
   [2^13, 2^14); entries more than 2^30 below the peak become fp16
   subnormals, off by at most 2^-38 of the peak. The
-  wrapper reads max |v| once (one reduction over T); the kernel turns it
-  into the scale from its exponent bits, converts each V tile as it is
-  used, and divides the scale out of the output. Emulated in float64
+  pre-pass takes max |v| over T, turns it into the scale from its exponent
+  bits and converts V; the attention kernel divides the scale out of its
+  output. (The same roundings as the in-loop conversion it replaced: equal
+  bit for bit under the interpreter.) Emulated in float64
   (bf16, P rounded per mode, 128-key blocks): excess 1.001 at T=2, 1.003
   at T=64, 1.004 at T=1024, 1.005 at T=4096 on the registry's inputs; on
   2000 property-suite-like small cases (T 1..300, head dims 1..128, one
@@ -74,6 +89,7 @@ Numerics (OPTIONS["chunkwise"]["precision"]):
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -93,6 +109,8 @@ OPTIONS = {
         "num_warps": (None, (None, 1, 2, 4, 8, 16)),
         "num_stages": (None, (None, 1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "input", "split", "fp16")),
+        # Q, K and V tiles through tensor descriptors (TMA on sm_90) where the head dims allow it, see _tma_fits.
+        "tma": (True, (False, True)),
     }
 }
 # The fast side of the precision trade: P rounded once, as FlashAttention does.
@@ -111,6 +129,10 @@ _DEFAULT_CONFIGS = {
     (4, 128): (32, 16, 4, 2),
     (4, 256): (32, 16, 8, 2),
 }
+
+# Rows per [rows, V] tile of precision "fp16"'s V pre-pass (H200, bench shape: the peak pass took 0.043 ms at
+# 128 rows, 0.055 at 64, 0.089 at 32; the conversion 0.064 at each).
+V_CONVERT_BLOCK_T = 128
 
 
 def _launch_config(
@@ -143,15 +165,14 @@ def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.co
 
 
 @triton.jit
-def _v_column_scale(peak_ptrs, offs_v, V, INVERSE: tl.constexpr):
+def _v_column_scale(peak, INVERSE: tl.constexpr):
     """The power-of-two scale 2^(13 - floor(log2 peak)) of each value column (or its inverse), where peak
-    is the column's max |v| over the head: peak * scale lies in [2^13, 2^14), so v * scale converts to fp16
-    exactly (a bf16 value's 8 significant bits, no overflow). Built from peak's exponent bits, exact where
-    exp2/log2 approximate; clamped to 2^[-126, 126] so that the scale and its inverse are normal fp32
+    is the column's max |v| over the head (fp32): peak * scale lies in [2^13, 2^14), so v * scale converts
+    to fp16 exactly (a bf16 value's 8 significant bits, no overflow). Built from peak's exponent bits, exact
+    where exp2/log2 approximate; clamped to 2^[-126, 126] so that the scale and its inverse are normal fp32
     (an all-zero column gets 2^126). A non-finite peak (inf or NaN in the column) gets 1, so that the
     column's finite entries are not scaled away.
     """
-    peak = tl.load(peak_ptrs + offs_v, mask=offs_v < V, other=0.0)
     exponent = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
     biased = tl.where(exponent == 0xFF, 127, tl.minimum(tl.maximum(267 - exponent, 1), 253))
     if INVERSE:
@@ -159,30 +180,77 @@ def _v_column_scale(peak_ptrs, offs_v, V, INVERSE: tl.constexpr):
     return (biased << 23).to(tl.float32, bitcast=True)
 
 
+# Precision "fp16"'s operand, made once per call: for each (batch, head, value column)
+#     s = 2^(13 - floor(log2 max_t |v_t|)),   v16_t = fp16(v_t * s)   (exact for bf16 v),
+# and 1/s, which the attention kernel applies to its output. Two launches over [BLOCK_T, V] tiles, each
+# parallel over T: the column peaks (an atomic maximum per tile), then the conversion.
+@triton.jit
+def _v_tile(v_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(offsets, mask, tile in fp32) of the program's [BLOCK_T, V] tile of v; grid (T blocks, B*H)."""
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // H).to(tl.int64)
+    head = pid_bh % H
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_v = tl.arange(0, BLOCK_V)
+    offsets = batch * T * H * V + head * V + offs_t[:, None] * (H * V) + offs_v[None, :]
+    mask = (offs_t < T)[:, None] & (offs_v < V)[None, :]
+    return offsets, mask, tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _v_peak_kernel(v_ptr, peak_bits_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """peak_bits[bh, c] = max over the tile's rows of the bit pattern of |v[b, t, h, c]| (zero-initialised).
+
+    Bit patterns of non-negative floats order as their values, and a NaN's lies above inf's, so a column
+    holding a NaN keeps a non-finite peak (a float maximum may drop NaNs)."""
+    _, _, tile = _v_tile(v_ptr, T, H, V, BLOCK_T, BLOCK_V)
+    offs_v = tl.arange(0, BLOCK_V)
+    largest = tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    tl.atomic_max(peak_bits_ptr + tl.program_id(1) * V + offs_v, largest, mask=offs_v < V)
+
+
+@triton.jit
+def _v_to_fp16_kernel(v_ptr, peak_bits_ptr, v16_ptr, inverse_ptr, T, H, V,
+                      BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """v16 = fp16(v * s) for one [BLOCK_T, V] tile, s from the column peaks; the first tile of each head
+    also writes 1/s."""
+    offsets, mask, tile = _v_tile(v_ptr, T, H, V, BLOCK_T, BLOCK_V)
+    offs_v = tl.arange(0, BLOCK_V)
+    column_ok = offs_v < V
+    peaks = peak_bits_ptr + tl.program_id(1) * V + offs_v
+    peak = tl.load(peaks, mask=column_ok, other=0).to(tl.float32, bitcast=True)
+    tl.store(inverse_ptr + tl.program_id(1) * V + offs_v, _v_column_scale(peak, True),
+             mask=column_ok & (tl.program_id(0) == 0))
+    tl.store(v16_ptr + offsets, (tile * _v_column_scale(peak, False)[None, :]).to(tl.float16), mask=mask)
+
+
 @triton.jit
 def _online_softmax_step(
-    acc, row_max, row_sum, q, k_ptrs, v_ptrs, v_scale,
-    offs_m, offs_n, offs_k, offs_v, T, K, V, qk_scale,
-    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, PV_FP16: tl.constexpr,
+    acc, row_max, row_sum, q, k_src, v_src, start_n,
+    offs_m, offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr, P_EXP2_SHIFT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """One key block: fold exp2(s - m) v into the running (acc, row_max, row_sum).
+    """One key block, keys start_n + offs_n: fold exp2(s - m) v into the running (acc, row_max, row_sum).
 
-    MASK_KEYS: the block may hold keys past T or (causal) after a query; their
-    scores become -inf before the max and the exp2. EVEN_K / EVEN_V: the head
-    dims fill their tiles, so those loads need no mask. PV_FP16: v_scale holds
-    the head's power-of-two column scales, which make V exact in fp16.
+    k_src, v_src: the head's keys and values, tensor descriptors (TMA: zero-filled past T and the head
+    dims) or pointers to its key 0 spread over a tile. MASK_KEYS: the block may hold keys past T or
+    (causal) after a query; their scores become -inf before the max and the exp2. EVEN_K / EVEN_V: the
+    head dims fill their tiles, so those pointer loads need no mask.
     """
-    key_ok = offs_n < T
-    # k is read as k^T tiles [BLOCK_K, BLOCK_N], v as [BLOCK_N, BLOCK_V].
-    k_block = _load_tile(k_ptrs, offs_k < K, key_ok, not EVEN_K, MASK_KEYS)
-    v_block = _load_tile(v_ptrs, key_ok, offs_v < V, MASK_KEYS, not EVEN_V)
-    if PV_FP16:
-        v_block = (v_block.to(tl.float32) * v_scale[None, :]).to(tl.float16)
+    if TMA:
+        k_block = k_src.load([start_n, 0]).T
+        v_block = v_src.load([start_n, 0])
+    else:
+        # k is read as k^T tiles [BLOCK_K, BLOCK_N], v as [BLOCK_N, BLOCK_V].
+        key_ok = offs_n < T
+        k_block = _load_tile(k_src + start_n * (H * K), offs_k < K, key_ok, not EVEN_K, MASK_KEYS)
+        v_block = _load_tile(v_src + start_n * (H * V), key_ok, offs_v < V, MASK_KEYS, not EVEN_V)
     scores = tl.dot(q, k_block, input_precision=DOT_PRECISION)
     if MASK_KEYS:
         scores = scores * qk_scale
-        visible = key_ok[None, :]
+        visible = (offs_n < T)[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
         scores = tl.where(visible, scores, -float("inf"))
@@ -198,6 +266,7 @@ def _online_softmax_step(
     rescale = tl.exp2(row_max - new_max)
     row_sum = row_sum * rescale + tl.sum(p, 1)
     acc = acc * rescale[:, None]
+    # P is rounded to V's dtype: the input dtype, or fp16 for the column-scaled V of precision "fp16".
     if SPLIT_P:
         p_hi = p.to(v_block.dtype)
         p_lo = (p - p_hi.to(tl.float32)).to(v_block.dtype)
@@ -210,12 +279,12 @@ def _online_softmax_step(
 
 @triton.jit
 def _softmax_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, v_peak_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, v_inverse_ptr,
     T, H, K, V, qk_scale,
-    CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, PV_FP16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, V_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     P_EXP2_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, TMA: tl.constexpr,
 ):
     # Reverse order: with causal masking the last query blocks have the most keys; start them first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -230,15 +299,19 @@ def _softmax_fwd_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.arange(0, BLOCK_V)
 
-    q = _load_tile(q_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :], offs_m < T, offs_k < K, True, not EVEN_K)
-    # One block of keys further is a fixed pointer step (int64 via the pointers: no int32 overflow at long T).
-    k_ptrs = k_ptr + qk_base + offs_n[None, :] * (H * K) + offs_k[:, None]
-    v_ptrs = v_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
-
-    if PV_FP16:
-        v_scale = _v_column_scale(v_peak_ptr + pid_bh * V, offs_v, V, False)
+    if TMA:
+        # One [T, head dim] view per head: the head dim as the descriptor's extent zero-fills the tile
+        # columns past it instead of reading the next head's.
+        q_desc = tl.make_tensor_descriptor(q_ptr + qk_base, [T, K], [H * K, 1], [BLOCK_M, BLOCK_K])
+        q = q_desc.load([pid_m * BLOCK_M, 0])
+        k_src = tl.make_tensor_descriptor(k_ptr + qk_base, [T, K], [H * K, 1], [BLOCK_N, BLOCK_K])
+        v_src = tl.make_tensor_descriptor(v_ptr + vo_base, [T, V], [H * V, 1], [BLOCK_N, BLOCK_V])
     else:
-        v_scale = tl.full([BLOCK_V], 1.0, tl.float32)
+        q_ptrs = q_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :]
+        q = _load_tile(q_ptrs, offs_m < T, offs_k < K, True, not EVEN_K)
+        # One block of keys further is a fixed pointer step (int64 via the pointers: no int32 overflow at long T).
+        k_src = k_ptr + qk_base + offs_n[None, :] * (H * K) + offs_k[:, None]
+        v_src = v_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
 
     row_max = tl.full([BLOCK_M], -float("inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -255,27 +328,49 @@ def _softmax_fwd_kernel(
         end = T
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), v_scale,
-            offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
-            False, CAUSAL, SPLIT_P, PV_FP16, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
+            acc, row_max, row_sum, q, k_src, v_src, start_n,
+            offs_m, start_n + offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+            False, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V, TMA,
         )
     for start_n in range(unmasked_end, end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
-            acc, row_max, row_sum, q, k_ptrs + start_n * (H * K), v_ptrs + start_n * (H * V), v_scale,
-            offs_m, start_n + offs_n, offs_k, offs_v, T, K, V, qk_scale,
-            True, CAUSAL, SPLIT_P, PV_FP16, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V,
+            acc, row_max, row_sum, q, k_src, v_src, start_n,
+            offs_m, start_n + offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+            True, CAUSAL, SPLIT_P, DOT_PRECISION, P_EXP2_SHIFT, EVEN_K, EVEN_V, TMA,
         )
 
     o = acc / row_sum[:, None]
-    if PV_FP16:
-        # Recomputed here rather than kept from before the loops: no [BLOCK_V] vector in the
-        # accumulator's layout stays live across them (the loops already use 255 registers at 128 x 128).
-        o = o * _v_column_scale(v_peak_ptr + pid_bh * V, offs_v, V, True)[None, :]
+    if V_SCALED:
+        o = o * tl.load(v_inverse_ptr + pid_bh * V + offs_v, mask=offs_v < V, other=1.0)[None, :]
     o_ptrs = o_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :]
     if EVEN_V:
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
     else:
         tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & (offs_v < V)[None, :])
+
+
+def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v * s in fp16, 1/s in fp32 [B*H, V]), s the power-of-two column scale of _v_column_scale."""
+    B, T, H, V = v.shape
+    peak_bits = torch.zeros((B * H, V), dtype=torch.int32, device=v.device)
+    v16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)
+    inverse = torch.empty((B * H, V), dtype=torch.float32, device=v.device)
+    grid = (triton.cdiv(T, V_CONVERT_BLOCK_T), B * H)
+    _v_peak_kernel[grid](v, peak_bits, T, H, V, BLOCK_T=V_CONVERT_BLOCK_T, BLOCK_V=block_size(V), num_warps=4)
+    _v_to_fp16_kernel[grid](v, peak_bits, v16, inverse, T, H, V, BLOCK_T=V_CONVERT_BLOCK_T, BLOCK_V=block_size(V),
+                            num_warps=4)
+    return v16, inverse
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None, *, device: torch.device) -> torch.Tensor:
+    """Global memory for the tensor descriptors the kernel builds on the device (triton.set_allocator)."""
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _tma_fits(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and row strides: each head's row of the [B, T, H, D] tensors
+    starts on a 16-byte boundary."""
+    return all(t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
 def chunkwise(
@@ -290,6 +385,7 @@ def chunkwise(
     num_warps: int | None = None,
     num_stages: int | None = None,
     precision: str = "auto",
+    tma: bool = True,
 ) -> tuple[torch.Tensor, None]:
     """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None)."""
     B, T, H, K = q.shape
@@ -304,21 +400,25 @@ def chunkwise(
     fp32 = q.dtype == torch.float32
     if precision == "auto":
         precision = "fp16" if q.dtype == torch.bfloat16 else "split"
-    pv_fp16 = precision == "fp16" and not fp32
-    # max |v| per (batch, head, value column), read once; the kernel turns it into a power-of-two scale.
-    v_peak = torch.linalg.vector_norm(v, ord=math.inf, dim=1, dtype=torch.float32) if pv_fp16 else None
+    v_scaled = precision == "fp16" and not fp32
+    v_inverse = None
+    if v_scaled:
+        v, v_inverse = _v_to_fp16(v)
+    use_tma = tma and _tma_fits(q, k, v)
+    if use_tma:
+        triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
     grid = (triton.cdiv(T, block_m), B * H)
     _softmax_fwd_kernel[grid](
-        q, k, v, o, v_peak,
+        q, k, v, o, v_inverse,
         T, H, K, V, scale * LOG2E,
         CAUSAL=causal,
         SPLIT_P=(precision == "split") and not fp32,
-        PV_FP16=pv_fp16,
+        V_SCALED=v_scaled,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
         BLOCK_M=block_m, BLOCK_N=chunk_size, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
-        EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V,
+        EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V, TMA=use_tma,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, None

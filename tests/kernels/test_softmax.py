@@ -15,7 +15,11 @@ or exact identities.
   with power-of-two scalings of V, and give zero for all-zero columns; the
   scale itself, built from exponent bits, brings every column peak into
   [2^13, 2^14) and is a power of two with an exact inverse (1 for
-  non-finite peaks).
+  non-finite peaks). The pre-pass that applies it, run on bf16 too (its
+  loads and conversions are exact under the interpreter), must represent v
+  exactly as v16 * inverse over several row blocks (the last one partial)
+  and a masked head dim, with inf, NaN and all-zero columns.
+- tma=True (tensor descriptors) gives the same bits as pointer loads.
 - Query blocks smaller than key blocks (the causal unmasked range must end on
   a key-block boundary), several chunk sizes, negative and zero scale,
   near-one-hot rows (scores spanning ~80 nats).
@@ -36,7 +40,9 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
-from attnlab.kernels.softmax import OPTIONS, _launch_config, _v_column_scale
+from attnlab.kernels.softmax import (
+    OPTIONS, V_CONVERT_BLOCK_T, _launch_config, _tma_fits, _v_column_scale, _v_to_fp16,
+)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
@@ -112,8 +118,9 @@ def test_fp16_precision_zero_value_columns():
 @triton.jit
 def _column_scales_kernel(peak_ptr, scale_ptr, inverse_ptr, N, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(scale_ptr + offs, _v_column_scale(peak_ptr, offs, N, False), mask=offs < N)
-    tl.store(inverse_ptr + offs, _v_column_scale(peak_ptr, offs, N, True), mask=offs < N)
+    peak = tl.load(peak_ptr + offs, mask=offs < N, other=0.0)
+    tl.store(scale_ptr + offs, _v_column_scale(peak, False), mask=offs < N)
+    tl.store(inverse_ptr + offs, _v_column_scale(peak, True), mask=offs < N)
 
 
 def test_v_column_scale():
@@ -134,6 +141,46 @@ def test_v_column_scale():
     nonfinite = torch.tensor([float("inf"), float("nan")])
     _column_scales_kernel[(1,)](nonfinite, scale[:2], inverse[:2], 2, BLOCK=2)
     assert torch.all(scale[:2] == 1.0) and torch.all(inverse[:2] == 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_v_to_fp16_is_exact(dtype):
+    B, T, H, V = 2, 2 * V_CONVERT_BLOCK_T + 5, 3, 40
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    # Columns of Gaussians times 2^-16 .. 2^12: peaks far apart, some below fp16's normal range.
+    v = v * 2.0 ** torch.randint(-16, 13, (B, 1, H, V), generator=gen)
+    v[0, :, 0, 1] = torch.randn(T, generator=gen, dtype=torch.float64)
+    v[0, 7, 0, 1] = 2.0**15  # the peak in the first row block, converted last
+    v[1, :, 2, 3] = 0.0
+    # Non-finite columns keep scale 1: their finite entries must be exact in fp16 unscaled.
+    v[0, :, 1, 5] = v[1, :, 0, V - 1] = torch.randn(T, generator=gen, dtype=torch.float64)
+    v = v.to(dtype)
+    v[0, -1, 1, 5] = float("inf")  # in the partial last row block
+    v[1, 100, 0, V - 1] = float("nan")  # in the last column (V = 40 masked in a 64-wide tile)
+    v16, inverse = _v_to_fp16(v)
+    assert v16.dtype == torch.float16 and v16.shape == v.shape
+    inverse = inverse.reshape(B, H, V)[:, None]
+    assert torch.equal((v16.double() * inverse.double()).nan_to_num(), v.double().nan_to_num())
+    assert torch.equal(v16.isnan(), v.isnan())
+    peaks = v16.abs().amax(dim=1)
+    finite = torch.isfinite(v.double().abs().amax(dim=1)) & (v.abs().amax(dim=1) > 0)
+    assert torch.all((peaks[finite] >= 2.0**13) & (peaks[finite] < 2.0**14))
+    assert inverse[1, 0, 2, 3] == 2.0**-126 and inverse[0, 0, 1, 5] == 1.0 and inverse[1, 0, 0, V - 1] == 1.0
+
+
+@pytest.mark.parametrize(
+    "dtype,precision",
+    [(torch.float16, "fp16"), (torch.float16, "input"), (torch.float16, "split"), (torch.float32, "auto")],
+    ids=["fp16-fp16", "fp16-input", "fp16-split", "fp32"],
+)
+def test_tma_matches_pointer_loads(dtype, precision):
+    # K = 24 and V = 40 (16-bit) fit TMA's 16-byte alignment without filling their tiles.
+    x = _inputs(dtype, T=150, K=24, V=40)
+    assert _tma_fits(x["q"], x["k"], x["v"])
+    for causal in (True, False):
+        pointers = kernel("softmax", precision=precision, tma=False)(**x, causal=causal)
+        assert torch.equal(kernel("softmax", precision=precision, tma=True)(**x, causal=causal), pointers)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
@@ -172,6 +219,7 @@ def test_random_shapes_fp16(T, K, V, causal, seed, q_std):
         ({"block_m": 256}, ValueError),
         ({"precision": "fp8"}, ValueError),
         ({"num_warps": 3}, ValueError),
+        ({"tma": 1.5}, ValueError),
         ({"block_n": 64}, TypeError),
     ],
 )
