@@ -130,9 +130,15 @@ _DEFAULT_CONFIGS = {
     (4, 256): (32, 16, 8, 2),
 }
 
-# Rows per [rows, V] tile of precision "fp16"'s V pre-pass (H200, bench shape: the peak pass took 0.043 ms at
-# 128 rows, 0.055 at 64, 0.089 at 32; the conversion 0.064 at each).
-V_CONVERT_BLOCK_T = 128
+# Elements per [rows, V] tile of precision "fp16"'s V pre-pass: 128 rows at V = 128 (H200, bench shape: the
+# peak pass took 0.043 ms at 128 rows, 0.055 at 64, 0.089 at 32; the conversion 0.064 at each), fewer rows for
+# wider heads so that a tile stays at 128 fp32 registers per thread on 4 warps.
+V_CONVERT_TILE_ELEMENTS = 128 * 128
+
+
+def _v_convert_rows(V: int) -> int:
+    """Rows per tile of the V pre-pass for head dim V."""
+    return V_CONVERT_TILE_ELEMENTS // block_size(V)
 
 
 def _launch_config(
@@ -355,10 +361,10 @@ def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak_bits = torch.zeros((B * H, V), dtype=torch.int32, device=v.device)
     v16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)
     inverse = torch.empty((B * H, V), dtype=torch.float32, device=v.device)
-    grid = (triton.cdiv(T, V_CONVERT_BLOCK_T), B * H)
-    _v_peak_kernel[grid](v, peak_bits, T, H, V, BLOCK_T=V_CONVERT_BLOCK_T, BLOCK_V=block_size(V), num_warps=4)
-    _v_to_fp16_kernel[grid](v, peak_bits, v16, inverse, T, H, V, BLOCK_T=V_CONVERT_BLOCK_T, BLOCK_V=block_size(V),
-                            num_warps=4)
+    tile = dict(BLOCK_T=_v_convert_rows(V), BLOCK_V=block_size(V), num_warps=4)
+    grid = (triton.cdiv(T, tile["BLOCK_T"]), B * H)
+    _v_peak_kernel[grid](v, peak_bits, T, H, V, **tile)
+    _v_to_fp16_kernel[grid](v, peak_bits, v16, inverse, T, H, V, **tile)
     return v16, inverse
 
 

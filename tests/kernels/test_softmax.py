@@ -41,7 +41,7 @@ import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
 from attnlab.kernels.softmax import (
-    OPTIONS, V_CONVERT_BLOCK_T, _launch_config, _tma_fits, _v_column_scale, _v_to_fp16,
+    OPTIONS, _launch_config, _tma_fits, _v_column_scale, _v_convert_rows, _v_to_fp16,
 )
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
@@ -145,7 +145,8 @@ def test_v_column_scale():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_v_to_fp16_is_exact(dtype):
-    B, T, H, V = 2, 2 * V_CONVERT_BLOCK_T + 5, 3, 40
+    B, H, V = 2, 3, 40
+    T = 2 * _v_convert_rows(V) + 5
     gen = torch.Generator().manual_seed(0)
     v = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
     # Columns of Gaussians times 2^-16 .. 2^12: peaks far apart, some below fp16's normal range.
