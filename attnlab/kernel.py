@@ -70,7 +70,9 @@ class Kernel:
     def __call__(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         f = self.formulation
         interpreting = interpreter_active()
-        call = validate(f, inputs, dtypes=KERNEL_DTYPES, device_type=None if interpreting else "cuda", scan="ranges")
+        call = validate(
+            f, inputs, dtypes=KERNEL_DTYPES, device_type=None if interpreting else "cuda", scan="ranges", defer_values=True
+        )
         if interpreting and call.device.type != "cpu":
             raise ValueError(f"TRITON_INTERPRET=1 runs kernels on CPU tensors; the inputs are on {call.device}")
         if interpreting and call.dtype == torch.bfloat16:
@@ -88,7 +90,11 @@ class Kernel:
         kwargs = {**tensors, **call.options, **self.opts}
         if f.state is not None:
             kwargs.update(state=state, return_state=call.return_state)
-        o, final = self._fn(**kwargs)
+        assert call.values is not None
+        # The module waits for the value checks after its own preparation, just before its first launch.
+        o, final = self._fn(**kwargs, await_checks=call.values.wait)
+        if not call.values.done:
+            raise AssertionError(f"{self!r} launched without waiting for the value checks of its inputs")
         if call.return_state:
             return o, f.state.join(final)
         return o

@@ -35,6 +35,8 @@ class Call:
     initial_state: tuple[torch.Tensor, ...] | None = None
     return_state: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    # The value checks; already waited for unless validate(defer_values=True) was asked.
+    values: ValueScan | None = None
 
 
 def _fmt_dims(symbols: Iterable[str]) -> str:
@@ -67,29 +69,57 @@ class _ValueCheck:
     allow_neg_inf: bool = False
 
 
-def _check_values(checks: list[_ValueCheck]) -> None:
-    """Check every tensor's values in one read each and one device-to-host transfer for all.
+class ValueScan:
+    """The value checks of one call: queued on the tensors' device at construction, read by ``wait()``.
 
-    ``torch.aminmax`` gives each tensor's two ends in one pass (a NaN propagates to both, an
-    infinity shows at its end), so a kernel call pays one reduction per checked tensor and a single
-    synchronization, not an elementwise pass, a reduction and a sync per tensor and condition.
+    ``torch.aminmax`` gives each tensor's two ends in one pass (a NaN propagates to both, an infinity
+    shows at its end), so a call pays one reduction per checked tensor and one device-to-host transfer
+    for all of them, not an elementwise pass, a reduction and a sync per tensor and condition. On a GPU
+    the transfer is asynchronous: ``wait()`` is the only synchronisation, and a kernel calls it after
+    its host-side preparation (allocations, launch arguments), just before its first launch, so that
+    the GPU is not left idle while the host does that work. Nothing but copies (a contiguous copy, the
+    initial state to fp32) touches the inputs before ``wait()`` returns, so a bad value still raises
+    before any kernel computes on it.
     """
-    checks = [c for c in checks if c.tensor.numel()]
-    if not checks:
-        return
-    ends = torch.stack([torch.stack(torch.aminmax(c.tensor)).double() for c in checks]).tolist()
-    for c, (lowest, highest) in zip(checks, ends):
-        if math.isnan(lowest) or math.isnan(highest) or highest == math.inf or (lowest == -math.inf and not c.allow_neg_inf):
-            allowed = torch.isfinite(c.tensor)
-            if c.allow_neg_inf:
-                allowed |= c.tensor == -math.inf
-            bad = c.tensor[~allowed].flatten()[0].item()
-            raise ValueError(f"{c.name} must be finite; it holds {bad}")
-        if c.low is not None and lowest < c.low:
-            raise ValueError(f"{c.name} must be >= {c.low:g}; its minimum is {lowest:.6g}")
-        if c.high is not None and highest > c.high:
-            what = "a log gate (decay exp(g) <= 1)" if c.high == 0.0 and c.low is None else f"<= {c.high:g}"
-            raise ValueError(f"{c.name} must be {what}; its maximum is {highest:.6g}")
+
+    def __init__(self, checks: list[_ValueCheck]) -> None:
+        self._checks = [c for c in checks if c.tensor.numel()]
+        self._ends: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        if self._checks:
+            ends = torch.stack([torch.stack(torch.aminmax(c.tensor)).double() for c in self._checks])
+            if ends.is_cuda:
+                self._ends = ends.to("cpu", non_blocking=True)  # pinned host memory
+                self._ready = torch.cuda.Event()
+                self._ready.record(torch.cuda.current_stream(ends.device))
+            else:
+                self._ends = ends
+        self.done = not self._checks
+
+    def wait(self) -> None:
+        """Raise ValueError if a checked tensor holds a bad value; a no-op after the first call."""
+        if self.done:
+            return
+        self.done = True
+        if self._ready is not None:
+            self._ready.synchronize()
+        assert self._ends is not None
+        for c, (lowest, highest) in zip(self._checks, self._ends.tolist()):
+            _raise_if_out_of_range(c, lowest, highest)
+
+
+def _raise_if_out_of_range(c: _ValueCheck, lowest: float, highest: float) -> None:
+    if math.isnan(lowest) or math.isnan(highest) or highest == math.inf or (lowest == -math.inf and not c.allow_neg_inf):
+        allowed = torch.isfinite(c.tensor)
+        if c.allow_neg_inf:
+            allowed |= c.tensor == -math.inf
+        bad = c.tensor[~allowed].flatten()[0].item()
+        raise ValueError(f"{c.name} must be finite; it holds {bad}")
+    if c.low is not None and lowest < c.low:
+        raise ValueError(f"{c.name} must be >= {c.low:g}; its minimum is {lowest:.6g}")
+    if c.high is not None and highest > c.high:
+        what = "a log gate (decay exp(g) <= 1)" if c.high == 0.0 and c.low is None else f"<= {c.high:g}"
+        raise ValueError(f"{c.name} must be {what}; its maximum is {highest:.6g}")
 
 
 def _check_option(f: Formulation, name: str, value: Any, dims: Dims) -> Any:
@@ -119,6 +149,7 @@ def validate(
     device_type: str | None = None,
     extra_keywords: tuple[str, ...] = (),
     scan: str = "all",
+    defer_values: bool = False,
 ) -> Call:
     """Check a call of formulation ``f`` and resolve its defaults.
 
@@ -133,6 +164,10 @@ def validate(
     the kernels, for which a full scan of q, k and v would cost a large part of
     the kernel's own time, and whose non-finite q, k, v show up as non-finite
     outputs rather than silently wrong ones).
+
+    ``defer_values``: return with the value checks queued but not yet read;
+    the caller must call ``call.values.wait()`` before it launches anything
+    on the inputs (see ValueScan).
     """
     if scan not in ("all", "ranges"):
         raise ValueError(f"scan must be 'all' or 'ranges'; got {scan!r}")
@@ -189,9 +224,11 @@ def validate(
     if not isinstance(return_state, bool):
         raise ValueError(f"return_state must be True or False; got {return_state!r}")
 
-    _check_values(value_checks)
+    values = ValueScan(value_checks)
+    if not defer_values:
+        values.wait()
     extra = {k: inputs[k] for k in extra_keywords if k in inputs}
-    return Call(f, tensors, options, dims, device, dtype, initial_state, return_state, extra)
+    return Call(f, tensors, options, dims, device, dtype, initial_state, return_state, extra, values)
 
 
 def _check_state(f: Formulation, state: Any, dims: Dims, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -93,6 +93,7 @@ K column, so only V is split).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -100,7 +101,7 @@ import triton.language as tl
 
 from attnlab.kernel import interpreter_active
 
-from ._util import block_size
+from ._util import block_size, no_pending_checks
 
 PRECISIONS = ("auto", "mixed", "fp16", "split", "tf32x3", "tf32", "ieee")
 # When the intermediates are 16-bit: the dots of T's inverse (tf32x3, ~2^-22: its merge products'
@@ -644,7 +645,7 @@ def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
     chunk_size: int = 64, precision: str = "auto", block_v: int | None = None, num_warps: int = 4,
-    num_stages: int = 1,
+    num_stages: int = 1, await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """The chunkwise UT-transform kernels; g None is DeltaNet. Returns (o, (S,) or None)."""
     _check_choice("chunk_size", chunk_size, CHUNK_SIZES)
@@ -678,7 +679,7 @@ def chunkwise(
     w_inverse = buffer(B * H, T if state16 else 1, low=False)
     h_inverse = buffer(B * H, n_chunks if state16 else 1, V, low=False)
     u_inverse, d_inverse = (buffer(B * H, n_chunks if value16 else 1, V, low=False) for _ in range(2))
-
+    await_checks()
     _chunk_prepare_kernel[(n_chunks, B * H)](
         k, v, beta, g_arg, w, w_inverse, u, u_inverse, T, H, K, V,
         GATED=gated, BC=BC, BK=BK, BV=min(64, block_size(V)), LEVELS=int(math.log2(BC // SUB.value)),
@@ -703,7 +704,7 @@ def chunkwise(
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
-    block_v: int | None = None, num_warps: int = 4,
+    block_v: int | None = None, num_warps: int = 4, await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """The token-by-token kernel; g None is DeltaNet. Returns (o, (S,) or None)."""
     _check_choice("block_v", block_v, BLOCK_VS)
@@ -715,6 +716,7 @@ def recurrent(
     o, final = _outputs(q, v, return_state)
     initial = state[0] if state is not None else None
     gated = g is not None
+    await_checks()
     _recurrent_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, beta, g if gated else beta, initial if initial is not None else o, o,
         final if final is not None else o,

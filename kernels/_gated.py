@@ -93,11 +93,13 @@ rounds them to bf16 anyway); both halve the dominant memory traffic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, triton_dtype
+from attnlab.kernels._util import block_size, no_pending_checks, triton_dtype
 
 PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
@@ -666,6 +668,7 @@ def chunkwise(
     block_v: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
 
@@ -705,7 +708,7 @@ def chunkwise(
     A_scale = torch.empty((B * H, NT) if fp16 else (1,), dtype=torch.float32, device=device)
     o = torch.empty_like(v)
     flags = dict(HAS_GK=gk is not None, PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
-
+    await_checks()
     _chunk_states_kernel[(NK * NV * B * H,)](
         k, v, gk_arg, gv_arg, h, h_scale, v_scale, initial, final, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_GV=gv is not None,
@@ -731,6 +734,7 @@ def recurrent(
     scale: float,
     state: tuple[torch.Tensor, ...] | None,
     return_state: bool,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The literal recurrence: one program per (V block, batch*head), a loop over T."""
     B, T, H, K = q.shape
@@ -740,6 +744,7 @@ def recurrent(
     BV = min(block_size(V), max(16, 4096 // BK))
     o = torch.empty_like(v)
     final = torch.empty((B, H, K, V), dtype=torch.float32, device=q.device) if return_state else o
+    await_checks()
     _recurrent_kernel[(triton.cdiv(V, BV) * B * H,)](
         q, k, v,
         gk if gk is not None else q, gv if gv is not None else v,

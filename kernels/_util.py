@@ -7,6 +7,14 @@ import triton
 import triton.language as tl
 
 
+def no_pending_checks() -> None:
+    """``await_checks`` of a kernel function called directly, not through attnlab.kernel: nothing to wait for.
+
+    attnlab.kernel passes the wait of its queued value checks (attnlab.validation.ValueScan); every
+    kernel function calls ``await_checks()`` after its host-side preparation, before its first launch.
+    """
+
+
 def block_size(n: int, minimum: int = 16) -> int:
     """The power-of-two tile covering ``n`` (at least ``minimum``, the tl.dot minimum on GPUs)."""
     return max(minimum, triton.next_power_of_2(n))

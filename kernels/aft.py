@@ -68,11 +68,13 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size
+from attnlab.kernels._util import block_size, no_pending_checks
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
 OPERAND_MAX = tl.constexpr(32768.0)
@@ -279,6 +281,7 @@ def chunkwise(
     num_warps: int = 8,
     num_stages: int = 2,
     precision: str = "auto",
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
     """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None)."""
     B, T, H, D = k.shape
@@ -288,6 +291,7 @@ def chunkwise(
     BLOCK_D = min(block_size(D), block_d)
     o = torch.empty_like(v)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
+    await_checks()
     _aft_fwd_kernel[grid](
         w, k, v, o,
         T, H, D, DEN_FLOOR[half_operands],

@@ -26,7 +26,7 @@ def chunkwise(
 
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    state: tuple[torch.Tensor, ...] | None, return_state: bool,
+    state: tuple[torch.Tensor, ...] | None, return_state: bool, **options,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The literal recurrence, one token at a time."""
-    return _gated.recurrent(q, k, v, g, None, scale, state, return_state)
+    return _gated.recurrent(q, k, v, g, None, scale, state, return_state, **options)

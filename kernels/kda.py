@@ -106,12 +106,13 @@ OPTIONS: ``block_v`` (32), ``num_warps`` (4).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from ._util import block_size, zero_state
+from ._util import block_size, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
 INTRA_CHANNEL_SLICE = 128  # key channels per step of the intra-chunk A blocks (few, large steps: each costs barriers)
@@ -470,7 +471,7 @@ def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool,
     chunk_size: int = 64, precision: str = "auto", block_v: int = 64, num_warps: int = 4,
-    num_stages: int | str = "auto",
+    num_stages: int | str = "auto", await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
@@ -492,15 +493,15 @@ def chunkwise(
     u = torch.empty((rows, V), **scratch)
     gc = torch.empty((B * H * num_chunks, K), **scratch)
     aqk = torch.empty((rows, C), **scratch)
+    o = torch.empty_like(v)
+    initial = state[0] if state is not None else None
+    final = zero_state((B, H, K, V), q.device) if return_state else None
+    await_checks()
     _kda_intra_chunk_kernel[(num_chunks, B * H)](
         q, k, v, g, beta, w, u, qg, kd, gc, aqk, T, H, K, V, scale,
         C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, INTRA_CHANNEL_SLICE), BKW=min(BK, INTRA_OUTPUT_BLOCK),
         BV=min(block_size(V), INTRA_OUTPUT_BLOCK), PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype), num_warps=4,
     )
-
-    o = torch.empty_like(v)
-    initial = state[0] if state is not None else None
-    final = zero_state((B, H, K, V), q.device) if return_state else None
     _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
         w, u, qg, kd, gc, aqk, o,
         initial if initial is not None else gc, final if final is not None else gc,
@@ -564,6 +565,7 @@ def _kda_recurrent_kernel(
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool, block_v: int = 32, num_warps: int = 4,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     for name, value in (("block_v", block_v), ("num_warps", num_warps)):
         _check_choice("recurrent", name, value)
@@ -575,6 +577,7 @@ def recurrent(
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     unused = zero_state((1,), q.device)  # stands in for an absent state pointer
+    await_checks()
     _kda_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, v, g, beta, o,
         initial if initial is not None else unused, final if final is not None else unused,

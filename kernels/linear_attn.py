@@ -45,11 +45,13 @@ kernels/retnet.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks
 
 PRECISIONS = ("split", "tf32", "ieee")
 
@@ -348,18 +350,21 @@ def chunkwise(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Chunkwise linear attention; see the module docstring for the options."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V):
-        return recurrent(q=q, k=k, v=v, scale=scale, feature_map=feature_map, normalize=normalize, state=state, return_state=return_state)
+        return recurrent(q=q, k=k, v=v, scale=scale, feature_map=feature_map, normalize=normalize, state=state,
+                         return_state=return_state, await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)
+    await_checks()
     _chunkwise_kernel[grid](
         q, k, v, o, initial_S, initial_z, final_S, final_z,
         T, H, K, V, scale,
@@ -385,6 +390,7 @@ def recurrent(
     return_state: bool,
     block_v: int | None = None,
     num_warps: int = 4,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Token-by-token linear attention with the fp32 state in registers."""
     B, T, H, K = q.shape
@@ -394,6 +400,7 @@ def recurrent(
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)
+    await_checks()
     _recurrent_kernel[grid](
         q, k, v, o, initial_S, initial_z, final_S, final_z,
         T, H, K, V, scale,

@@ -33,11 +33,13 @@ fp32 dot of that input_precision.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks
 from attnlab.kernels.linear_attn import (
     PRECISIONS,
     default_block_v,
@@ -193,18 +195,21 @@ def chunkwise(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """Chunkwise retention in one fused pass; see the module docstring for the options."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V):
-        return recurrent(q=q, k=k, v=v, g=g, scale=scale, state=state, return_state=return_state)
+        return recurrent(q=q, k=k, v=v, g=g, scale=scale, state=state, return_state=return_state,
+                         await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
     grid = (triton.cdiv(V, BV), B * H)
+    await_checks()
     _chunkwise_kernel[grid](
         q, k, v, g, o, state[0] if state is not None else None, final,
         T, H, K, V, scale,
@@ -227,6 +232,7 @@ def recurrent(
     return_state: bool,
     block_v: int | None = None,
     num_warps: int = 4,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     """Token-by-token retention with the fp32 state in registers."""
     B, T, H, K = q.shape
@@ -236,6 +242,7 @@ def recurrent(
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
     grid = (triton.cdiv(V, BV), B * H)
+    await_checks()
     _recurrent_kernel[grid](
         q, k, v, g, o, state[0] if state is not None else None, final,
         T, H, K, V, scale,

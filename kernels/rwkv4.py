@@ -43,11 +43,13 @@ walk the time axis in order):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size
+from attnlab.kernels._util import block_size, no_pending_checks
 
 __all__ = ["recurrent", "chunkwise", "OPTIONS"]
 
@@ -241,7 +243,7 @@ def _launch(
     kernel: triton.JITFunction,
     w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     state: tuple[torch.Tensor, ...] | None, return_state: bool,
-    block_c: int, num_warps: int, **meta: int,
+    block_c: int, num_warps: int, await_checks: Callable[[], None], **meta: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     B, T, C = k.shape
     o = torch.empty_like(v)
@@ -251,6 +253,7 @@ def _launch(
     a_out, b_out, p_out = final if final is not None else (o, o, o)
     block_c = min(block_c, block_size(C))
     grid = (B, triton.cdiv(C, block_c))
+    await_checks()
     kernel[grid](
         w, u, k, v, o, a_in, b_in, p_in, a_out, b_out, p_out, T, C,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
@@ -265,10 +268,12 @@ def recurrent(
     block_c: int = OPTIONS["recurrent"]["block_c"][0],
     num_warps: int = OPTIONS["recurrent"]["num_warps"][0],
     num_stages: int = OPTIONS["recurrent"]["num_stages"][0],
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """RWKV-4 WKV one token at a time (the running-maximum loop); returns (o, (a, b, p) or None)."""
     return _launch(
-        _rwkv4_recurrent_kernel, w, u, k, v, state, return_state, block_c, num_warps, NUM_STAGES=num_stages
+        _rwkv4_recurrent_kernel, w, u, k, v, state, return_state, block_c, num_warps, await_checks,
+        NUM_STAGES=num_stages,
     )
 
 
@@ -279,6 +284,7 @@ def chunkwise(
     block_c: int = OPTIONS["chunkwise"]["block_c"][0],
     num_warps: int = OPTIONS["chunkwise"]["num_warps"][0],
     num_stages: int = OPTIONS["chunkwise"]["num_stages"][0],
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """RWKV-4 WKV by chunks of ``chunk_size`` tokens (log-sum-exp inside, state between).
 
@@ -287,6 +293,6 @@ def chunkwise(
     if chunk_size not in OPTIONS["chunkwise"]["chunk_size"][1]:
         raise ValueError(f"chunk_size must be one of {OPTIONS['chunkwise']['chunk_size'][1]}; got {chunk_size!r}")
     return _launch(
-        _rwkv4_chunkwise_kernel, w, u, k, v, state, return_state, block_c, num_warps,
+        _rwkv4_chunkwise_kernel, w, u, k, v, state, return_state, block_c, num_warps, await_checks,
         CHUNK=chunk_size, NUM_STAGES=num_stages,
     )

@@ -91,12 +91,13 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size
+from attnlab.kernels._util import block_size, no_pending_checks
 
 LOG2E = math.log2(math.e)
 # With 16-bit inputs P is computed as exp2(s - m + 15) = 2^15 P: at most 32768, inside fp16's range (max 65504).
@@ -134,6 +135,9 @@ _DEFAULT_CONFIGS = {
 # peak pass took 0.043 ms at 128 rows, 0.055 at 64, 0.089 at 32; the conversion 0.064 at each), fewer rows for
 # wider heads so that a tile stays at 128 fp32 registers per thread on 4 warps.
 V_CONVERT_TILE_ELEMENTS = 128 * 128
+# Tiles per program of the peak pass, each program ending with one atomic maximum per column. H200, bench
+# shape: 0.043 ms at 1 tile, 0.041 at 2, 0.046 at 4 and 8 (.ci/gpu_configs.py, constants V_PEAK_TILES).
+V_PEAK_TILES = 2
 
 
 def _v_convert_rows(V: int) -> int:
@@ -189,14 +193,14 @@ def _v_column_scale(peak, INVERSE: tl.constexpr):
 # Precision "fp16"'s operand, made once per call: for each (batch, head, value column)
 #     s = 2^(13 - floor(log2 max_t |v_t|)),   v16_t = fp16(v_t * s)   (exact for bf16 v),
 # and 1/s, which the attention kernel applies to its output. Two launches over [BLOCK_T, V] tiles, each
-# parallel over T: the column peaks (an atomic maximum per tile), then the conversion.
+# parallel over T: the column peaks (an atomic maximum per V_PEAK_TILES tiles), then the conversion.
 @triton.jit
-def _v_tile(v_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(offsets, mask, tile in fp32) of the program's [BLOCK_T, V] tile of v; grid (T blocks, B*H)."""
+def _v_tile(v_ptr, first_row, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(offsets, mask, tile in fp32) of the [BLOCK_T, V] tile of v from first_row, head program_id(1)."""
     pid_bh = tl.program_id(1)
     batch = (pid_bh // H).to(tl.int64)
     head = pid_bh % H
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_t = first_row + tl.arange(0, BLOCK_T)
     offs_v = tl.arange(0, BLOCK_V)
     offsets = batch * T * H * V + head * V + offs_t[:, None] * (H * V) + offs_v[None, :]
     mask = (offs_t < T)[:, None] & (offs_v < V)[None, :]
@@ -204,14 +208,19 @@ def _v_tile(v_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _v_peak_kernel(v_ptr, peak_bits_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    """peak_bits[bh, c] = max over the tile's rows of the bit pattern of |v[b, t, h, c]| (zero-initialised).
+def _v_peak_kernel(v_ptr, peak_bits_ptr, T, H, V, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+                   TILES: tl.constexpr):
+    """peak_bits[bh, c] = max over the program's TILES tiles of the bit pattern of |v[b, t, h, c]|
+    (zero-initialised; one atomic maximum per program).
 
     Bit patterns of non-negative floats order as their values, and a NaN's lies above inf's, so a column
     holding a NaN keeps a non-finite peak (a float maximum may drop NaNs)."""
-    _, _, tile = _v_tile(v_ptr, T, H, V, BLOCK_T, BLOCK_V)
     offs_v = tl.arange(0, BLOCK_V)
-    largest = tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0)
+    largest = tl.zeros([BLOCK_V], tl.int32)
+    for tile_index in range(TILES):
+        first_row = (tl.program_id(0) * TILES + tile_index) * BLOCK_T
+        _, _, tile = _v_tile(v_ptr, first_row, T, H, V, BLOCK_T, BLOCK_V)
+        largest = tl.maximum(largest, tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0))
     tl.atomic_max(peak_bits_ptr + tl.program_id(1) * V + offs_v, largest, mask=offs_v < V)
 
 
@@ -220,7 +229,7 @@ def _v_to_fp16_kernel(v_ptr, peak_bits_ptr, v16_ptr, inverse_ptr, T, H, V,
                       BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     """v16 = fp16(v * s) for one [BLOCK_T, V] tile, s from the column peaks; the first tile of each head
     also writes 1/s."""
-    offsets, mask, tile = _v_tile(v_ptr, T, H, V, BLOCK_T, BLOCK_V)
+    offsets, mask, tile = _v_tile(v_ptr, tl.program_id(0) * BLOCK_T, T, H, V, BLOCK_T, BLOCK_V)
     offs_v = tl.arange(0, BLOCK_V)
     column_ok = offs_v < V
     peaks = peak_bits_ptr + tl.program_id(1) * V + offs_v
@@ -362,9 +371,9 @@ def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     v16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)
     inverse = torch.empty((B * H, V), dtype=torch.float32, device=v.device)
     tile = dict(BLOCK_T=_v_convert_rows(V), BLOCK_V=block_size(V), num_warps=4)
-    grid = (triton.cdiv(T, tile["BLOCK_T"]), B * H)
-    _v_peak_kernel[grid](v, peak_bits, T, H, V, **tile)
-    _v_to_fp16_kernel[grid](v, peak_bits, v16, inverse, T, H, V, **tile)
+    tiles = triton.cdiv(T, tile["BLOCK_T"])
+    _v_peak_kernel[(triton.cdiv(tiles, V_PEAK_TILES), B * H)](v, peak_bits, T, H, V, TILES=V_PEAK_TILES, **tile)
+    _v_to_fp16_kernel[(tiles, B * H)](v, peak_bits, v16, inverse, T, H, V, **tile)
     return v16, inverse
 
 
@@ -392,6 +401,7 @@ def chunkwise(
     num_stages: int | None = None,
     precision: str = "auto",
     tma: bool = True,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
     """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None)."""
     B, T, H, K = q.shape
@@ -400,6 +410,7 @@ def chunkwise(
     block_m, chunk_size, num_warps, num_stages = _launch_config(
         q.element_size(), max(BLOCK_K, BLOCK_V), block_m, chunk_size, num_warps, num_stages
     )
+    await_checks()
     if scale < 0:
         # Negating q is exact; it keeps qk_scale >= 0, which the unmasked step relies on.
         q, scale = -q, -scale

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.kernels import _gated
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.properties.traits import is_log_gate
+from attnlab.validation import ValueScan
 
 EXCESS_BOUND = {torch.float16: 2.0, torch.bfloat16: 1.5, torch.float32: 4.0}
 # The final state is kept in fp32 by every kernel, but it is built from
@@ -57,6 +59,51 @@ def test_kernel_matches_oracle_cpu(name, form, dtype):
     if torch.cuda.is_available():
         pytest.skip("the interpreter tests run where there is no GPU")
     _check(name, form, dtype, "cpu", T=37, K=16, V=24)
+
+
+@pytest.mark.parametrize("name,form", CASES)
+def test_kernel_reads_its_value_checks_before_its_first_launch_cpu(name, form, monkeypatch):
+    """attnlab.kernel queues the range checks and the kernel module waits for them (the one sync) after
+    its host-side preparation: the wait must come before any Triton launch, so a bad gate never runs."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter tests run where there is no GPU")
+    launches: list[str] = []
+    launches_at_wait: list[int] = []
+    launcher = type(_gated._recurrent_kernel)  # the interpreter's kernel class
+    run, wait = launcher.run, ValueScan.wait
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    def recorded_wait(self):
+        launches_at_wait.append(len(launches))
+        return wait(self)
+
+    monkeypatch.setattr(launcher, "run", counted_run)
+    monkeypatch.setattr(ValueScan, "wait", recorded_wait)
+    attnlab.kernel(name, form)(**_inputs(name, torch.float32, "cpu", T=5, K=16, V=16, H=1))
+    assert launches_at_wait[:1] == [0] and launches, (launches_at_wait, launches)
+
+
+RANGED_CASES = [(name, form, a.name) for name, form in CASES for a in attnlab.formulation(name).args
+                if a.low is not None or a.high is not None]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,form,arg", RANGED_CASES)
+def test_kernel_refuses_an_out_of_range_value_gpu(name, form, arg):
+    """On the GPU the value checks are queued and read just before the first launch (one sync): one bad
+    element, in the last row of a long input, still raises the ValueError naming the argument."""
+    x = _inputs(name, torch.bfloat16, "cuda", T=1000, K=64, V=64, H=2, B=1)
+    spec = next(a for a in attnlab.formulation(name).args if a.name == arg)
+    bad = x[arg].clone()
+    bad.view(-1)[-1] = spec.high + 1.0 if spec.high is not None else spec.low - 1.0
+    with pytest.raises(ValueError, match=rf"^{arg} must be"):
+        attnlab.kernel(name, form)(**{**x, arg: bad})
+    bad.view(-1)[-1] = float("nan")
+    with pytest.raises(ValueError, match=rf"^{arg} must be finite"):
+        attnlab.kernel(name, form)(**{**x, arg: bad})
 
 
 @pytest.mark.parametrize("name,form", [c for c in CASES if attnlab.formulation(c[0]).state is not None])

@@ -40,6 +40,7 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
+from attnlab.kernels import softmax as softmax_kernels
 from attnlab.kernels.softmax import (
     OPTIONS, _launch_config, _tma_fits, _v_column_scale, _v_convert_rows, _v_to_fp16,
 )
@@ -144,7 +145,10 @@ def test_v_column_scale():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_v_to_fp16_is_exact(dtype):
+@pytest.mark.parametrize("peak_tiles", [1, 2, 4])
+def test_v_to_fp16_is_exact(dtype, peak_tiles, monkeypatch):
+    """Three row tiles (the last partial): one peak program each, two programs (the second partial), or one."""
+    monkeypatch.setattr(softmax_kernels, "V_PEAK_TILES", peak_tiles)
     B, H, V = 2, 3, 40
     T = 2 * _v_convert_rows(V) + 5
     gen = torch.Generator().manual_seed(0)
