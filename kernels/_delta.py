@@ -25,7 +25,10 @@ own size even when |G| reaches C * 20 inside a chunk.
 Three launches, so that only two dots per chunk stay in the sequential part:
 
 - ``_chunk_prepare_kernel`` (one program per chunk and head, all parallel):
-  T in fp32, then W and U, written to memory.
+  T in fp32, then W and U, written to memory with the chunk-local
+  cumulative gates (G_hi, G_lo), so that the other two passes load G
+  instead of repeating its scan (on the H200 the scan and the reductions
+  for G_C cost the sequential state pass 8 barriers a chunk).
 - ``_chunk_state_kernel`` (one program per head and block of V columns, the
   chunks in order): Delta = U - W S and the state update; writes each
   chunk's incoming state S and its Delta.
@@ -43,11 +46,15 @@ this way.
 
 - "mixed" (default for bf16 inputs): W and S fp16 scaled (one fp16 dot for
   W S and Q S, S stored in 16 bits), U and Delta fp32, the score block times
-  Delta on fp16 hi/lo parts (x = hi + lo to ~2^-22: three dots). Emulated
-  at K = V = 128, T = 64..4096: bf16 excess <= 1.03 on the registry's inputs,
-  1.00 on the ill-conditioned regression (beta = 2,
-  nearly parallel keys), where rounding U or the score block to fp16 costs
-  1.5: their errors are amplified by the UT inverse's conditioning.
+  Delta on bf16 hi/lo parts (x = hi + lo to 2^-16, three dots accumulated
+  into O; bf16 keeps fp32's range, so no scale and no peak reduction: the
+  fp16 hi/lo parts it replaces cost the output pass a row and a column
+  reduction, 0.402 -> 0.325 ms on the H200, gated, at the bench shape).
+  Emulated at K = V = 128, T = 64..4096: bf16 excess <= 1.03 on the
+  registry's inputs; on the ill-conditioned regression (beta = 2, nearly
+  parallel keys; fp16 inputs) 1.01 against the fp16 floor (tests), where
+  rounding U or the score block to fp16 costs 1.5: their errors are
+  amplified by the UT inverse's conditioning.
 - "fp16" (SPEED_OPTIONS): W, U, S, Delta all fp16 scaled and W S, Q S and
   the score block times Delta one fp16 dot each: half the intermediate
   bytes, bf16 excess <= 1.04 on the registry's inputs but 1.5 on the
@@ -74,7 +81,7 @@ inverted by substitution on one [C/16, 16, 16] tile, the K K^T accumulator
 reshaped, so that each step's reductions stay inside a warp (masked [C, C]
 tiles cost ~4x the instructions per step and 3 barriers); then log2(C/16)
 merge levels of two dots each on the full tile, tf32x3 written out
-(``_merge_dot``: tl.dot's split, but accumulated on the tensor cores and
+(``_mm_into``: tl.dot's split, but accumulated on the tensor cores and
 without its NaN clean-up of the small products). On the H200 (B=8, T=4096,
 H=16, K=V=128, bf16) this took the prepare pass from 0.66 to 0.42 ms
 (deltanet) and 0.71 to 0.47 ms (gated); 8-blocks with 3 levels took 0.46 /
@@ -276,6 +283,12 @@ def _chunk_cumulative_gate(g_ptr, token, valid):
 
 
 @triton.jit
+def _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid):
+    """The chunk's (G_hi, G_lo), as the prepare pass stored them at rows ``row`` (0 past the sequence end)."""
+    return (tl.load(gate_hi_ptr + row, mask=valid, other=0.0), tl.load(gate_lo_ptr + row, mask=valid, other=0.0))
+
+
+@triton.jit
 def _gate_difference(G_hi, G_lo, other_hi, other_lo):
     """G - other from two (hi, lo) pairs, clamped to <= 0 (the exact value is, since g <= 0)."""
     return tl.minimum((G_hi - other_hi) + (G_lo - other_lo), 0.0)
@@ -301,22 +314,42 @@ def _tf32_parts(x):
 
 
 @triton.jit
-def _merge_dot(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """acc + a @ b for fp32 tiles a, b, acc: tl.dot's tf32x3 written out, else _mm at PRECISION.
+def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b, the products accumulated into acc by the tensor cores wherever no scale is to be undone.
 
-    Written out, the tf32x3 products accumulate into acc on the tensor cores
-    (no separate addition) and skip tl.dot's NaN clean-up of the small
-    products (only an infinite input needs it); the split is the same (hi
-    rounded to tf32, lo the exact rest, truncated to tf32 by the tensor cores).
+    "tf32x3" is tl.dot's written out: the same split (hi rounded to tf32, lo
+    the exact rest, truncated to tf32 by the tensor cores), accumulated into
+    acc and without tl.dot's NaN clean-up of the small products (only an
+    infinite input needs it). The fp16-scaled precisions multiply their
+    product by the scales, so they add it to acc afterwards (_mm).
     """
-    if PRECISION == "tf32x3":
-        a_hi, a_lo = _tf32_parts(a)
-        b_hi, b_lo = _tf32_parts(b)
+    if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
+        acc = tl.dot(a, b, acc)
+    elif PRECISION == "tf32x3":
+        a_hi, a_lo = _tf32_parts(a.to(tl.float32))
+        b_hi, b_lo = _tf32_parts(b.to(tl.float32))
         acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
         acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    else:
+    elif PRECISION == "split":
+        if tl.constexpr(a.dtype == tl.bfloat16):
+            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
+            acc = tl.dot(a, b_lo, acc)
+            acc = tl.dot(a, b_hi, acc)
+        elif tl.constexpr(b.dtype == tl.bfloat16):
+            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
+            acc = tl.dot(a_lo, b, acc)
+            acc = tl.dot(a_hi, b, acc)
+        else:
+            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
+            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
+            acc = tl.dot(a_hi, b_lo, acc)
+            acc = tl.dot(a_lo, b_hi, acc)
+            acc = tl.dot(a_hi, b_hi, acc)
+    elif PRECISION == "fp16" or PRECISION == "fp16x3":
         acc += _mm(a, b, PRECISION, EMULATE_BF16)
+    else:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
     return acc
 
 
@@ -355,14 +388,14 @@ def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl
     for level in tl.static_range(LEVELS):
         half = SIZE << level
         lower_left = ((rows // (2 * half)) == (cols // (2 * half))) & ((rows // half) % 2 == 1) & ((cols // half) % 2 == 0)
-        X = _merge_dot(X, _merge_dot(tl.where(lower_left, -L, 0.0), X, zero, PRECISION, EMULATE_BF16), X,
-                       PRECISION, EMULATE_BF16)
+        X = _mm_into(X, _mm_into(tl.where(lower_left, -L, 0.0), X, zero, PRECISION, EMULATE_BF16), X,
+                     PRECISION, EMULATE_BF16)
     return X
 
 
 @triton.jit
 def _chunk_prepare_kernel(
-    k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr,
+    k_ptr, v_ptr, beta_ptr, g_ptr, gate_hi_ptr, gate_lo_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr,
     T, H, K, V,
     GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr,
     PRECISION: tl.constexpr, PRODUCT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
@@ -377,7 +410,7 @@ def _chunk_prepare_kernel(
                              scales in u_inverse [B*H, NT, V]), else fp32
 
     W and U are dots at PRODUCT_PRECISION, exp(G) going into T's columns so
-    that K stays an exact input tile. Grid (NT, B*H). Rows past the sequence end load k = beta = g = 0, so their
+    that K stays an exact input tile. G_hi, G_lo -> gate_hi, gate_lo [B*H, T] (GATED). Grid (NT, B*H). Rows past the sequence end load k = beta = g = 0, so their
     rows and columns of T are 0; they are not stored.
     """
     chunk = tl.program_id(0)
@@ -394,13 +427,15 @@ def _chunk_prepare_kernel(
     rows = tl.arange(0, BC)[:, None]
     cols = tl.arange(0, BC)[None, :]
     L = beta[:, None] * _mm(k, tl.trans(k), PRECISION, EMULATE_BF16)
+    row = bh.to(tl.int64) * T + pos  # the chunk's rows of w, u and the gates
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
+        tl.store(gate_hi_ptr + row, G_hi, mask=valid)
+        tl.store(gate_lo_ptr + row, G_lo, mask=valid)
         L = L * _pairwise_decay(G_hi, G_lo, BC)
     L = tl.where(rows > cols, L, 0.0)
     ut = _unit_lower_inverse(L, BC, LEVELS, PRECISION, EMULATE_BF16) * beta[None, :]
 
-    row = bh.to(tl.int64) * T + pos  # the chunk's rows of w and u
     if GATED:
         w = _mm(ut * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[None, :], k, PRODUCT_PRECISION, EMULATE_BF16)
     else:
@@ -427,7 +462,7 @@ def _chunk_prepare_kernel(
 
 @triton.jit
 def _chunk_state_kernel(
-    k_ptr, g_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr, s0_ptr,
+    k_ptr, gate_hi_ptr, gate_lo_ptr, w_ptr, w_inverse_ptr, u_ptr, u_inverse_ptr, s0_ptr,
     h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, s_out_ptr,
     T, H, K, V,
     GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -490,12 +525,12 @@ def _chunk_state_kernel(
 
         k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
         if GATED:
-            G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
-            last = tl.arange(0, BC) == BC - 1
-            G_end_hi, G_end_lo = tl.sum(tl.where(last, G_hi, 0.0), axis=0), tl.sum(tl.where(last, G_lo, 0.0), axis=0)
+            G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
+            last = bh.to(tl.int64) * T + tl.minimum(chunk * BC + BC, T) - 1
+            G_end_hi, G_end_lo = tl.load(gate_hi_ptr + last), tl.load(gate_lo_ptr + last)
             delta = delta * tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))[:, None]  # exp(G_C - G_t)
             S = S * tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0))
-        S += _mm(tl.trans(k), delta, UPDATE_PRECISION, EMULATE_BF16)
+        S = _mm_into(tl.trans(k), delta, S, UPDATE_PRECISION, EMULATE_BF16)
 
     if STORE_FINAL:
         tl.store(s_out_ptr + state_offsets, S, mask=state_mask)
@@ -506,7 +541,7 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _chunk_output_kernel(
-    q_ptr, k_ptr, g_ptr, h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, o_ptr,
+    q_ptr, k_ptr, gate_hi_ptr, gate_lo_ptr, h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, o_ptr,
     T, H, K, V, scale,
     GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, STATE16: tl.constexpr, VALUE16: tl.constexpr,
@@ -538,7 +573,7 @@ def _chunk_output_kernel(
     cols = tl.arange(0, BC)[None, :]
     scores = scale * _mm(q, tl.trans(k), PRECISION, EMULATE_BF16)
     if GATED:
-        G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
+        G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
         scores = scores * _pairwise_decay(G_hi, G_lo, BC)
     else:
         scores = tl.where(rows >= cols, scores, 0.0)
@@ -559,7 +594,7 @@ def _chunk_output_kernel(
         d_inverse = tl.load(d_inverse_ptr + per_chunk, mask=v_in, other=1.0)
         o += tl.dot(scores16, delta) * scores_inverse[:, None] * d_inverse[None, :]
     else:
-        o += _mm(scores, delta, PRECISION, EMULATE_BF16)
+        o = _mm_into(scores, delta, o, PRECISION, EMULATE_BF16)
     tl.store(o_ptr + token[:, None] * V + vcol[None, :], o.to(o_ptr.dtype.element_ty), mask=v_mask)
 
 
@@ -655,7 +690,7 @@ def chunkwise(
     resolved = _resolve_precision(precision, q.dtype)
     state16 = resolved in ("mixed", "fp16")  # W and S in fp16
     value16 = resolved == "fp16"  # U and Delta in fp16
-    dot_precision = {"mixed": "fp16x3"}.get(resolved, resolved)
+    dot_precision = {"mixed": "split"}.get(resolved, resolved)
     # K^T Delta in the state pass: bf16 hi/lo Delta (2^-16) against the exact input K, two dots.
     update_precision = "split" if state16 else resolved
     prepare_precision = PREPARE_PRECISION_16 if state16 else resolved
@@ -679,15 +714,17 @@ def chunkwise(
     w_inverse = buffer(B * H, T if state16 else 1, low=False)
     h_inverse = buffer(B * H, n_chunks if state16 else 1, V, low=False)
     u_inverse, d_inverse = (buffer(B * H, n_chunks if value16 else 1, V, low=False) for _ in range(2))
+    # The chunk-local cumulative gates (G_hi, G_lo), computed once by the prepare pass for the other two.
+    gate_hi, gate_lo = (buffer(B * H, T if gated else 1, low=False) for _ in range(2))
     await_checks()
     _chunk_prepare_kernel[(n_chunks, B * H)](
-        k, v, beta, g_arg, w, w_inverse, u, u_inverse, T, H, K, V,
+        k, v, beta, g_arg, gate_hi, gate_lo, w, w_inverse, u, u_inverse, T, H, K, V,
         GATED=gated, BC=BC, BK=BK, BV=min(64, block_size(V)), LEVELS=int(math.log2(BC // SUB.value)),
         PRECISION=prepare_precision, PRODUCT_PRECISION=product_precision, num_warps=num_warps, **modes,
     )
     initial = state[0] if state is not None else None
     _chunk_state_kernel[(triton.cdiv(V, BV), B * H)](
-        k, g_arg, w, w_inverse, u, u_inverse, w if initial is None else initial,
+        k, gate_hi, gate_lo, w, w_inverse, u, u_inverse, w if initial is None else initial,
         h, h_inverse, d, d_inverse, w if final is None else final, T, H, K, V,
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
         BC=BC, BK=BK, BV=BV, PRECISION=dot_precision, UPDATE_PRECISION=update_precision,
@@ -695,7 +732,7 @@ def chunkwise(
     )
     output_block_v = _output_block_v(V, block_v)
     _chunk_output_kernel[(n_chunks, B * H, triton.cdiv(V, output_block_v))](
-        q, k, g_arg, h, h_inverse, d, d_inverse, o, T, H, K, V, float(scale),
+        q, k, gate_hi, gate_lo, h, h_inverse, d, d_inverse, o, T, H, K, V, float(scale),
         GATED=gated, BC=BC, BK=BK, BV=output_block_v, PRECISION=dot_precision, num_warps=num_warps, **modes,
     )
     return o, ((final,) if return_state else None)
