@@ -470,28 +470,33 @@ def _chunk_state_kernel(
     PRECISION: tl.constexpr, UPDATE_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, STATE16: tl.constexpr,
     VALUE16: tl.constexpr,
 ):
-    """The chunks of one head in order, for V columns [BV * pid0, BV * (pid0 + 1)). Per chunk:
+    """The chunks of one head in order, for V columns [BV * pid0, BV * (pid0 + 1)), on the transposed
+    state S^T [BV, K]. Per chunk:
 
-      h     <- S (the state entering the chunk)
-      Delta  = U - W S                                    -> d
-      S     <- exp(G_C) S + K^T (exp(G_C - G) * Delta)
+      h       <- S^T (the state entering the chunk)
+      Delta^T  = U^T - S^T W^T                                      -> d (as Delta)
+      S^T     <- exp(G_C) S^T + (exp(G_C - G) * Delta)^T K
 
-    With STATE16, S enters W S (and h) fp16 scaled per column (inverse scales
-    in h_inverse [B*H, NT, V]); with VALUE16, Delta is stored the same way (d_inverse),
-    else in fp32. K^T Delta is done at UPDATE_PRECISION. Grid (cdiv(V, BV), B*H).
+    Transposed, every per-V-column quantity is a row of a tile: the fp16 scale of S's columns is a row
+    maximum, inside a quad of threads (S [K, BV] needed a column maximum across the 4 warps, through
+    shared memory and a barrier, every chunk), and S^T and Delta^T enter their products as the first
+    operand, straight from registers. With STATE16, S^T enters S^T W^T (and h) fp16 scaled per row
+    (inverse scales in h_inverse [B*H, NT, V]); with VALUE16, Delta is stored the same way (d_inverse),
+    else in fp32. Delta^T K is done at UPDATE_PRECISION. h is [B*H, NT, V, K]. Grid (cdiv(V, BV), B*H).
     """
     vblock = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     kcol = tl.arange(0, BK)
-    vcol = vblock * BV + tl.arange(0, BV)
-    k_in, v_in = kcol < K, vcol < V
-    state_offsets = bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :]
-    state_mask = k_in[:, None] & v_in[None, :]
+    vrow = vblock * BV + tl.arange(0, BV)
+    k_in, v_in = kcol < K, vrow < V
+    state_mask = v_in[:, None] & k_in[None, :]
+    # S^T [BV, K] as S [B, H, K, V] is laid out: entry (v, k) at k * V + v.
+    state_offsets = bh.to(tl.int64) * K * V + kcol[None, :] * V + vrow[:, None]
     if HAS_INITIAL:
         S = tl.load(s0_ptr + state_offsets, mask=state_mask, other=0.0)
     else:
-        S = tl.zeros([BK, BV], dtype=tl.float32)
+        S = tl.zeros([BV, BK], dtype=tl.float32)
 
     n_chunks = tl.cdiv(T, BC)
     for chunk in range(0, n_chunks):
@@ -500,37 +505,38 @@ def _chunk_state_kernel(
         token = (b * T + pos).to(tl.int64) * H + h
         row = bh.to(tl.int64) * T + pos
         k_mask = valid[:, None] & k_in[None, :]
-        v_mask = valid[:, None] & v_in[None, :]
-        per_chunk = (bh.to(tl.int64) * n_chunks + chunk) * V + vcol  # h_inverse, u_inverse, d_inverse
-        h_offsets = (bh.to(tl.int64) * n_chunks + chunk) * K * V + kcol[:, None] * V + vcol[None, :]
+        vt_mask = v_in[:, None] & valid[None, :]
+        per_chunk = (bh.to(tl.int64) * n_chunks + chunk) * V + vrow  # h_inverse, u_inverse, d_inverse
+        h_offsets = (bh.to(tl.int64) * n_chunks + chunk) * V * K + vrow[:, None] * K + kcol[None, :]
+        vt_offsets = row[None, :] * V + vrow[:, None]  # [BV, BC] tiles of u and d, transposed
         w = tl.load(w_ptr + row[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
-        u = tl.load(u_ptr + row[:, None] * V + vcol[None, :], mask=v_mask, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + vt_offsets, mask=vt_mask, other=0.0).to(tl.float32)
         if VALUE16:
-            u = u * tl.load(u_inverse_ptr + per_chunk, mask=v_in, other=1.0)[None, :]
+            u = u * tl.load(u_inverse_ptr + per_chunk, mask=v_in, other=1.0)[:, None]
         if STATE16:
-            S16, s_inverse = _fp16_scaled(S, False)
+            S16, s_inverse = _fp16_scaled(S, True)
             tl.store(h_ptr + h_offsets, S16, mask=state_mask)
             tl.store(h_inverse_ptr + per_chunk, s_inverse, mask=v_in)
             w_inverse = tl.load(w_inverse_ptr + row, mask=valid, other=1.0)
-            delta = u - tl.dot(w, S16) * w_inverse[:, None] * s_inverse[None, :]
+            delta = u - tl.dot(S16, tl.trans(w)) * s_inverse[:, None] * w_inverse[None, :]
         else:
             tl.store(h_ptr + h_offsets, S, mask=state_mask)
-            delta = u - _mm(w, S, PRECISION, EMULATE_BF16)
+            delta = u - _mm(S, tl.trans(w), PRECISION, EMULATE_BF16)
         if VALUE16:
-            d16, d_inverse = _fp16_scaled(delta, False)
-            tl.store(d_ptr + row[:, None] * V + vcol[None, :], d16, mask=v_mask)
+            d16, d_inverse = _fp16_scaled(delta, True)
+            tl.store(d_ptr + vt_offsets, d16, mask=vt_mask)
             tl.store(d_inverse_ptr + per_chunk, d_inverse, mask=v_in)
         else:
-            tl.store(d_ptr + row[:, None] * V + vcol[None, :], delta, mask=v_mask)
+            tl.store(d_ptr + vt_offsets, delta, mask=vt_mask)
 
         k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
         if GATED:
             G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
             last = bh.to(tl.int64) * T + tl.minimum(chunk * BC + BC, T) - 1
             G_end_hi, G_end_lo = tl.load(gate_hi_ptr + last), tl.load(gate_lo_ptr + last)
-            delta = delta * tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))[:, None]  # exp(G_C - G_t)
+            delta = delta * tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))[None, :]  # exp(G_C - G_t)
             S = S * tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0))
-        S = _mm_into(tl.trans(k), delta, S, UPDATE_PRECISION, EMULATE_BF16)
+        S = _mm_into(delta, k, S, UPDATE_PRECISION, EMULATE_BF16)
 
     if STORE_FINAL:
         tl.store(s_out_ptr + state_offsets, S, mask=state_mask)
@@ -565,7 +571,7 @@ def _chunk_output_kernel(
     k_mask = valid[:, None] & k_in[None, :]
     v_mask = valid[:, None] & v_in[None, :]
     per_chunk = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V + vcol
-    h_offsets = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K * V + kcol[:, None] * V + vcol[None, :]
+    h_offsets = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V * K + vcol[None, :] * K + kcol[:, None]  # h^T
 
     q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
     k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
@@ -709,7 +715,7 @@ def chunkwise(
         return torch.empty(shape, dtype=torch.float16 if low else torch.float32, device=q.device)
 
     w, u = buffer(B * H, T, K, low=state16), buffer(B * H, T, V, low=value16)
-    h, d = buffer(B * H, n_chunks, K, V, low=state16), buffer(B * H, T, V, low=value16)
+    h, d = buffer(B * H, n_chunks, V, K, low=state16), buffer(B * H, T, V, low=value16)  # h: each chunk's S^T
     # Inverse scales of the fp16 tiles (allocated small and unused in the fp32 modes).
     w_inverse = buffer(B * H, T if state16 else 1, low=False)
     h_inverse = buffer(B * H, n_chunks if state16 else 1, V, low=False)
