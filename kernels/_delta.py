@@ -509,15 +509,23 @@ def _chunk_state_kernel(
         per_chunk = (bh.to(tl.int64) * n_chunks + chunk) * V + vrow  # h_inverse, u_inverse, d_inverse
         h_offsets = (bh.to(tl.int64) * n_chunks + chunk) * V * K + vrow[:, None] * K + kcol[None, :]
         vt_offsets = row[None, :] * V + vrow[:, None]  # [BV, BC] tiles of u and d, transposed
+        # Every load of the chunk first, so that their latencies overlap one another and the products.
         w = tl.load(w_ptr + row[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
+        k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
         u = tl.load(u_ptr + vt_offsets, mask=vt_mask, other=0.0).to(tl.float32)
         if VALUE16:
             u = u * tl.load(u_inverse_ptr + per_chunk, mask=v_in, other=1.0)[:, None]
+        if GATED:
+            G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
+            last = bh.to(tl.int64) * T + tl.minimum(chunk * BC + BC, T) - 1
+            G_end_hi, G_end_lo = tl.load(gate_hi_ptr + last), tl.load(gate_lo_ptr + last)
+            delta_decay = tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))  # exp(G_C - G_t)
+            state_decay = tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0))  # exp(G_C)
         if STATE16:
+            w_inverse = tl.load(w_inverse_ptr + row, mask=valid, other=1.0)
             S16, s_inverse = _fp16_scaled(S, True)
             tl.store(h_ptr + h_offsets, S16, mask=state_mask)
             tl.store(h_inverse_ptr + per_chunk, s_inverse, mask=v_in)
-            w_inverse = tl.load(w_inverse_ptr + row, mask=valid, other=1.0)
             delta = u - tl.dot(S16, tl.trans(w)) * s_inverse[:, None] * w_inverse[None, :]
         else:
             tl.store(h_ptr + h_offsets, S, mask=state_mask)
@@ -529,13 +537,9 @@ def _chunk_state_kernel(
         else:
             tl.store(d_ptr + vt_offsets, delta, mask=vt_mask)
 
-        k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
         if GATED:
-            G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
-            last = bh.to(tl.int64) * T + tl.minimum(chunk * BC + BC, T) - 1
-            G_end_hi, G_end_lo = tl.load(gate_hi_ptr + last), tl.load(gate_lo_ptr + last)
-            delta = delta * tl.exp(_gate_difference(G_end_hi, G_end_lo, G_hi, G_lo))[None, :]  # exp(G_C - G_t)
-            S = S * tl.exp(tl.minimum(G_end_hi + G_end_lo, 0.0))
+            delta = delta * delta_decay[None, :]
+            S = S * state_decay
         S = _mm_into(delta, k, S, UPDATE_PRECISION, EMULATE_BF16)
 
     if STORE_FINAL:
