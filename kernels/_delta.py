@@ -126,6 +126,8 @@ CHUNKWISE_BLOCK_VS = (None, 64, 128)
 # took 0.49 ms against 0.77 at 8 (two programs resident per SM instead of one), the others unchanged.
 NUM_WARPS = (1, 2, 4, 8)
 NUM_STAGES = (1, 2, 3)
+# Columns of S, Delta and O the output pass holds at once (its V block is walked in slices of this many).
+OUTPUT_V_SLICE = 64
 # Diagonal blocks of T are inverted by substitution at this size, then merged by dots. On
 # [C/SUB, SUB, SUB] tiles a step costs under a tenth of a merge level in instructions; at C = 64 the sm_90
 # build (ptxas) has 3750 instructions and 18 barriers with 16 steps + 2 levels, 3940 and 22 with 8 + 3,
@@ -553,7 +555,7 @@ def _chunk_state_kernel(
 def _chunk_output_kernel(
     q_ptr, k_ptr, gate_hi_ptr, gate_lo_ptr, h_ptr, h_inverse_ptr, d_ptr, d_inverse_ptr, o_ptr,
     T, H, K, V, scale,
-    GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, V_SLICES: tl.constexpr,
     PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr, STATE16: tl.constexpr, VALUE16: tl.constexpr,
 ):
     """O = scale exp(G) * (Q S) + (scale Q K^T * Gamma * M) Delta for one chunk, head and V block.
@@ -570,42 +572,51 @@ def _chunk_output_kernel(
     token = (b * T + pos).to(tl.int64) * H + h
     row = bh.to(tl.int64) * T + pos
     kcol = tl.arange(0, BK)
-    vcol = vblock * BV + tl.arange(0, BV)
-    k_in, v_in = kcol < K, vcol < V
+    k_in = kcol < K
     k_mask = valid[:, None] & k_in[None, :]
-    v_mask = valid[:, None] & v_in[None, :]
-    per_chunk = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V + vcol
-    h_offsets = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V * K + vcol[None, :] * K + kcol[:, None]  # h^T
+    chunk_base = bh.to(tl.int64) * tl.num_programs(0) + chunk  # this chunk's index in [B*H, NT]
 
     q = tl.load(q_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
     k = tl.load(k_ptr + token[:, None] * K + kcol[None, :], mask=k_mask, other=0.0)
+    # scale exp(G_t), per row of O (exp(G) = 1 ungated): one factor for the Q S product's rows.
+    row_factor = tl.full([BC], scale, tl.float32)
+    if GATED:
+        G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
+        row_factor = row_factor * tl.exp(tl.minimum(G_hi + G_lo, 0.0))
     rows = tl.arange(0, BC)[:, None]
     cols = tl.arange(0, BC)[None, :]
     scores = scale * _mm(q, tl.trans(k), PRECISION, EMULATE_BF16)
     if GATED:
-        G_hi, G_lo = _chunk_gates(gate_hi_ptr, gate_lo_ptr, row, valid)
         scores = scores * _pairwise_decay(G_hi, G_lo, BC)
     else:
         scores = tl.where(rows >= cols, scores, 0.0)
 
-    S = tl.load(h_ptr + h_offsets, mask=k_in[:, None] & v_in[None, :], other=0.0)
     if STATE16:
         q16, q_inverse = _fp16_scaled(q, True)
-        s_inverse = tl.load(h_inverse_ptr + per_chunk, mask=v_in, other=1.0)
-        o = tl.dot(q16, S) * (scale * q_inverse)[:, None] * s_inverse[None, :]
-    else:
-        o = scale * _mm(q, S, PRECISION, EMULATE_BF16)
-    if GATED:
-        o = o * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
-
-    delta = tl.load(d_ptr + row[:, None] * V + vcol[None, :], mask=v_mask, other=0.0)
-    if VALUE16:
-        scores16, scores_inverse = _fp16_scaled(scores, True)
-        d_inverse = tl.load(d_inverse_ptr + per_chunk, mask=v_in, other=1.0)
-        o += tl.dot(scores16, delta) * scores_inverse[:, None] * d_inverse[None, :]
-    else:
-        o = _mm_into(scores, delta, o, PRECISION, EMULATE_BF16)
-    tl.store(o_ptr + token[:, None] * V + vcol[None, :], o.to(o_ptr.dtype.element_ty), mask=v_mask)
+        row_factor = row_factor * q_inverse
+    # The V block in slices of VS columns: Q K^T and its splits once per block, the [K, VS] and [BC, VS]
+    # tiles of S, Delta and O one slice at a time (at VS = BV = 128 the program held 255 registers and
+    # spilled).
+    VS: tl.constexpr = BV // V_SLICES
+    for slice_index in tl.static_range(V_SLICES):
+        scol = vblock * BV + slice_index * VS + tl.arange(0, VS)
+        s_in = scol < V
+        S = tl.load(h_ptr + chunk_base * V * K + scol[None, :] * K + kcol[:, None], mask=k_in[:, None] & s_in[None, :],
+                    other=0.0)  # h holds S^T
+        if STATE16:
+            s_inverse = tl.load(h_inverse_ptr + chunk_base * V + scol, mask=s_in, other=1.0)
+            o = tl.dot(q16, S) * row_factor[:, None] * s_inverse[None, :]
+        else:
+            o = _mm(q, S, PRECISION, EMULATE_BF16) * row_factor[:, None]
+        slice_mask = valid[:, None] & s_in[None, :]
+        delta = tl.load(d_ptr + row[:, None] * V + scol[None, :], mask=slice_mask, other=0.0)
+        if VALUE16:
+            scores16, scores_inverse = _fp16_scaled(scores, True)
+            d_inverse = tl.load(d_inverse_ptr + chunk_base * V + scol, mask=s_in, other=1.0)
+            o += tl.dot(scores16, delta) * scores_inverse[:, None] * d_inverse[None, :]
+        else:
+            o = _mm_into(scores, delta, o, PRECISION, EMULATE_BF16)
+        tl.store(o_ptr + token[:, None] * V + scol[None, :], o.to(o_ptr.dtype.element_ty), mask=slice_mask)
 
 
 # --------------------------------------------------------------------------- recurrent
@@ -743,7 +754,8 @@ def chunkwise(
     output_block_v = _output_block_v(V, block_v)
     _chunk_output_kernel[(n_chunks, B * H, triton.cdiv(V, output_block_v))](
         q, k, gate_hi, gate_lo, h, h_inverse, d, d_inverse, o, T, H, K, V, float(scale),
-        GATED=gated, BC=BC, BK=BK, BV=output_block_v, PRECISION=dot_precision, num_warps=num_warps, **modes,
+        GATED=gated, BC=BC, BK=BK, BV=output_block_v, V_SLICES=max(1, output_block_v // OUTPUT_V_SLICE),
+        PRECISION=dot_precision, num_warps=num_warps, **modes,
     )
     return o, ((final,) if return_state else None)
 
