@@ -220,42 +220,74 @@ def _fp16_scaled(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
+def _mm_fp16(a, b, PRECISION: tl.constexpr):
+    """a @ b for the fp16-scaled precisions: "fp16" rounds each side to fp16 scaled per row of a and
+    column of b (one dot); "fp16x3" multiplies fp16 scaled hi/lo parts (a 16-bit input side is exact
+    in fp16: two dots). The scales are undone on the fp32 product."""
+    SPLIT_A: tl.constexpr = PRECISION == "fp16x3" and a.dtype == tl.float32
+    SPLIT_B: tl.constexpr = PRECISION == "fp16x3" and b.dtype == tl.float32
+    a_hi, a_lo, a_inverse = _fp16_parts(a, True, SPLIT_A)
+    b_hi, b_lo, b_inverse = _fp16_parts(b, False, SPLIT_B)
+    out = tl.dot(a_hi, b_hi)
+    if SPLIT_B:
+        out = tl.dot(a_hi, b_lo, out)
+    if SPLIT_A:
+        out = tl.dot(a_lo, b_hi, out)
+    return out * a_inverse[:, None] * b_inverse[None, :]
+
+
+@triton.jit
+def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
 
     Two 16-bit tiles of one dtype go straight to the tensor cores (exact
     products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo parts
-    (a bf16 operand is its own hi part); "fp16" rounds each side to fp16
-    scaled per row of a and column of b (one dot); "fp16x3" multiplies fp16
-    scaled hi/lo parts (a 16-bit input side is exact in fp16: two dots);
-    anything else is tl.dot's input_precision.
+    (a bf16 operand is its own hi part); "tf32x3" is tl.dot's written out (the
+    same split: hi rounded to tf32, lo the exact rest, truncated to tf32 by the
+    tensor cores; without its NaN clean-up of the small products, which only an
+    infinite input needs); "fp16" and "fp16x3" are _mm_fp16's; anything else is
+    tl.dot's input_precision. Every product but the fp16-scaled ones (whose
+    scales are undone on their result) accumulates into acc on the tensor
+    cores: one fp32 tile of registers, where a sum of products held one a
+    product (the prepare pass's [C, K] W at 240-255 registers).
     """
     if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
-        out = tl.dot(a, b)
+        acc = tl.dot(a, b, acc)
+    elif PRECISION == "tf32x3":
+        a_hi, a_lo = _tf32_parts(a.to(tl.float32))
+        b_hi, b_lo = _tf32_parts(b.to(tl.float32))
+        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     elif PRECISION == "split":
         if tl.constexpr(a.dtype == tl.bfloat16):
             b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            out = tl.dot(a, b_hi) + tl.dot(a, b_lo)
+            acc = tl.dot(a, b_lo, acc)
+            acc = tl.dot(a, b_hi, acc)
         elif tl.constexpr(b.dtype == tl.bfloat16):
             a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
-            out = tl.dot(a_hi, b) + tl.dot(a_lo, b)
+            acc = tl.dot(a_lo, b, acc)
+            acc = tl.dot(a_hi, b, acc)
         else:
             a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
             b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            out = tl.dot(a_hi, b_hi) + (tl.dot(a_hi, b_lo) + tl.dot(a_lo, b_hi))
+            acc = tl.dot(a_hi, b_lo, acc)
+            acc = tl.dot(a_lo, b_hi, acc)
+            acc = tl.dot(a_hi, b_hi, acc)
     elif PRECISION == "fp16" or PRECISION == "fp16x3":
-        SPLIT_A: tl.constexpr = PRECISION == "fp16x3" and a.dtype == tl.float32
-        SPLIT_B: tl.constexpr = PRECISION == "fp16x3" and b.dtype == tl.float32
-        a_hi, a_lo, a_inverse = _fp16_parts(a, True, SPLIT_A)
-        b_hi, b_lo, b_inverse = _fp16_parts(b, False, SPLIT_B)
-        out = tl.dot(a_hi, b_hi)
-        if SPLIT_B:
-            out += tl.dot(a_hi, b_lo)
-        if SPLIT_A:
-            out += tl.dot(a_lo, b_hi)
-        out = out * a_inverse[:, None] * b_inverse[None, :]
+        acc += _mm_fp16(a, b, PRECISION)
     else:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """a @ b with fp32 accumulation, at PRECISION (see _mm_into)."""
+    if PRECISION == "fp16" or PRECISION == "fp16x3":
+        out = _mm_fp16(a, b, PRECISION)
+    else:
+        out = _mm_into(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), PRECISION, EMULATE_BF16)
     return out
 
 
@@ -313,46 +345,6 @@ def _tf32_parts(x):
     """x = hi + lo with hi = x rounded to tf32 (to nearest, ties away: cvt.rna's rounding, by integer ops)."""
     hi = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return hi, x - hi
-
-
-@triton.jit
-def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """acc + a @ b, the products accumulated into acc by the tensor cores wherever no scale is to be undone.
-
-    "tf32x3" is tl.dot's written out: the same split (hi rounded to tf32, lo
-    the exact rest, truncated to tf32 by the tensor cores), accumulated into
-    acc and without tl.dot's NaN clean-up of the small products (only an
-    infinite input needs it). The fp16-scaled precisions multiply their
-    product by the scales, so they add it to acc afterwards (_mm).
-    """
-    if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
-        acc = tl.dot(a, b, acc)
-    elif PRECISION == "tf32x3":
-        a_hi, a_lo = _tf32_parts(a.to(tl.float32))
-        b_hi, b_lo = _tf32_parts(b.to(tl.float32))
-        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    elif PRECISION == "split":
-        if tl.constexpr(a.dtype == tl.bfloat16):
-            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a, b_lo, acc)
-            acc = tl.dot(a, b_hi, acc)
-        elif tl.constexpr(b.dtype == tl.bfloat16):
-            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a_lo, b, acc)
-            acc = tl.dot(a_hi, b, acc)
-        else:
-            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
-            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a_hi, b_lo, acc)
-            acc = tl.dot(a_lo, b_hi, acc)
-            acc = tl.dot(a_hi, b_hi, acc)
-    elif PRECISION == "fp16" or PRECISION == "fp16x3":
-        acc += _mm(a, b, PRECISION, EMULATE_BF16)
-    else:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
-    return acc
 
 
 @triton.jit
