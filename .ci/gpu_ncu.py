@@ -1,0 +1,87 @@
+"""Nsight Compute on one kernel launch at the bench shape (B=8, T=4096, H=16, K=V=128, bf16): where its time goes.
+
+    python3 .ci/gpu_ncu.py profile NAME ours|peer REGEX OUT    ncu on the first launch of a kernel whose name
+                                                               matches REGEX after a warm-up call: the summary
+                                                               sections (occupancy, issue rate, registers) in
+                                                               OUT/ncu-LABEL.txt and the SASS source page in
+                                                               OUT/ncu-LABEL-sass.csv, with its digest printed
+    python3 .ci/gpu_ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
+                                                               and the lines with the most stall samples
+    python3 .ci/gpu_ncu.py call NAME ours|peer                 (what ncu runs) the warm-up call and the profiled one
+
+LABEL is NAME-ours|peer-REGEX. Used in session 6 on the delta rules' three passes and fla's (bash .ci/gpu-job ncu).
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
+            "SourceCounters"]
+SUMMARY = re.compile(r"Duration|Registers Per|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Executed Instructions  "
+                     r"|Theoretical Occupancy|Memory Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Grid Size")
+
+
+def call(name: str, side: str) -> None:
+    import torch
+
+    import attnlab
+    from attnlab.bench import PEERS
+
+    f = attnlab.formulation(name)
+    x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
+    peer = PEERS[name]
+    run = peer.make(x) if side == "peer" else lambda: attnlab.kernel(name, "chunkwise")(**x, **(peer.our_options or {}))
+    for _ in range(2):
+        run()
+    torch.cuda.synchronize()
+
+
+def digest(path: str, lines: int = 20) -> None:
+    text = Path(path).read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith('"Address"'))  # after the "Kernel Name" line
+    rows = list(csv.DictReader(text[start:]))
+    number = lambda row, key: float((row.get(key) or "0").replace(",", "") or 0)  # noqa: E731
+    executed, stalls = "Instructions Executed", "Warp Stall Sampling (All Samples)"
+    total = sum(number(r, executed) for r in rows) or 1.0
+    by_op, stall_op = Counter(), Counter()
+    for row in rows:
+        words = row["Source"].split()
+        op = (words[1] if words and words[0].startswith("@") else words[0] if words else "?").split(".")[0]
+        by_op[op] += number(row, executed)
+        stall_op[op] += number(row, stalls)
+    print(f"{total:.3e} instructions executed")
+    for op, n in by_op.most_common(lines):
+        print(f"  {op:10s} {100 * n / total:5.1f}%   stall samples {stall_op[op]:.0f}")
+    print("lines with the most stall samples:")
+    for row in sorted(rows, key=lambda r: -number(r, stalls))[:lines]:
+        print(f"  {number(row, executed):10.0f} {number(row, stalls):7.0f}  {row['Source'].strip()[:100]}")
+
+
+def profile(name: str, side: str, regex: str, out: str) -> None:
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{side}-{regex}")
+    report = f"/tmp/{label}"
+    command = ["ncu", "--clock-control", "none", *[a for s in SECTIONS for a in ("--section", s)], "-k", f"regex:{regex}",
+               "--launch-skip", "1", "--launch-count", "1", "-f", "-o", report, sys.executable, __file__, "call", name, side]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        print(done.stdout[-2000:], done.stderr[-2000:])
+        return
+    details = subprocess.run(["ncu", "-i", f"{report}.ncu-rep"], capture_output=True, text=True).stdout
+    Path(out, f"ncu-{label}.txt").write_text(details)
+    source = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                            capture_output=True, text=True).stdout
+    Path(out, f"ncu-{label}-sass.csv").write_text(source)
+    print(f"== {label}")
+    print("\n".join(" ".join(line.split()) for line in details.splitlines() if SUMMARY.search(line)))
+    digest(str(Path(out, f"ncu-{label}-sass.csv")), lines=12)
+
+
+if __name__ == "__main__":
+    verb, *args = sys.argv[1:]
+    {"call": call, "digest": digest, "profile": profile}[verb](*args)
