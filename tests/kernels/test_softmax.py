@@ -185,7 +185,15 @@ def test_tma_matches_pointer_loads(dtype, precision):
     assert _tma_fits(x["q"], x["k"], x["v"])
     for causal in (True, False):
         pointers = kernel("softmax", precision=precision, tma=False)(**x, causal=causal)
-        assert torch.equal(kernel("softmax", precision=precision, tma=True)(**x, causal=causal), pointers)
+        tma = kernel("softmax", precision=precision, tma=True)(**x, causal=causal)
+        if dtype == torch.float32:
+            # The interpreter computes fp32 dots and sums with numpy, whose summation order may follow the
+            # operands' memory layout, and its descriptor tiles are laid out unlike pointer tiles: with
+            # numpy 2.3.5 the two came out up to 2.3 ulps apart (bit-equal before); a wrong or unfilled
+            # tile would be off by O(1).
+            assert (tma - pointers).abs().max() <= 16 * torch.finfo(dtype).eps * pointers.abs().max()
+        else:
+            assert torch.equal(tma, pointers)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
