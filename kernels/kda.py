@@ -86,12 +86,14 @@ OPTIONS (chunkwise):
   pass. On an H200 (B=8, T=4096, H=16, K=V=128, bf16) the state pass took
   1.01 ms at 64 against 1.36 at 32 (each program reads its chunk's W, Qg and
   Kd once for twice the columns) and 2.66 at 16.
-- ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128, else 1) of the
-  state pass. Compiled offline for sm_90 (ptxas, bf16 inputs, K=V=128, C=64):
-  intra kernel (4 warps) 255 registers, 364 / 644 bytes of spill stores /
-  loads ("fp16"), 40 KB shared memory; state pass 253 ("fp16"), 255
-  ("bf16x3") or 164 ("bf16") registers, no spills, 132 KB shared memory;
-  the limit is 227 KB.
+- ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128 except with
+  "tf32" dots, else 1) of the state pass. Compiled offline for sm_90 (ptxas
+  of triton 3.6, .ci/sm90_compile.py, bf16 inputs, K=V=128, C=64): intra
+  kernel (4 warps) 255 registers, 364 / 644 bytes of spill stores / loads
+  ("fp16"), 40 KB shared memory; state pass at 2 stages 255 registers with
+  128 ("fp16"), 280 ("bf16x3") or 28 ("bf16") bytes of spill stores and
+  144-152 KB of shared memory, "tf32" 272 KB (48 KB at 1 stage); the limit
+  is 227 KB.
 
 Scratch traffic (fp32): W, U, Qg, Kd are [B*H, T, 128] each, A_qk [B*H, T, C]:
 at B=8, H=16, T=4096, K=V=128 that is 1.2 GB written by kernel 1 and read by
@@ -485,7 +487,9 @@ def chunkwise(
     BV = min(block_v, block_size(V))
     dot_precision = _dot_precision(precision, q.dtype)
     if num_stages == "auto":
-        num_stages = 2 if BK <= 128 else 1
+        # Two stages of the state pass's fp32 operand tiles need 278 KB of shared memory with "tf32" dots
+        # (sm_90 has 227 KB; the other precisions need 144-168 KB), and more than it has at K > 128.
+        num_stages = 2 if BK <= 128 and dot_precision != "tf32" else 1
 
     rows = B * H * num_chunks * C  # scratch rows: whole chunks, the last one padded
     scratch = dict(dtype=torch.float32, device=q.device)

@@ -9,6 +9,8 @@ excess <= 1.5 in bf16 and <= 2 in fp16.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -131,6 +133,30 @@ def test_kernel_resumes_from_state_cpu(name, form):
 @pytest.mark.parametrize("name,form", CASES)
 def test_kernel_matches_oracle_gpu(name, form, dtype, T):
     _check(name, form, dtype, "cuda", T=T, K=64, V=64, H=4, B=2)
+
+
+def _option_choices(name: str, form: str, option: str) -> tuple:
+    module = importlib.import_module(attnlab.formulation(name).kernel_module)
+    return getattr(module, "OPTIONS", {}).get(form, {}).get(option, (None, ()))[1]
+
+
+PRECISION_CASES = [(name, form, p) for name, form in CASES for p in _option_choices(name, form, "precision")]
+# Any precision choice, speed settings included (fla's own roundings measured 1.4 to 2.9), stays within this;
+# a wrong answer (a bad tile, a lost chunk) lands far above it.
+ANY_PRECISION_EXCESS_BOUND = 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,form,precision", PRECISION_CASES)
+def test_every_precision_choice_runs_gpu(name, form, precision):
+    """Every precision choice compiles and launches at the bench's head size, K = V = 128, where the registers
+    and shared memory are tightest (kda's "tf32" once asked for 272 KB of the 227 KB there), with its other
+    options at their defaults, and stays near the oracle in bf16."""
+    x = _inputs(name, torch.bfloat16, "cuda", T=200, K=128, V=128, H=2, B=1)
+    reference = attnlab.oracle(name, "chunkwise", "float64")
+    o = attnlab.kernel(name, form, precision=precision)(**x)
+    m = measure(o, reference(**x), torch.bfloat16, conditioning_floor(reference, x))
+    assert m.nonfinite == 0 and m.excess <= ANY_PRECISION_EXCESS_BOUND, f"{name}/{form} {precision}: {m.as_dict()}"
 
 
 def _log_gates(name: str) -> list[str]:
