@@ -173,13 +173,18 @@ def _gate_dot(dtype: torch.dtype) -> str:
 
 
 @triton.jit
-def _fp16_scale(x):
-    """Powers of two (2^s, 2^-s) bringing the peak |x| of a tile into [2^13, 2^14): x * 2^s
-    rounds to fp16 with 2^-11 relative error, neither overflowing nor going subnormal at the
-    top (s is clamped to [-100, 100] so both factors stay normal fp32 numbers)."""
-    peak_exponent = (tl.max(tl.abs(x)).to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
+def _fp16_scale(peak):
+    """Powers of two (2^s, 2^-s) bringing a peak magnitude into [2^13, 2^14): x * 2^s of any x
+    with |x| <= peak rounds to fp16 without overflow, with 2^-11 relative error at the top
+    (s is clamped to [-100, 100] so both factors stay normal fp32 numbers)."""
+    peak_exponent = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased
     biased = tl.minimum(tl.maximum(267 - peak_exponent, 27), 227)  # 127 + s, s = 140 - peak_exponent
     return (biased << 23).to(tl.float32, bitcast=True), ((254 - biased) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _peak(x):
+    return tl.max(tl.abs(x))
 
 
 @triton.jit
@@ -195,17 +200,30 @@ def _dot(a, b, PRECISION: tl.constexpr):
     elif PRECISION == "bf16_emulated":
         return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
     elif PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        a_up, a_down = _fp16_scale(a)
-        b_up, b_down = _fp16_scale(b)
+        return _dot_within(a, _peak(a), b, _peak(b), PRECISION)
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_within(a, a_peak, b, b_peak, PRECISION: tl.constexpr):
+    """_dot for operands known to lie within |a| <= a_peak and |b| <= b_peak: "fp16" takes its
+    scales from these bounds instead of from a max-reduction over each tile (a barrier across
+    the warps). The A blocks' operands are q or k times decays <= 1, so the chunk's peak |q| and
+    |k| bound them; an operand far below its bound keeps 2^-11 relative error down to 2^-27 of
+    the bound, where fp16 goes subnormal (such terms are that much smaller than the largest)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        a_up, a_down = _fp16_scale(a_peak)
+        b_up, b_down = _fp16_scale(b_peak)
         a16 = (a * a_up).to(tl.float16)
         b16 = (b * b_up).to(tl.float16)
         if PRECISION == "fp16":
             product = tl.dot(a16, b16)
         else:
             product = tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
-        return product * a_down * b_down
+        return product * (a_down * b_down)
     else:
-        return tl.dot(a, b, input_precision=PRECISION)
+        return _dot(a, b, PRECISION)
 
 
 @triton.jit
@@ -261,6 +279,16 @@ def _kda_intra_chunk_kernel(
     scratch_row = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C + rows
     aqk_base = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C * C
 
+    # Peaks of the chunk's |q| and |k|: every operand of the A blocks and of W is q or k times decays <= 1.
+    q_peak = 0.0
+    k_peak = 0.0
+    for channel_start in range(0, BK, BKC):
+        channels = channel_start + slice_channels
+        ptrs = token[:, None] * K + channels[None, :]
+        mask = row_ok[:, None] & (channels < K)[None, :]
+        q_peak = tl.maximum(q_peak, _peak(tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
+        k_peak = tl.maximum(k_peak, _peak(tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
+
     X3 = tl.zeros((NC, SUB, C), dtype=tl.float32)  # block rows of (I + L)^-1 found so far
     for I in tl.static_range(NC):
         r = I * SUB
@@ -291,8 +319,8 @@ def _kda_intra_chunk_kernel(
                 # Key rows j < r only (earlier sub-chunks); rows from r on are 0 here.
                 k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & row_ok)[:, None] & channel_ok[None, :], other=0.0)
                 keys_before = tl.trans(k_before.to(tl.float32) * from_anchor)  # [BKC, C]
-                aqk_before += _dot(q_I * to_anchor, keys_before, PRECISION)
-                akk_before += _dot(k_I * to_anchor, keys_before, PRECISION)
+                aqk_before += _dot_within(q_I * to_anchor, q_peak, keys_before, k_peak, PRECISION)
+                akk_before += _dot_within(k_I * to_anchor, k_peak, keys_before, k_peak, PRECISION)
             # Diagonal block by halving: at level h every group of 2h rows pairs its later half
             # (t >= a) with its earlier half (j < a) through the anchor a, the later half's first
             # row, so each pair t > j is formed once, at the level that separates them.
@@ -307,8 +335,10 @@ def _kda_intra_chunk_kernel(
                 decay = tl.exp(_span_sums(span, g16_I, GATE_DOT))
                 keys = tl.trans(tl.where(later_half[:, None], 0.0, k_I * decay))  # [BKC, SUB], rows j < a
                 pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later_half[:, None]
-                akk_diag += tl.where(pair, _dot(tl.where(later_half[:, None], k_I * decay, 0.0), keys, PRECISION), 0.0)
-                aqk_diag += tl.where(pair, _dot(tl.where(later_half[:, None], q_I * decay, 0.0), keys, PRECISION), 0.0)
+                later_k = tl.where(later_half[:, None], k_I * decay, 0.0)
+                later_q = tl.where(later_half[:, None], q_I * decay, 0.0)
+                akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
+                aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
             aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q_I * k_I, axis=1)[:, None], 0.0)
 
         # X_II = (I + L_II)^-1, column by column: X_II -= L[:, jj] X_II[jj, :] (row jj is final).
@@ -333,6 +363,7 @@ def _kda_intra_chunk_kernel(
     # W, Qg, Kd and gC, BKW key channels at a time; G is summed from the chunk start (exp(G) <= 1)
     # and G_C - G over the later steps only (a suffix sum, exp <= 1).
     t_matrix = tl.reshape(X3, (C, C)) * beta[None, :]
+    t_peak = _peak(t_matrix)
     for channel_start in range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -344,7 +375,8 @@ def _kda_intra_chunk_kernel(
         from_start = tl.exp(_span_sums(cols[None, :] <= rows[:, None], g, GATE_DOT))
         to_end = tl.exp(_span_sums(cols[None, :] > rows[:, None], g, GATE_DOT))
         out_ptrs = scratch_row[:, None] * K + channels[None, :]
-        tl.store(w_ptr + out_ptrs, _dot(t_matrix, k * from_start, PRECISION), mask=channel_ok[None, :])
+        w = _dot_within(t_matrix, t_peak, k * from_start, k_peak, PRECISION)
+        tl.store(w_ptr + out_ptrs, w, mask=channel_ok[None, :])
         tl.store(qg_ptr + out_ptrs, (q * scale) * from_start, mask=channel_ok[None, :])
         tl.store(kd_ptr + out_ptrs, k * to_end, mask=channel_ok[None, :])
         tl.store(gc_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + channels,
@@ -352,9 +384,10 @@ def _kda_intra_chunk_kernel(
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
-        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :], other=0.0)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _dot(t_matrix, v.to(tl.float32), PRECISION),
-                 mask=value_ok[None, :])
+        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :],
+                    other=0.0).to(tl.float32)
+        u = _dot_within(t_matrix, t_peak, v, _peak(v), PRECISION)
+        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
 
 
 # ---------------------------------------------------------------------------

@@ -129,9 +129,12 @@ def test_bf16_operand_rounding_speed_option():
 @pytest.mark.parametrize("magnitude", [2.0**-20, 1.0, 2.0**20], ids=["tiny", "unit", "huge"])
 def test_fp16_operand_scaling(magnitude):
     """precision="fp16" (the default for bf16 inputs) scales every dot operand by a power of two
-    into fp16's range before rounding it: values and an initial state 2^20 times too small or
-    too large (far outside fp16's range unscaled) keep the error at a few fp16 roundings (2^-11)."""
+    into fp16's range before rounding it: queries, values and an initial state 2^20 times too
+    small or too large (far outside fp16's range unscaled) keep the error at a few fp16
+    roundings (2^-11). The A blocks' operands take their scale from the chunk's peak |q| and
+    |k|, the rest from each tile's own peak."""
     x = _cast(_inputs(T=24, seed=11), torch.float32)
+    x["q"] = x["q"] * magnitude
     x["v"] = x["v"] * magnitude
     initial = torch.randn(1, 1, 16, 16, generator=torch.Generator().manual_seed(11)) * magnitude
     o, state = make_kernel("kda", "chunkwise", chunk_size=16, precision="fp16")(**x, initial_state=initial, return_state=True)
