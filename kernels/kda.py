@@ -240,7 +240,7 @@ def _span_sums(span, g, GATE_DOT: tl.constexpr):
 
 @triton.jit
 def _kda_intra_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, peaks_ptr,
     T, H, K, V, scale,
     C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BKW: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
@@ -364,6 +364,7 @@ def _kda_intra_chunk_kernel(
     # and G_C - G over the later steps only (a suffix sum, exp <= 1).
     t_matrix = tl.reshape(X3, (C, C)) * beta[None, :]
     t_peak = _peak(t_matrix)
+    w_peak = 0.0
     for channel_start in range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -376,6 +377,7 @@ def _kda_intra_chunk_kernel(
         to_end = tl.exp(_span_sums(cols[None, :] > rows[:, None], g, GATE_DOT))
         out_ptrs = scratch_row[:, None] * K + channels[None, :]
         w = _dot_within(t_matrix, t_peak, k * from_start, k_peak, PRECISION)
+        w_peak = tl.maximum(w_peak, _peak(w))
         tl.store(w_ptr + out_ptrs, w, mask=channel_ok[None, :])
         tl.store(qg_ptr + out_ptrs, (q * scale) * from_start, mask=channel_ok[None, :])
         tl.store(kd_ptr + out_ptrs, k * to_end, mask=channel_ok[None, :])
@@ -388,6 +390,13 @@ def _kda_intra_chunk_kernel(
                     other=0.0).to(tl.float32)
         u = _dot_within(t_matrix, t_peak, v, _peak(v), PRECISION)
         tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
+    # Bounds on |W|, |Qg|, |Kd| and |Aqk| (|sum_c q_tc k_jc decay| <= K peak|q| peak|k|) for the state
+    # pass's fp16 scales, which then need no reduction on its sequential path.
+    which = tl.arange(0, 4)
+    abs_scale = tl.abs(scale)
+    bounds = tl.where(which == 0, w_peak, tl.where(which == 1, abs_scale * q_peak,
+                      tl.where(which == 2, k_peak, abs_scale * K * q_peak * k_peak)))
+    tl.store(peaks_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 4 + which, bounds)
 
 
 # ---------------------------------------------------------------------------
@@ -396,19 +405,20 @@ def _kda_intra_chunk_kernel(
 
 
 @triton.jit
-def _project_block(w_ptr, qg_ptr, S, scratch_row, channel_start, K, ws, qs,
+def _project_block(w_ptr, qg_ptr, S, scratch_row, channel_start, K, ws, qs, w_bound, qg_bound,
                    BKB: tl.constexpr, PRECISION: tl.constexpr):
     """Adds one block of BKB key channels to ws = W S and qs = Qg S."""
     channels = channel_start + tl.arange(0, BKB)
     ptrs = scratch_row[:, None] * K + channels[None, :]
     mask = (channels < K)[None, :]
-    ws += _dot(tl.load(w_ptr + ptrs, mask=mask, other=0.0), S, PRECISION)
-    qs += _dot(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), S, PRECISION)
+    s_peak = _peak(S)
+    ws += _dot_within(tl.load(w_ptr + ptrs, mask=mask, other=0.0), w_bound, S, s_peak, PRECISION)
+    qs += _dot_within(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), qg_bound, S, s_peak, PRECISION)
     return ws, qs
 
 
 @triton.jit
-def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_start, K,
+def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_start, K, kd_bound, delta_peak,
                    BKB: tl.constexpr, PRECISION: tl.constexpr):
     """One block of BKB key channels of S_next = gC * S (rows) + Kd^T Delta."""
     channels = channel_start + tl.arange(0, BKB)
@@ -416,12 +426,12 @@ def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_sta
     kd_t = tl.load(kd_ptr + scratch_row[None, :] * K + channels[:, None],
                    mask=channel_ok[:, None], other=0.0)  # [BKB, C]
     decay = tl.load(gc_ptr + gc_offset + channels, mask=channel_ok, other=0.0)
-    return decay[:, None] * S + _dot(kd_t, delta, PRECISION)
+    return decay[:, None] * S + _dot_within(kd_t, kd_bound, delta, delta_peak, PRECISION)
 
 
 @triton.jit
 def _kda_state_pass_kernel(
-    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, o_ptr, state_in_ptr, state_out_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, peaks_ptr, o_ptr, state_in_ptr, state_out_ptr,
     T, H, K, V, num_chunks,
     C: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
@@ -432,6 +442,8 @@ def _kda_state_pass_kernel(
       Delta  = U - W S
       O      = Qg S + Aqk Delta
       S_next = gC * S + Kd^T Delta      (block by block)
+    The fp16 scales of W, Qg, Kd and Aqk come from kernel 1's bounds, those of S and Delta from one
+    reduction each per chunk (a product of "fp16" otherwise reduces both of its operands).
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -466,29 +478,41 @@ def _kda_state_pass_kernel(
         token = (b * T + positions).to(tl.int64) * H + h
         scratch_row = (bh.to(tl.int64) * num_chunks + n) * C + rows
         gc_offset = (bh.to(tl.int64) * num_chunks + n) * K
+        bounds = peaks_ptr + (bh.to(tl.int64) * num_chunks + n) * 4
+        w_bound, qg_bound = tl.load(bounds), tl.load(bounds + 1)
+        kd_bound, aqk_bound = tl.load(bounds + 2), tl.load(bounds + 3)
 
         ws = tl.zeros((C, BV), dtype=tl.float32)
         qs = tl.zeros((C, BV), dtype=tl.float32)
-        ws, qs = _project_block(w_ptr, qg_ptr, S0, scratch_row, 0, K, ws, qs, BKB, PRECISION)
+        ws, qs = _project_block(w_ptr, qg_ptr, S0, scratch_row, 0, K, ws, qs, w_bound, qg_bound,
+                                    BKB, PRECISION)
         if NKB > 1:
-            ws, qs = _project_block(w_ptr, qg_ptr, S1, scratch_row, BKB, K, ws, qs, BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S1, scratch_row, BKB, K, ws, qs, w_bound, qg_bound,
+                                    BKB, PRECISION)
         if NKB > 2:
-            ws, qs = _project_block(w_ptr, qg_ptr, S2, scratch_row, 2 * BKB, K, ws, qs, BKB, PRECISION)
-            ws, qs = _project_block(w_ptr, qg_ptr, S3, scratch_row, 3 * BKB, K, ws, qs, BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S2, scratch_row, 2 * BKB, K, ws, qs, w_bound, qg_bound,
+                                    BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qg_ptr, S3, scratch_row, 3 * BKB, K, ws, qs, w_bound, qg_bound,
+                                    BKB, PRECISION)
 
         u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
         delta = u - ws
+        delta_peak = _peak(delta)
         aqk = tl.load(aqk_ptr + scratch_row[:, None] * C + cols[None, :])
-        o = qs + _dot(aqk, delta, PRECISION)
+        o = qs + _dot_within(aqk, aqk_bound, delta, delta_peak, PRECISION)
         tl.store(o_ptr + token[:, None] * V + values[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & value_ok[None, :])
 
-        S0 = _advance_block(kd_ptr, gc_ptr, S0, delta, scratch_row, gc_offset, 0, K, BKB, PRECISION)
+        S0 = _advance_block(kd_ptr, gc_ptr, S0, delta, scratch_row, gc_offset, 0, K, kd_bound,
+                                delta_peak, BKB, PRECISION)
         if NKB > 1:
-            S1 = _advance_block(kd_ptr, gc_ptr, S1, delta, scratch_row, gc_offset, BKB, K, BKB, PRECISION)
+            S1 = _advance_block(kd_ptr, gc_ptr, S1, delta, scratch_row, gc_offset, BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION)
         if NKB > 2:
-            S2 = _advance_block(kd_ptr, gc_ptr, S2, delta, scratch_row, gc_offset, 2 * BKB, K, BKB, PRECISION)
-            S3 = _advance_block(kd_ptr, gc_ptr, S3, delta, scratch_row, gc_offset, 3 * BKB, K, BKB, PRECISION)
+            S2 = _advance_block(kd_ptr, gc_ptr, S2, delta, scratch_row, gc_offset, 2 * BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION)
+            S3 = _advance_block(kd_ptr, gc_ptr, S3, delta, scratch_row, gc_offset, 3 * BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION)
 
     if STORE_FINAL_STATE:
         tl.store(state_out_ptr + state_ptrs, S0, mask=(block_channels < K)[:, None] & value_ok[None, :])
@@ -530,17 +554,18 @@ def chunkwise(
     u = torch.empty((rows, V), **scratch)
     gc = torch.empty((B * H * num_chunks, K), **scratch)
     aqk = torch.empty((rows, C), **scratch)
+    peaks = torch.empty((B * H * num_chunks, 4), **scratch)
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     await_checks()
     _kda_intra_chunk_kernel[(num_chunks, B * H)](
-        q, k, v, g, beta, w, u, qg, kd, gc, aqk, T, H, K, V, scale,
+        q, k, v, g, beta, w, u, qg, kd, gc, aqk, peaks, T, H, K, V, scale,
         C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, INTRA_CHANNEL_SLICE), BKW=min(BK, INTRA_OUTPUT_BLOCK),
         BV=min(block_size(V), INTRA_OUTPUT_BLOCK), PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype), num_warps=4,
     )
     _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
-        w, u, qg, kd, gc, aqk, o,
+        w, u, qg, kd, gc, aqk, peaks, o,
         initial if initial is not None else gc, final if final is not None else gc,
         T, H, K, V, num_chunks,
         C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
