@@ -144,6 +144,30 @@ def test_fp16_operand_scaling(magnitude):
     assert rel_err(state, ref_state) <= 8 * 2.0**-11
 
 
+@pytest.mark.parametrize("scale", [0.3, -2.0])
+def test_intra_chunk_bounds_hold(scale):
+    """The state pass takes the fp16 scales of W, Qg, Kd and A_qk from kernel 1's bounds per chunk
+    instead of reducing each tile: the first must be W's peak, the others must bound their tiles
+    (|Qg| <= |scale| peak|q|, |Kd| <= peak|k|, |A_qk| <= |scale| K peak|q| peak|k|), for a
+    negative scale too. Two heads, three chunks of 16, the last one partial."""
+    x = _cast(_inputs(T=45, K=64, V=16, H=2, seed=12), torch.float32)  # W in two blocks of 32
+    B, T, H, K = x["k"].shape
+    C = 16
+    num_chunks = -(-T // C)
+    scratch = kda_module._IntraScratch.allocate(B, H, num_chunks, C, K, 16, torch.device("cpu"))
+    precision = kda_module._dot_precision("fp16", torch.bfloat16)
+    kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, precision)
+
+    def chunk_peaks(rows: torch.Tensor) -> torch.Tensor:
+        return rows.abs().reshape(B * H * num_chunks, -1).amax(dim=1)
+
+    bounds = scratch.bounds
+    assert torch.equal(bounds[:, 0], chunk_peaks(scratch.w)) and bounds[:, 0].min() > 0
+    assert torch.all(chunk_peaks(scratch.qg) <= bounds[:, 1])
+    assert torch.all(chunk_peaks(scratch.kd) <= bounds[:, 2])
+    assert torch.all(chunk_peaks(scratch.aqk) <= bounds[:, 3])
+
+
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
 def test_chunk_sizes(chunk_size):
     """Every chunk size gives the oracle's answer, with partial chunks and a partial sub-chunk (T = 45)."""
