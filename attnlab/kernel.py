@@ -40,6 +40,12 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernel_options(name: str, form: str) -> dict[str, tuple[Any, tuple[Any, ...] | None]]:
+    """The tunables of formulation ``name``'s kernel in ``form``: option -> (default, its choices or None)."""
+    module = importlib.import_module(formulation(name).kernel_module)
+    return dict(getattr(module, "OPTIONS", {}).get(form, {}))
+
+
 class Kernel:
     """A configured kernel; call it with the formulation's inputs."""
 
@@ -50,9 +56,8 @@ class Kernel:
                 f"{name} has kernels for form(s) {', '.join(self.formulation.kernel_forms)}; got {form!r}"
             )
         self.form = form
-        module = importlib.import_module(self.formulation.kernel_module)
-        self._fn = getattr(module, form)
-        allowed = dict(getattr(module, "OPTIONS", {}).get(form, {}))
+        self._fn = getattr(importlib.import_module(self.formulation.kernel_module), form)
+        allowed = kernel_options(name, form)
         unknown = sorted(set(opts) - set(allowed))
         if unknown:
             raise TypeError(f"kernel({name!r}, {form!r}) got unexpected option(s) {', '.join(unknown)}; it takes {', '.join(sorted(allowed)) or 'none'}")

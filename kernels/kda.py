@@ -99,8 +99,8 @@ OPTIONS (chunkwise):
   kernel (4 warps) 255 registers, 364 / 644 bytes of spill stores / loads
   ("fp16"), 40 KB shared memory; state pass at 2 stages 255 registers with
   128 ("fp16"), 280 ("bf16x3") or 28 ("bf16") bytes of spill stores and
-  144-152 KB of shared memory, "tf32" 272 KB (48 KB at 1 stage); the limit
-  is 227 KB.
+  144-152 KB of shared memory ("tf32x3" 168 KB), "tf32" 272 KB (48 KB at 1
+  stage); the limit is 227 KB (KB = 1024 bytes throughout).
 
 Scratch traffic (fp32): W, U, Qg, Kd are [B*H, T, 128] each, A_qk [B*H, T, C]
 (and four bounds per chunk):
@@ -586,7 +586,7 @@ def chunkwise(
     BV = min(block_v, block_size(V))
     dot_precision = _dot_precision(precision, q.dtype)
     if num_stages == "auto":
-        # Two stages of the state pass's fp32 operand tiles need 278 KB of shared memory with "tf32" dots
+        # Two stages of the state pass's fp32 operand tiles need 272 KB of shared memory with "tf32" dots
         # (sm_90 has 227 KB; the other precisions need 144-168 KB), and more than it has at K > 128.
         num_stages = 2 if BK <= 128 and dot_precision != "tf32" else 1
 

@@ -9,12 +9,11 @@ excess <= 1.5 in bf16 and <= 2 in fp16.
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 import attnlab
+from attnlab.kernel import kernel_options
 from attnlab.kernels import _gated
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.properties.traits import is_log_gate
@@ -135,12 +134,8 @@ def test_kernel_matches_oracle_gpu(name, form, dtype, T):
     _check(name, form, dtype, "cuda", T=T, K=64, V=64, H=4, B=2)
 
 
-def _option_choices(name: str, form: str, option: str) -> tuple:
-    module = importlib.import_module(attnlab.formulation(name).kernel_module)
-    return getattr(module, "OPTIONS", {}).get(form, {}).get(option, (None, ()))[1]
-
-
-PRECISION_CASES = [(name, form, p) for name, form in CASES for p in _option_choices(name, form, "precision")]
+PRECISION_CASES = [(name, form, p) for name, form in CASES
+                   for p in kernel_options(name, form).get("precision", (None, ()))[1]]
 # Any precision choice, speed settings included (fla's own roundings measured 1.4 to 2.9), stays within this;
 # a wrong answer (a bad tile, a lost chunk) lands far above it.
 ANY_PRECISION_EXCESS_BOUND = 4.0

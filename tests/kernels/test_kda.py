@@ -154,7 +154,7 @@ def test_intra_chunk_bounds_hold(scale):
     B, T, H, K = x["k"].shape
     C = 16
     num_chunks = -(-T // C)
-    scratch = kda_module._IntraScratch.allocate(B, H, num_chunks, C, K, 16, torch.device("cpu"))
+    scratch = kda_module._IntraScratch.allocate(B, H, num_chunks, C, K, x["v"].shape[-1], torch.device("cpu"))
     precision = kda_module._dot_precision("fp16", torch.bfloat16)
     kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, precision)
 

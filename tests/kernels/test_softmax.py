@@ -189,7 +189,7 @@ def test_tma_matches_pointer_loads(dtype, precision):
         if dtype == torch.float32:
             # The interpreter computes fp32 dots and sums with numpy, whose summation order may follow the
             # operands' memory layout, and its descriptor tiles are laid out unlike pointer tiles: with
-            # numpy 2.3.5 the two came out up to 2.3 ulps apart (bit-equal before); a wrong or unfilled
+            # numpy 2.3.5 the two came out up to 2.3 ulps apart (bit-equal in earlier CI runs); a wrong or unfilled
             # tile would be off by O(1).
             assert (tma - pointers).abs().max() <= 16 * torch.finfo(dtype).eps * pointers.abs().max()
         else:
