@@ -23,31 +23,39 @@ with chunk-local cumulative gates G [C, K] (G_t = sum_{s<=t} g_s, fp32):
     O = Qg S + A_qk Delta
     S_next = exp(G_C) * S (rows) + Kd^T Delta
 
-Two kernels do it:
+Four kernels do it; the first three need no carried state and run all
+chunks in parallel, writing scratch buffers ([B*H, chunks*C, *], the last
+chunk padded):
 
-1. ``_kda_intra_chunk_kernel``, grid (chunks, B*H), all chunks in parallel:
-   everything that does not need the carried state. A_kk and A_qk by
-   secondary chunking (sub-chunks of 16 rows), the inverse by block forward
-   substitution, then W, U, Qg, Kd, exp(G_C) and A_qk go to fp32 scratch
-   buffers ([B*H, chunks*C, *], the last chunk padded). The pairwise decay
-   exp(G_t - G_j) does not factor out of a dot as a whole; for a sub-chunk
-   of query rows starting at row r, every key row j < r is paired through
-   the anchor r: exp(G_t - G_r) exp(G_r - G_j), both exponents <= 0 because
-   j < r <= t. The anchor is the sub-chunk's FIRST row, so it is never later
+1. ``_kda_a_rows_kernel``, grid (chunks * C/16, B*H): one 16-row block row
+   of A_kk and A_qk per program (secondary chunking). The pairwise decay
+   exp(G_t - G_j) does not factor out of a dot as a whole; for the block's
+   query rows starting at row r, every key row j < r is paired through the
+   anchor r: exp(G_t - G_r) exp(G_r - G_j), both exponents <= 0 because
+   j < r <= t. The anchor is the block's FIRST row, so it is never later
    than the query it serves (no future row enters, also in a partial
-   trailing sub-chunk). Diagonal 16 x 16 blocks use the same anchors by
+   trailing block). The diagonal 16 x 16 block uses the same anchors by
    halving: at level h (8, 4, 2, 1) each group of 2h rows pairs its later
    half with its earlier half through the later half's first row, so every
    pair t > j is formed once, by one [16, BKC] x [BKC, 16] dot per level
    (the former [16, 16, 16] exp tiles, summed over channels with shuffles,
    and 16-channel steps with a barrier each kept the kernel latency-bound:
    6.9 ms at the bench shape). A_qk's diagonal t = j is sum_c q_tc k_tc.
-2. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
+2. ``_kda_ut_inverse_kernel``, grid (chunks, B*H): T from A_kk by block
+   forward substitution, fp32.
+3. ``_kda_chunk_operands_kernel``, grid (chunks, B*H): W, U, Qg, Kd, exp(G_C)
+   and per-chunk bounds on |W|, |Qg|, |Kd|, |A_qk| for the state pass.
+   These three were one kernel until 2026-11-25 (4.1 ms at the bench shape
+   on an H100, 255 registers, a 16.6k-instruction unrolled body stalled on
+   instruction fetch); split, each runs at the warps its tiles want (one
+   warp for the A rows, whose small products hold whole operands in every
+   warp): 1.0 + 0.22 + 0.77 ms.
+4. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
    the fp32 state stays in registers as up to four blocks of 64 key channels
    (as fla does: a whole [K, BV] fp32 tile and its [C, K] operands do not fit
    the registers and shared memory at K >= 128); per chunk four dots
    (W S, Qg S, A_qk Delta, Kd^T Delta) and no exp or cumsum: all gate work is
-   in kernel 1. Fusing the output here saves storing per-chunk states (fp32
+   in kernels 1 and 3. Fusing the output here saves storing per-chunk states (fp32
    [B, H, T/C, K, V] would cost more traffic than q, k, v and o together).
 
 Every exponent evaluated is <= 0 (cross-time factors exp(G_t - G_j) with
@@ -72,11 +80,12 @@ OPTIONS (chunkwise):
   bound), 4x below bf16's output rounding, at the cost of one bf16 product.
   The bound is the tile's own peak (a max-reduction across the warps) only
   where nothing cheaper bounds it: the A blocks' and W's operands are q or k
-  times decays <= 1 (the chunk's peak |q| and |k| bound them, taken once);
-  the state pass reads kernel 1's per-chunk bounds of W, Qg, Kd and Aqk and
-  reduces only S and Delta, once a chunk each (H100, bench shape: the intra
-  kernel 4.94 -> 4.12 ms, the state pass 1.07 -> 0.85 against a reduction
-  per operand). Emulated in torch
+  times decays <= 1 (the peaks of |q| and |k| bound them); the state pass's
+  W, Qg and Kd are stored already scaled and rounded to fp16 by kernel 3
+  (``_to_scratch``: the rounding their products would do anyway, at half the
+  bytes), with their bounds and A_qk's per chunk, so the state pass reduces
+  only S and Delta, once a chunk each (H100, bench shape: state pass 1.07 ->
+  0.85 ms for the bounds, -> 0.52 for the fp16 operands). Emulated in torch
   (bf16 inputs, K=V=128, T=64..4096) its excess is 1.016-1.019, against
   1.000 for fp32 dots and 1.68-1.78 for "bf16". For fp16 inputs it would sit
   at their own floor, so they keep "bf16x3" (each fp32 operand split into
@@ -95,18 +104,16 @@ OPTIONS (chunkwise):
   Kd once for twice the columns) and 2.66 at 16.
 - ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128 except with
   "tf32" dots, else 1) of the state pass. Compiled offline for sm_90 (ptxas
-  of triton 3.6, .ci/sm90_compile.py, bf16 inputs, K=V=128, C=64): intra
-  kernel (4 warps) 255 registers, 364 / 644 bytes of spill stores / loads
-  ("fp16"), 40 KB shared memory; state pass at 2 stages 255 registers with
-  128 ("fp16"), 280 ("bf16x3") or 28 ("bf16") bytes of spill stores and
-  144-152 KB of shared memory ("tf32x3" 168 KB), "tf32" 272 KB (48 KB at 1
+  of triton 3.6, .ci/sm90_compile.py, bf16 inputs, K=V=128, C=64, "fp16"):
+  A rows 255 registers at 1 warp with 52 bytes of spills; UT inverse 255 at
+  1 warp (32 bytes); operands 255 at 2 warps (76 bytes); state pass at 2
+  stages 255 registers, 32 bytes of spill stores, 144 KB of shared memory
+  ("bf16x3" 280 bytes of spills, 152 KB; "tf32x3" 168 KB), "tf32" 272 KB (48 KB at 1
   stage); the limit is 227 KB (KB = 1024 bytes throughout).
 
-Scratch traffic (fp32): W, U, Qg, Kd are [B*H, T, 128] each, A_qk [B*H, T, C]
-(and four bounds per chunk):
-at B=8, H=16, T=4096, K=V=128 that is 1.2 GB written by kernel 1 and read by
-the state pass (about 0.55 ms at 4.3 TB/s); storing them in 16 bits would
-halve it.
+Scratch traffic: W, U, Qg, Kd are [B*H, T, K or V] each, A_qk, A_kk and T
+[B*H, T, C], fp32 but W, Qg, Kd fp16 with "fp16" dots: at B=8, H=16, T=4096,
+K=V=128 about 0.7 GB for the state pass to read, 1.1 GB with fp32 operands.
 
 Recurrent form (``_kda_recurrent_kernel``): one program per (B*H, V block),
 the literal recurrence token by token with the fp32 state in registers.
@@ -126,8 +133,14 @@ import triton.language as tl
 from ._util import block_size, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
-INTRA_CHANNEL_SLICE = 128  # key channels per step of the intra-chunk A blocks (few, large steps: each costs barriers)
-INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the intra-chunk kernel (no spills at 32)
+INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (no spills at 32)
+# The A rows kernel's [16, 16] and [16, 64] products hold whole [16, slice] operands in every warp, so
+# it runs one warp a program, 32 channels a slice. H100, bench shape, its diagonal blocks alone:
+# 1.11 ms at 4 warps, 0.59 at 2, 0.38 at 1; a slice of 64 at 2 warps 0.81.
+A_ROWS_CHANNEL_SLICE = 16
+A_ROWS_NUM_WARPS = 1
+UT_INVERSE_NUM_WARPS = 1
+OPERANDS_NUM_WARPS = 2
 STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
 
 OPTIONS = {
@@ -177,7 +190,7 @@ def _gate_dot(dtype: torch.dtype) -> str:
 
 
 # ---------------------------------------------------------------------------
-# Chunkwise, kernel 1 (parallel over chunks): everything that does not need the carried state
+# Chunkwise, kernels 1-3 (parallel over chunks): everything that does not need the carried state
 # ---------------------------------------------------------------------------
 
 
@@ -218,18 +231,38 @@ def _dot(a, b, PRECISION: tl.constexpr):
 def _dot_within(a, a_peak, b, b_peak, PRECISION: tl.constexpr):
     """_dot for operands known to lie within |a| <= a_peak and |b| <= b_peak: "fp16" takes its
     scales from these bounds instead of from a max-reduction over each tile (a barrier across
-    the warps). The A blocks' operands are q or k times decays <= 1, so the chunk's peak |q| and
+    the warps). The A blocks' operands are q or k times decays <= 1, so the peaks of |q| and
     |k| bound them; an operand far below its bound keeps 2^-11 relative error down to 2^-27 of
     the bound, where fp16 goes subnormal (such terms are that much smaller than the largest)."""
     if PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        a_up, a_down = _fp16_scale(a_peak)
+        return _dot_scratch(_to_scratch(a, a_peak, PRECISION), a_peak, b, b_peak, PRECISION)
+    else:
+        return _dot(a, b, PRECISION)
+
+
+@triton.jit
+def _to_scratch(a, a_bound, PRECISION: tl.constexpr):
+    """An operand of the state pass's dots as it is stored between the kernels: for "fp16" scaled
+    by the power of two of its bound |a| <= a_bound and rounded to fp16, the rounding its product
+    would do anyway (half the bytes of fp32), else unchanged (fp32)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        a_up, _ = _fp16_scale(a_bound)
+        return (a * a_up).to(tl.float16)
+    else:
+        return a
+
+
+@triton.jit
+def _dot_scratch(a, a_bound, b, b_peak, PRECISION: tl.constexpr):
+    """a @ b for an operand a as _to_scratch made it (with the same bound) and an fp32 b, |b| <= b_peak."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        _, a_down = _fp16_scale(a_bound)
         b_up, b_down = _fp16_scale(b_peak)
-        a16 = (a * a_up).to(tl.float16)
         b16 = (b * b_up).to(tl.float16)
         if PRECISION == "fp16":
-            product = tl.dot(a16, b16)
+            product = tl.dot(a, b16)
         else:
-            product = tl.dot(a16.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
+            product = tl.dot(a.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
         return product * (a_down * b_down)
     else:
         return _dot(a, b, PRECISION)
@@ -248,109 +281,130 @@ def _span_sums(span, g, GATE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _kda_intra_chunk_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, bounds_ptr,
-    T, H, K, V, scale,
-    C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BKW: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
+def _kda_a_rows_kernel(
+    q_ptr, k_ptr, g_ptr, akk_ptr, aqk_ptr,
+    T, H, K, scale,
+    C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
 ):
-    """One chunk, fp32 throughout; rows past T read as 0 (g = 0 adds no decay).
+    """One block row of a chunk's A_kk (t > j) and A_qk (t >= j) per program, query rows
+    t = r .. r+SUB-1 (r = I*SUB) against the key rows j <= t, summed over key channels in slices of
+    BKC (the decays are per channel):
 
-    A [C, C] block row I (query rows t = r .. r+SUB-1, r = I*SUB) against key rows j,
-    summed over key channels in slices of BKC (the decays are per channel):
-      j < r:  (k_I exp(G_I - G_r)) . (k_j exp(G_r - G_j)), one dot through the anchor r;
-      j in the sub-chunk: by halving, level h pairing rows t >= a with j < a in each
-              group of 2h rows through its anchor a (one dot per level), plus t = j for A_qk.
-    Inverse X = (I + Diag(beta) A_kk)^-1 by block rows:
-      X_II = (I + L_II)^-1 by forward substitution, X_I = X_II (E_I - L_I,<r X_<r).
-    Then, with T = X Diag(beta):
-      W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
-      Aqk = scale A_qk (t >= j, 0 above the diagonal).
+      A_kk[t, j] = sum_c k_tc k_jc exp(G_tc - G_jc),   A_qk[t, j] = scale sum_c q_tc k_jc exp(G_tc - G_jc)
+
+    Left of the diagonal (j < r), one dot through the anchor r: (k_t exp(G_t - G_r)) . (k_j exp(G_r - G_j)),
+    both exponents <= 0 because j < r <= t; the anchor is the block's FIRST row, so no future row
+    enters, also in a partial trailing block. The diagonal block by halving: at level h every group
+    of 2h rows pairs its later half (t >= a) with its earlier half (j < a) through the anchor a, the
+    later half's first row, so each pair t > j is formed once, by one [SUB, BKC] x [BKC, SUB] dot
+    per level; A_qk's t = j is sum_c q_tc k_tc. Rows past T read as 0 (g = 0 adds no decay).
+    Both rows go to [rows, C] scratch (A_qk times scale), 0 right of the diagonal.
+    """
+    sub_chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    NC: tl.constexpr = C // SUB
+    LOG_SUB: tl.constexpr = 4  # halving levels of a SUB = 16 row block
+    chunk = sub_chunk // NC
+    r = (sub_chunk % NC) * SUB
+
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    local = tl.arange(0, SUB)
+    slice_channels = tl.arange(0, BKC)
+    chunk_ok = chunk * C + rows < T
+    chunk_token = (b * T + chunk * C + rows).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    block_ok = chunk * C + r + local < T
+    block_token = (b * T + chunk * C + r + local).to(tl.int64) * H + h
+
+    akk_left = tl.zeros((SUB, C), dtype=tl.float32)
+    aqk_left = tl.zeros((SUB, C), dtype=tl.float32)
+    akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
+    aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
+    for channel_start in range(0, BK, BKC):
+        channels = channel_start + slice_channels
+        channel_ok = channels < K
+        ptrs = block_token[:, None] * K + channels[None, :]
+        mask = block_ok[:, None] & channel_ok[None, :]
+        q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)  # input dtype, for _span_sums
+        # Every operand below is q or k times decays <= 1: the peaks of q and k bound them.
+        q_peak = _peak(q)
+        k_peak = _peak(k)
+        if r > 0:
+            # G_t - G_r = sum_{r < s <= t} g_s for the block's rows, G_r - G_j = sum_{j < s <= r} g_s
+            # for the key rows j < r (rows from r on are loaded as 0).
+            to_anchor = tl.exp(_span_sums((local[None, :] > 0) & (local[None, :] <= local[:, None]), g16, GATE_DOT))
+            tile_ptrs = chunk_token[:, None] * K + channels[None, :]
+            g_chunk = tl.load(g_ptr + tile_ptrs, mask=chunk_ok[:, None] & channel_ok[None, :], other=0.0)
+            from_anchor = tl.exp(_span_sums((rows[:, None] < cols[None, :]) & (cols[None, :] <= r), g_chunk, GATE_DOT))
+            k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & chunk_ok)[:, None] & channel_ok[None, :],
+                               other=0.0).to(tl.float32)
+            keys_before = tl.trans(k_before * from_anchor)  # [BKC, C]
+            keys_peak = _peak(k_before)
+            aqk_left += _dot_within(q * to_anchor, q_peak, keys_before, keys_peak, PRECISION)
+            akk_left += _dot_within(k * to_anchor, k_peak, keys_before, keys_peak, PRECISION)
+        for level in tl.static_range(LOG_SUB):
+            half = SUB >> (level + 1)
+            anchor = (local // (2 * half)) * (2 * half) + half
+            later_half = local >= anchor
+            # Exponents G_t - G_a (t >= a) and G_a - G_j (j < a): sums of the steps spanned.
+            span = tl.where(later_half[:, None],
+                            (anchor[:, None] < local[None, :]) & (local[None, :] <= local[:, None]),
+                            (local[:, None] < local[None, :]) & (local[None, :] <= anchor[:, None]))
+            decay = tl.exp(_span_sums(span, g16, GATE_DOT))
+            keys = tl.trans(tl.where(later_half[:, None], 0.0, k * decay))  # [BKC, SUB], rows j < a
+            pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later_half[:, None]
+            later_k = tl.where(later_half[:, None], k * decay, 0.0)
+            later_q = tl.where(later_half[:, None], q * decay, 0.0)
+            akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
+            aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
+        aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
+
+    scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
+    outside = ((cols < r) | (cols >= r + SUB))[None, :]
+    tl.store(akk_ptr + scratch_rows[:, None] * C + cols[None, :], akk_left, mask=outside)
+    tl.store(akk_ptr + scratch_rows[:, None] * C + (r + local)[None, :], akk_diag)
+    tl.store(aqk_ptr + scratch_rows[:, None] * C + cols[None, :], aqk_left * scale, mask=outside)
+    tl.store(aqk_ptr + scratch_rows[:, None] * C + (r + local)[None, :], aqk_diag * scale)
+
+
+@triton.jit
+def _kda_ut_inverse_kernel(
+    beta_ptr, akk_ptr, t_ptr,
+    T, H,
+    C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One chunk's UT matrix T = (I + L)^-1 Diag(beta), L = Diag(beta) A_kk (strictly lower), fp32,
+    from _kda_a_rows_kernel's A_kk to t [rows, C]; rows past T have beta = 0. By block rows I
+    (r = I*SUB):  X_II = (I + L_II)^-1 by forward substitution,  X_I = X_II (E_I - L_I,<r X_<r).
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
     NC: tl.constexpr = C // SUB
-    LOG_SUB: tl.constexpr = 4  # halving levels of a SUB = 16 row diagonal block
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     local = tl.arange(0, SUB)
-    slice_channels = tl.arange(0, BKC)
     blocks = tl.arange(0, NC)
-
-    positions = chunk * C + rows
-    row_ok = positions < T
-    token = (b * T + positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
-    beta = tl.load(beta_ptr + token, mask=row_ok, other=0.0).to(tl.float32)
-    # Scratch rows of this chunk in the [B*H, chunks*C, *] buffers (partial chunks padded).
-    scratch_row = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C + rows
-    aqk_base = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C * C
-
-    # Peaks of the chunk's |q| and |k|: every operand of the A blocks and of W is q or k times decays <= 1.
-    q_peak = 0.0
-    k_peak = 0.0
-    for channel_start in range(0, BK, BKC):
-        channels = channel_start + slice_channels
-        ptrs = token[:, None] * K + channels[None, :]
-        mask = row_ok[:, None] & (channels < K)[None, :]
-        q_peak = tl.maximum(q_peak, _peak(tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
-        k_peak = tl.maximum(k_peak, _peak(tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
+    row_ok = chunk * C + rows < T
+    beta = tl.load(beta_ptr + (b * T + chunk * C + rows).to(tl.int64) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    scratch_base = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C  # this chunk's first scratch row
 
     X3 = tl.zeros((NC, SUB, C), dtype=tl.float32)  # block rows of (I + L)^-1 found so far
     for I in tl.static_range(NC):
         r = I * SUB
-        strip_positions = chunk * C + r + local
-        strip_ok = strip_positions < T
-        strip_token = (b * T + strip_positions).to(tl.int64) * H + h
-        beta_I = tl.load(beta_ptr + strip_token, mask=strip_ok, other=0.0).to(tl.float32)
-
-        aqk_before = tl.zeros((SUB, C), dtype=tl.float32)  # A_qk[I, :r]
-        akk_before = tl.zeros((SUB, C), dtype=tl.float32)  # A_kk[I, :r]
-        aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)  # A_qk[I, I]
-        akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)  # A_kk[I, I]
-        for channel_start in range(0, BK, BKC):
-            channels = channel_start + slice_channels
-            channel_ok = channels < K
-            strip_ptrs = strip_token[:, None] * K + channels[None, :]
-            strip_mask = strip_ok[:, None] & channel_ok[None, :]
-            q_I = tl.load(q_ptr + strip_ptrs, mask=strip_mask, other=0.0).to(tl.float32)
-            k_I = tl.load(k_ptr + strip_ptrs, mask=strip_mask, other=0.0).to(tl.float32)
-            g16_I = tl.load(g_ptr + strip_ptrs, mask=strip_mask, other=0.0)  # input dtype, for _span_sums
-            if I > 0:
-                # Anchor row r: G_t - G_r = sum_{r < s <= t} g_s for the query rows t >= r, and
-                # G_r - G_j = sum_{j < s <= r} g_s for the key rows j < r (rows from r on: k is 0).
-                tile_ptrs = token[:, None] * K + channels[None, :]
-                to_anchor = tl.exp(_span_sums((local[None, :] > 0) & (local[None, :] <= local[:, None]), g16_I, GATE_DOT))
-                g_chunk = tl.load(g_ptr + tile_ptrs, mask=row_ok[:, None] & channel_ok[None, :], other=0.0)
-                from_anchor = tl.exp(_span_sums((rows[:, None] < cols[None, :]) & (cols[None, :] <= r), g_chunk, GATE_DOT))
-                # Key rows j < r only (earlier sub-chunks); rows from r on are 0 here.
-                k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & row_ok)[:, None] & channel_ok[None, :], other=0.0)
-                keys_before = tl.trans(k_before.to(tl.float32) * from_anchor)  # [BKC, C]
-                aqk_before += _dot_within(q_I * to_anchor, q_peak, keys_before, k_peak, PRECISION)
-                akk_before += _dot_within(k_I * to_anchor, k_peak, keys_before, k_peak, PRECISION)
-            # Diagonal block by halving: at level h every group of 2h rows pairs its later half
-            # (t >= a) with its earlier half (j < a) through the anchor a, the later half's first
-            # row, so each pair t > j is formed once, at the level that separates them.
-            for level in tl.static_range(LOG_SUB):
-                half = SUB >> (level + 1)
-                anchor = (local // (2 * half)) * (2 * half) + half
-                later_half = local >= anchor
-                # Exponents G_t - G_a (t >= a) and G_a - G_j (j < a): sums of the steps spanned.
-                span = tl.where(later_half[:, None],
-                                (anchor[:, None] < local[None, :]) & (local[None, :] <= local[:, None]),
-                                (local[:, None] < local[None, :]) & (local[None, :] <= anchor[:, None]))
-                decay = tl.exp(_span_sums(span, g16_I, GATE_DOT))
-                keys = tl.trans(tl.where(later_half[:, None], 0.0, k_I * decay))  # [BKC, SUB], rows j < a
-                pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later_half[:, None]
-                later_k = tl.where(later_half[:, None], k_I * decay, 0.0)
-                later_q = tl.where(later_half[:, None], q_I * decay, 0.0)
-                akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
-                aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
-            aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q_I * k_I, axis=1)[:, None], 0.0)
-
+        strip_rows = scratch_base + r + local
+        strip_ok = chunk * C + r + local < T
+        beta_I = tl.load(beta_ptr + (b * T + chunk * C + r + local).to(tl.int64) * H + h, mask=strip_ok,
+                         other=0.0).to(tl.float32)
         # X_II = (I + L_II)^-1, column by column: X_II -= L[:, jj] X_II[jj, :] (row jj is final).
+        akk_diag = tl.load(akk_ptr + strip_rows[:, None] * C + (r + local)[None, :])
         l_diag = tl.where(local[:, None] > local[None, :], beta_I[:, None] * akk_diag, 0.0)
         X_II = (local[:, None] == local[None, :]).to(tl.float32)
         for jj in range(SUB):
@@ -359,21 +413,54 @@ def _kda_intra_chunk_kernel(
             X_II -= l_col[:, None] * x_row[None, :]
         rhs = (cols[None, :] == r + local[:, None]).to(tl.float32)  # E_I
         if I > 0:
+            akk_before = tl.load(akk_ptr + strip_rows[:, None] * C + cols[None, :], mask=(cols < r)[None, :], other=0.0)
             rhs -= _dot(beta_I[:, None] * akk_before, tl.reshape(X3, (C, C)), PRECISION)
         X_I = _dot(X_II, rhs, PRECISION)
         X3 = tl.where((blocks == I)[:, None, None], X_I[None, :, :], X3)
 
-        # scale A_qk: the strip left of the diagonal block (0 right of it), then the block itself.
-        aqk_rows = aqk_base + (r + local)[:, None] * C
-        outside = (cols < r) | (cols >= r + SUB)
-        tl.store(aqk_ptr + aqk_rows + cols[None, :], aqk_before * scale, mask=outside[None, :])
-        tl.store(aqk_ptr + aqk_rows + (r + local)[None, :], aqk_diag * scale)
+    tl.store(t_ptr + (scratch_base + rows)[:, None] * C + cols[None, :], tl.reshape(X3, (C, C)) * beta[None, :])
 
-    # W, Qg, Kd and gC, BKW key channels at a time; G is summed from the chunk start (exp(G) <= 1)
-    # and G_C - G over the later steps only (a suffix sum, exp <= 1).
-    t_matrix = tl.reshape(X3, (C, C)) * beta[None, :]
+
+@triton.jit
+def _kda_chunk_operands_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
+    T, H, K, V, scale,
+    C: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
+):
+    """One chunk's operands of the state pass, from the UT matrix T:
+      W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
+    BKW key (BV value) channels at a time; G is summed from the chunk start (exp(G) <= 1) and
+    G_C - G over the later steps only (a suffix sum, exp <= 1). Then per-chunk bounds on |W|
+    (its peak), |Qg|, |Kd| and |A_qk| (|sum_c q_tc k_jc decay| <= K peak|q| peak|k|), from which the
+    state pass takes its fp16 scales with no reduction on its sequential path.
+    """
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+
+    rows = tl.arange(0, C)
+    cols = tl.arange(0, C)
+    positions = chunk * C + rows
+    row_ok = positions < T
+    token = (b * T + positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    scratch_row = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C + rows
+
+    q_peak = 0.0
+    k_peak = 0.0
+    for channel_start in range(0, BK, BKW):
+        channels = channel_start + tl.arange(0, BKW)
+        ptrs = token[:, None] * K + channels[None, :]
+        mask = row_ok[:, None] & (channels < K)[None, :]
+        q_peak = tl.maximum(q_peak, _peak(tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
+        k_peak = tl.maximum(k_peak, _peak(tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
+
+    t_matrix = tl.load(t_ptr + scratch_row[:, None] * C + cols[None, :])
     t_peak = _peak(t_matrix)
-    w_peak = 0.0
+    # |W_tc| = |sum_j T_tj k_jc exp(G_jc)| <= max_t sum_j |T_tj| peak|k|; |Qg| <= |scale| peak|q|; |Kd| <= peak|k|.
+    w_bound = tl.max(tl.sum(tl.abs(t_matrix), axis=1)) * k_peak
+    qg_bound = tl.abs(scale) * q_peak
     for channel_start in range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -386,10 +473,9 @@ def _kda_intra_chunk_kernel(
         to_end = tl.exp(_span_sums(cols[None, :] > rows[:, None], g, GATE_DOT))
         out_ptrs = scratch_row[:, None] * K + channels[None, :]
         w = _dot_within(t_matrix, t_peak, k * from_start, k_peak, PRECISION)
-        w_peak = tl.maximum(w_peak, _peak(w))
-        tl.store(w_ptr + out_ptrs, w, mask=channel_ok[None, :])
-        tl.store(qg_ptr + out_ptrs, (q * scale) * from_start, mask=channel_ok[None, :])
-        tl.store(kd_ptr + out_ptrs, k * to_end, mask=channel_ok[None, :])
+        tl.store(w_ptr + out_ptrs, _to_scratch(w, w_bound, PRECISION), mask=channel_ok[None, :])
+        tl.store(qg_ptr + out_ptrs, _to_scratch((q * scale) * from_start, qg_bound, PRECISION), mask=channel_ok[None, :])
+        tl.store(kd_ptr + out_ptrs, _to_scratch(k * to_end, k_peak, PRECISION), mask=channel_ok[None, :])
         tl.store(gc_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + channels,
                  tl.exp(tl.sum(g.to(tl.float32), axis=0)), mask=channel_ok)
     for value_start in range(0, V, BV):
@@ -399,12 +485,9 @@ def _kda_intra_chunk_kernel(
                     other=0.0).to(tl.float32)
         u = _dot_within(t_matrix, t_peak, v, _peak(v), PRECISION)
         tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
-    # Bounds on |W|, |Qg|, |Kd| and |Aqk| (|sum_c q_tc k_jc decay| <= K peak|q| peak|k|) for the state
-    # pass's fp16 scales, which then need no reduction on its sequential path.
     which = tl.arange(0, 4)
-    abs_scale = tl.abs(scale)
-    bounds = tl.where(which == 0, w_peak, tl.where(which == 1, abs_scale * q_peak,
-                      tl.where(which == 2, k_peak, abs_scale * K * q_peak * k_peak)))
+    bounds = tl.where(which == 0, w_bound, tl.where(which == 1, qg_bound,
+                      tl.where(which == 2, k_peak, qg_bound * K * k_peak)))
     tl.store(bounds_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 4 + which, bounds)
 
 
@@ -421,8 +504,8 @@ def _project_block(w_ptr, qg_ptr, S, scratch_row, channel_start, K, ws, qs, w_bo
     ptrs = scratch_row[:, None] * K + channels[None, :]
     mask = (channels < K)[None, :]
     s_peak = _peak(S)
-    ws += _dot_within(tl.load(w_ptr + ptrs, mask=mask, other=0.0), w_bound, S, s_peak, PRECISION)
-    qs += _dot_within(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), qg_bound, S, s_peak, PRECISION)
+    ws += _dot_scratch(tl.load(w_ptr + ptrs, mask=mask, other=0.0), w_bound, S, s_peak, PRECISION)
+    qs += _dot_scratch(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), qg_bound, S, s_peak, PRECISION)
     return ws, qs
 
 
@@ -435,7 +518,7 @@ def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_sta
     kd_t = tl.load(kd_ptr + scratch_row[None, :] * K + channels[:, None],
                    mask=channel_ok[:, None], other=0.0)  # [BKB, C]
     decay = tl.load(gc_ptr + gc_offset + channels, mask=channel_ok, other=0.0)
-    return decay[:, None] * S + _dot_within(kd_t, kd_bound, delta, delta_peak, PRECISION)
+    return decay[:, None] * S + _dot_scratch(kd_t, kd_bound, delta, delta_peak, PRECISION)
 
 
 @triton.jit
@@ -447,11 +530,11 @@ def _kda_state_pass_kernel(
 ):
     """S [NKB * BKB, BV] fp32 in registers, held as NKB (1, 2 or 4) blocks S0..S3 of BKB key
     channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, from
-    kernel 1's W, U, Qg, Kd, gC and Aqk:
+    kernels 1-3's W, U, Qg, Kd, gC and Aqk:
       Delta  = U - W S
       O      = Qg S + Aqk Delta
       S_next = gC * S + Kd^T Delta      (block by block)
-    The fp16 scales of W, Qg, Kd and Aqk come from kernel 1's bounds, those of S and Delta from one
+    The fp16 scales of W, Qg, Kd and Aqk come from kernel 3's bounds, those of S and Delta from one
     reduction each per chunk (a product of "fp16" otherwise reduces both of its operands).
     """
     v_block = tl.program_id(0)
@@ -536,8 +619,10 @@ def _kda_state_pass_kernel(
 
 
 class _IntraScratch(NamedTuple):
-    """Kernel 1's fp32 outputs, rows [B*H, chunks*C] (the last chunk padded): W, U, Qg, Kd, A_qk by
-    row, exp(G_C) and the bounds (peak |W|, then bounds on |Qg|, |Kd|, |A_qk|) by chunk."""
+    """Buffers of the three parallel kernels, rows [B*H, chunks*C] (the last chunk padded).
+    For the state pass: W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk|
+    by chunk; W, Qg and Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots,
+    else fp32), the others fp32. Between the parallel kernels: A_kk and T by row, fp32."""
 
     w: torch.Tensor
     u: torch.Tensor
@@ -546,25 +631,44 @@ class _IntraScratch(NamedTuple):
     gc: torch.Tensor
     aqk: torch.Tensor
     bounds: torch.Tensor
+    akk: torch.Tensor
+    ut_matrix: torch.Tensor
 
     @staticmethod
-    def allocate(B: int, H: int, num_chunks: int, C: int, K: int, V: int, device: torch.device) -> _IntraScratch:
+    def allocate(B: int, H: int, num_chunks: int, C: int, K: int, V: int, device: torch.device,
+                 dot_precision: str) -> _IntraScratch:
         rows = B * H * num_chunks * C
-        new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=device)  # noqa: E731
-        return _IntraScratch(new(rows, K), new(rows, V), new(rows, K), new(rows, K), new(B * H * num_chunks, K),
-                             new(rows, C), new(B * H * num_chunks, 4))
+        operand = torch.float16 if dot_precision in ("fp16", "fp16_emulated") else torch.float32
+
+        def new(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        return _IntraScratch(new(rows, K, dtype=operand), new(rows, V), new(rows, K, dtype=operand),
+                             new(rows, K, dtype=operand), new(B * H * num_chunks, K), new(rows, C),
+                             new(B * H * num_chunks, 4), new(rows, C), new(rows, C))
 
 
 def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         scale: float, scratch: _IntraScratch, dot_precision: str) -> None:
+    """The three kernels that need no carried state, each parallel over chunks (module docstring)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     C = scratch.aqk.shape[1]
+    num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
-    _kda_intra_chunk_kernel[(triton.cdiv(T, C), B * H)](
-        q, k, v, g, beta, *scratch, T, H, K, V, scale,
-        C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, INTRA_CHANNEL_SLICE), BKW=min(BK, INTRA_OUTPUT_BLOCK),
-        BV=min(block_size(V), INTRA_OUTPUT_BLOCK), PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype), num_warps=4,
+    common = dict(PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype))
+    _kda_a_rows_kernel[(num_chunks * (C // SUB_CHUNK), B * H)](
+        q, k, g, scratch.akk, scratch.aqk, T, H, K, scale,
+        C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_ROWS_CHANNEL_SLICE), num_warps=A_ROWS_NUM_WARPS, **common,
+    )
+    _kda_ut_inverse_kernel[(num_chunks, B * H)](
+        beta, scratch.akk, scratch.ut_matrix, T, H,
+        C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
+    )
+    _kda_chunk_operands_kernel[(num_chunks, B * H)](
+        q, k, v, g, scratch.ut_matrix, scratch.w, scratch.u, scratch.qg, scratch.kd, scratch.gc, scratch.bounds,
+        T, H, K, V, scale,
+        C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK), num_warps=OPERANDS_NUM_WARPS, **common,
     )
 
 
@@ -590,16 +694,15 @@ def chunkwise(
         # (sm_90 has 227 KB; the other precisions need 144-168 KB), and more than it has at K > 128.
         num_stages = 2 if BK <= 128 and dot_precision != "tf32" else 1
 
-    scratch = _IntraScratch.allocate(B, H, num_chunks, C, K, V, q.device)
+    scratch = _IntraScratch.allocate(B, H, num_chunks, C, K, V, q.device, dot_precision)
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     await_checks()
     _launch_intra_chunk(q, k, v, g, beta, scale, scratch, dot_precision)
-    w, u, qg, kd, gc, aqk, bounds = scratch
     _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
-        w, u, qg, kd, gc, aqk, bounds, o,
-        initial if initial is not None else gc, final if final is not None else gc,
+        scratch.w, scratch.u, scratch.qg, scratch.kd, scratch.gc, scratch.aqk, scratch.bounds, o,
+        initial if initial is not None else scratch.gc, final if final is not None else scratch.gc,
         T, H, K, V, num_chunks,
         C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
         PRECISION=dot_precision, num_warps=num_warps, num_stages=num_stages,

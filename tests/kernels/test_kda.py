@@ -144,28 +144,50 @@ def test_fp16_operand_scaling(magnitude):
     assert rel_err(state, ref_state) <= 8 * 2.0**-11
 
 
+def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16) -> kda_module._IntraScratch:
+    """The parallel kernels' scratch buffers for inputs x, chunks of C."""
+    B, T, H, K = x["k"].shape
+    dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
+    scratch = kda_module._IntraScratch.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"), dot_precision)
+    kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision)
+    return scratch
+
+
 @pytest.mark.parametrize("scale", [0.3, -2.0])
 def test_intra_chunk_bounds_hold(scale):
-    """The state pass takes the fp16 scales of W, Qg, Kd and A_qk from kernel 1's bounds per chunk
-    instead of reducing each tile: the first must be W's peak, the others must bound their tiles
-    (|Qg| <= |scale| peak|q|, |Kd| <= peak|k|, |A_qk| <= |scale| K peak|q| peak|k|), for a
-    negative scale too. Two heads, three chunks of 16, the last one partial."""
+    """The state pass takes the fp16 scales of W, Qg, Kd and A_qk from the per-chunk bounds of the
+    parallel kernels instead of reducing each tile: each must bound its fp32 tile (|W| <= max row
+    sum |T| peak|k|, |Qg| <= |scale| peak|q|, |Kd| <= peak|k|, |A_qk| <= |scale| K peak|q| peak|k|),
+    for a negative scale too. "fp16" stores W, Qg and Kd scaled by their bound's power of two and
+    rounded to fp16: unscaled they are the fp32 tiles to fp16 rounding, the scaled peak stays below
+    2^14 (no overflow), and the bound is tight enough to keep the largest entries normal.
+    Two heads, three chunks of 16, the last one partial."""
     x = _cast(_inputs(T=45, K=64, V=16, H=2, seed=12), torch.float32)  # W in two blocks of 32
-    B, T, H, K = x["k"].shape
-    C = 16
-    num_chunks = -(-T // C)
-    scratch = kda_module._IntraScratch.allocate(B, H, num_chunks, C, K, x["v"].shape[-1], torch.device("cpu"))
-    precision = kda_module._dot_precision("fp16", torch.bfloat16)
-    kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, precision)
+    exact = _intra_scratch(x, scale, "ieee")
+    rounded = _intra_scratch(x, scale, "fp16")
+    chunks = exact.bounds.shape[0]
 
     def chunk_peaks(rows: torch.Tensor) -> torch.Tensor:
-        return rows.abs().reshape(B * H * num_chunks, -1).amax(dim=1)
+        return rows.float().abs().reshape(chunks, -1).amax(dim=1)
 
-    bounds = scratch.bounds
-    assert torch.equal(bounds[:, 0], chunk_peaks(scratch.w)) and bounds[:, 0].min() > 0
-    assert torch.all(chunk_peaks(scratch.qg) <= bounds[:, 1])
-    assert torch.all(chunk_peaks(scratch.kd) <= bounds[:, 2])
-    assert torch.all(chunk_peaks(scratch.aqk) <= bounds[:, 3])
+    assert exact.bounds.min() > 0
+    for column, name in enumerate(("w", "qg", "kd", "aqk")):
+        assert torch.all(chunk_peaks(getattr(exact, name)) <= exact.bounds[:, column]), name
+    for column, name in enumerate(("w", "qg", "kd")):
+        bound = rounded.bounds[:, column]
+        # The power of two kda's _fp16_scale takes: the bound's binary exponent e goes to 13.
+        up = torch.exp2(13.0 - torch.floor(torch.log2(bound)))
+        stored = getattr(rounded, name)
+        assert stored.dtype == torch.float16, name
+        per_chunk = stored.float().reshape(chunks, -1)
+        assert torch.all(per_chunk.abs().amax(dim=1) < 2.0**14), name
+        assert torch.all(per_chunk.abs().amax(dim=1) >= 2.0**4), name  # the bound is not wildly loose
+        unscaled = per_chunk / up[:, None]
+        fp32 = getattr(exact, name).reshape(chunks, -1)
+        if name == "w":  # W = T K exp(G), where T itself comes from fp16 or fp32 dots: a few fp16 roundings
+            assert torch.all((unscaled - fp32).abs() <= 2.0**-9 * fp32.abs().amax(dim=1, keepdim=True)), name
+        else:  # one rounding to fp16 (2^-11 relative; a spacing of 2^-24 where fp16 goes subnormal)
+            assert torch.all((unscaled - fp32).abs() <= 2.0**-11 * fp32.abs() + 2.0**-24 / up[:, None]), name
 
 
 @pytest.mark.parametrize("chunk_size", [16, 32, 64])
