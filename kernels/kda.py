@@ -30,17 +30,18 @@ chunk padded):
 1. ``_kda_a_rows_kernel``, grid (chunks * C/16, B*H): one 16-row block row
    of A_kk and A_qk per program (secondary chunking). The pairwise decay
    exp(G_t - G_j) does not factor out of a dot as a whole; for the block's
-   query rows starting at row r, every key row j < r is paired through the
-   anchor r: exp(G_t - G_r) exp(G_r - G_j), both exponents <= 0 because
-   j < r <= t. The anchor is the block's FIRST row, so it is never later
-   than the query it serves (no future row enters, also in a partial
-   trailing block). The diagonal 16 x 16 block uses the same anchors by
-   halving: at level h (8, 4, 2, 1) each group of 2h rows pairs its later
-   half with its earlier half through the later half's first row, so every
-   pair t > j is formed once, by one [16, BKC] x [BKC, 16] dot per level
-   (the former [16, 16, 16] exp tiles, summed over channels with shuffles,
-   and 16-channel steps with a barrier each kept the kernel latency-bound:
-   6.9 ms at the bench shape). A_qk's diagonal t = j is sum_c q_tc k_tc.
+   query rows starting at row r, the key rows j of each earlier block J are
+   paired through the anchor r: exp(G_t - G_r) exp(G_r - G_j), both
+   exponents <= 0 because j < r <= t, one [16, BKC] x [BKC, 16] dot per
+   block J. The anchor is the block's FIRST row, so it is never later than
+   the query it serves (no future row enters, also in a partial trailing
+   block). The diagonal 16 x 16 block uses the same anchors by halving: at
+   level h (8, 4, 2, 1) each group of 2h rows pairs its later half with its
+   earlier half through the later half's first row, so every pair t > j is
+   formed once, by one [16, BKC] x [BKC, 16] dot per level (the former
+   [16, 16, 16] exp tiles, summed over channels with shuffles, and 16-channel
+   steps with a barrier each kept the kernel latency-bound: 6.9 ms at the
+   bench shape). A_qk's diagonal t = j is sum_c q_tc k_tc.
 2. ``_kda_ut_inverse_kernel``, grid (chunks, B*H): T from A_kk by block
    forward substitution, fp32.
 3. ``_kda_chunk_operands_kernel``, grid (chunks, B*H): W, U, Qg, Kd, exp(G_C)
@@ -49,7 +50,8 @@ chunk padded):
    on an H100, 255 registers, a 16.6k-instruction unrolled body stalled on
    instruction fetch); split, each runs at the warps its tiles want (one
    warp for the A rows, whose small products hold whole operands in every
-   warp): 1.0 + 0.22 + 0.77 ms.
+   warp, block J by block J: [16, 16] tiles, 143 registers): 0.75 + 0.22 +
+   0.77 ms.
 4. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
    the fp32 state stays in registers as up to four blocks of 64 key channels
    (as fla does: a whole [K, BV] fp32 tile and its [C, K] operands do not fit
@@ -134,13 +136,13 @@ from ._util import block_size, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
 INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (no spills at 32)
-# The A rows kernel's [16, 16] and [16, 64] products hold whole [16, slice] operands in every warp, so
-# it runs one warp a program, 32 channels a slice. H100, bench shape, its diagonal blocks alone:
-# 1.11 ms at 4 warps, 0.59 at 2, 0.38 at 1; a slice of 64 at 2 warps 0.81.
+# The A rows kernel's [16, 16] products hold whole [16, slice] operands in every warp, so it runs one
+# warp a program, 16 channels a slice (sm_90 build: 143 registers, none spilled; 230 at 32 channels).
+# H100, bench shape: 0.75 ms; 0.96 at 32 channels, 1.69 at 2 warps and 32 channels.
 A_ROWS_CHANNEL_SLICE = 16
 A_ROWS_NUM_WARPS = 1
-UT_INVERSE_NUM_WARPS = 1
-OPERANDS_NUM_WARPS = 2
+UT_INVERSE_NUM_WARPS = 1  # H100, bench shape: 0.21 ms at 1 warp, 0.37 at 4
+OPERANDS_NUM_WARPS = 2  # 0.77 ms at 2 warps (32 channels a block), 0.87 at 4 (16 channels), 0.98 at 4 with fp32 operands
 STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
 
 OPTIONS = {
@@ -287,19 +289,21 @@ def _kda_a_rows_kernel(
     C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
 ):
-    """One block row of a chunk's A_kk (t > j) and A_qk (t >= j) per program, query rows
-    t = r .. r+SUB-1 (r = I*SUB) against the key rows j <= t, summed over key channels in slices of
-    BKC (the decays are per channel):
+    """One block row of a chunk's A_kk (t > j) and A_qk (t >= j) per program: the query rows
+    t = r .. r+SUB-1 of block I (r = I*SUB) against the key rows j <= t, summed over key channels
+    in slices of BKC (the decays are per channel):
 
       A_kk[t, j] = sum_c k_tc k_jc exp(G_tc - G_jc),   A_qk[t, j] = scale sum_c q_tc k_jc exp(G_tc - G_jc)
 
-    Left of the diagonal (j < r), one dot through the anchor r: (k_t exp(G_t - G_r)) . (k_j exp(G_r - G_j)),
-    both exponents <= 0 because j < r <= t; the anchor is the block's FIRST row, so no future row
-    enters, also in a partial trailing block. The diagonal block by halving: at level h every group
-    of 2h rows pairs its later half (t >= a) with its earlier half (j < a) through the anchor a, the
-    later half's first row, so each pair t > j is formed once, by one [SUB, BKC] x [BKC, SUB] dot
-    per level; A_qk's t = j is sum_c q_tc k_tc. Rows past T read as 0 (g = 0 adds no decay).
-    Both rows go to [rows, C] scratch (A_qk times scale), 0 right of the diagonal.
+    Left of the diagonal, block J < I, one [SUB, BKC] x [BKC, SUB] dot through the anchor r:
+    (k_t exp(G_t - G_r)) . (k_j exp(G_r - G_j)), both exponents <= 0 because j < r <= t; the anchor
+    is the block's FIRST row, so no future row enters, also in a partial trailing block. G_r - G_j
+    is the steps of block J after j plus those from J's end to r, both sums of same-signed gates.
+    The diagonal block by halving: at level h every group of 2h rows pairs its later half (t >= a)
+    with its earlier half (j < a) through the anchor a, the later half's first row, so each pair
+    t > j is formed once, by one dot per level; A_qk's t = j is sum_c q_tc k_tc. Rows past T read
+    as 0 (g = 0 adds no decay). Both block rows go to [rows, C] scratch (A_qk times scale), 0 right
+    of the diagonal.
     """
     sub_chunk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -308,45 +312,31 @@ def _kda_a_rows_kernel(
     NC: tl.constexpr = C // SUB
     LOG_SUB: tl.constexpr = 4  # halving levels of a SUB = 16 row block
     chunk = sub_chunk // NC
-    r = (sub_chunk % NC) * SUB
+    I = sub_chunk % NC
+    r = I * SUB
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
     local = tl.arange(0, SUB)
     slice_channels = tl.arange(0, BKC)
-    chunk_ok = chunk * C + rows < T
-    chunk_token = (b * T + chunk * C + rows).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
-    block_ok = chunk * C + r + local < T
-    block_token = (b * T + chunk * C + r + local).to(tl.int64) * H + h
+    block_positions = chunk * C + r + local
+    block_ok = block_positions < T
+    block_token = (b * T + block_positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
 
-    akk_left = tl.zeros((SUB, C), dtype=tl.float32)
-    aqk_left = tl.zeros((SUB, C), dtype=tl.float32)
+    # The diagonal block by halving.
     akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
     aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
     for channel_start in range(0, BK, BKC):
         channels = channel_start + slice_channels
-        channel_ok = channels < K
         ptrs = block_token[:, None] * K + channels[None, :]
-        mask = block_ok[:, None] & channel_ok[None, :]
+        mask = block_ok[:, None] & (channels < K)[None, :]
         q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)  # input dtype, for _span_sums
         # Every operand below is q or k times decays <= 1: the peaks of q and k bound them.
         q_peak = _peak(q)
         k_peak = _peak(k)
-        if r > 0:
-            # G_t - G_r = sum_{r < s <= t} g_s for the block's rows, G_r - G_j = sum_{j < s <= r} g_s
-            # for the key rows j < r (rows from r on are loaded as 0).
-            to_anchor = tl.exp(_span_sums((local[None, :] > 0) & (local[None, :] <= local[:, None]), g16, GATE_DOT))
-            tile_ptrs = chunk_token[:, None] * K + channels[None, :]
-            g_chunk = tl.load(g_ptr + tile_ptrs, mask=chunk_ok[:, None] & channel_ok[None, :], other=0.0)
-            from_anchor = tl.exp(_span_sums((rows[:, None] < cols[None, :]) & (cols[None, :] <= r), g_chunk, GATE_DOT))
-            k_before = tl.load(k_ptr + tile_ptrs, mask=((rows < r) & chunk_ok)[:, None] & channel_ok[None, :],
-                               other=0.0).to(tl.float32)
-            keys_before = tl.trans(k_before * from_anchor)  # [BKC, C]
-            keys_peak = _peak(k_before)
-            aqk_left += _dot_within(q * to_anchor, q_peak, keys_before, keys_peak, PRECISION)
-            akk_left += _dot_within(k * to_anchor, k_peak, keys_before, keys_peak, PRECISION)
         for level in tl.static_range(LOG_SUB):
             half = SUB >> (level + 1)
             anchor = (local // (2 * half)) * (2 * half) + half
@@ -363,13 +353,44 @@ def _kda_a_rows_kernel(
             akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
             aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
         aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
+    row_ptrs = scratch_rows[:, None] * C
+    tl.store(akk_ptr + row_ptrs + (r + local)[None, :], akk_diag)
+    tl.store(aqk_ptr + row_ptrs + (r + local)[None, :], aqk_diag * scale)
+    tl.store(akk_ptr + row_ptrs + cols[None, :], tl.zeros((SUB, C), dtype=tl.float32), mask=(cols >= r + SUB)[None, :])
+    tl.store(aqk_ptr + row_ptrs + cols[None, :], tl.zeros((SUB, C), dtype=tl.float32), mask=(cols >= r + SUB)[None, :])
 
-    scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
-    outside = ((cols < r) | (cols >= r + SUB))[None, :]
-    tl.store(akk_ptr + scratch_rows[:, None] * C + cols[None, :], akk_left, mask=outside)
-    tl.store(akk_ptr + scratch_rows[:, None] * C + (r + local)[None, :], akk_diag)
-    tl.store(aqk_ptr + scratch_rows[:, None] * C + cols[None, :], aqk_left * scale, mask=outside)
-    tl.store(aqk_ptr + scratch_rows[:, None] * C + (r + local)[None, :], aqk_diag * scale)
+    # The blocks J < I left of it, through the anchor r.
+    within_block = local[:, None] < local[None, :]  # steps j < s <= SUB-1 of block J
+    to_anchor_span = (local[None, :] > 0) & (local[None, :] <= local[:, None])  # steps r < s <= t
+    for J in range(0, I):
+        after_block = (rows >= (J + 1) * SUB) & (rows <= r)  # steps from block J's end to r
+        key_positions = chunk * C + J * SUB + local
+        key_token = (b * T + key_positions).to(tl.int64) * H + h
+        akk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        aqk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        for channel_start in range(0, BK, BKC):
+            channels = channel_start + slice_channels
+            channel_ok = channels < K
+            ptrs = block_token[:, None] * K + channels[None, :]
+            mask = block_ok[:, None] & channel_ok[None, :]
+            q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)
+            key_ptrs = key_token[:, None] * K + channels[None, :]
+            key_mask = (key_positions < T)[:, None] & channel_ok[None, :]
+            k_J = tl.load(k_ptr + key_ptrs, mask=key_mask, other=0.0).to(tl.float32)
+            g_J = tl.load(g_ptr + key_ptrs, mask=key_mask, other=0.0)
+            g_between = tl.load(g_ptr + ((b * T + chunk * C + rows).to(tl.int64) * H + h)[:, None] * K + channels[None, :],
+                                mask=(after_block & (chunk * C + rows < T))[:, None] & channel_ok[None, :], other=0.0)
+            # G_r - G_j = (steps of block J after j) + (steps from J's end to r): same-signed sums.
+            after = tl.sum(g_between.to(tl.float32), axis=0)
+            to_anchor = tl.exp(_span_sums(to_anchor_span, g16, GATE_DOT))
+            keys = tl.trans(k_J * tl.exp(_span_sums(within_block, g_J, GATE_DOT) + after[None, :]))  # [BKC, SUB]
+            k_J_peak = _peak(k_J)
+            akk_block += _dot_within(k * to_anchor, _peak(k), keys, k_J_peak, PRECISION)
+            aqk_block += _dot_within(q * to_anchor, _peak(q), keys, k_J_peak, PRECISION)
+        tl.store(akk_ptr + row_ptrs + (J * SUB + local)[None, :], akk_block)
+        tl.store(aqk_ptr + row_ptrs + (J * SUB + local)[None, :], aqk_block * scale)
 
 
 @triton.jit
