@@ -142,7 +142,7 @@ INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the o
 A_ROWS_CHANNEL_SLICE = 16
 A_ROWS_NUM_WARPS = 1
 UT_INVERSE_NUM_WARPS = 1  # H100, bench shape: 0.21 ms at 1 warp, 0.37 at 4
-OPERANDS_NUM_WARPS = 2  # 0.77 ms at 2 warps (32 channels a block), 0.87 at 4 (16 channels), 0.98 at 4 with fp32 operands
+OPERANDS_NUM_WARPS = 2  # 0.77 ms at 2 warps and 32 channels a block; 0.87 at 4 warps, 0.86 at 16 channels
 STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
 
 OPTIONS = {
