@@ -9,7 +9,6 @@ with its mean time per call, so that one sees which pass of a multi-launch kerne
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections import defaultdict
 
@@ -18,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import attnlab
 from attnlab.bench import ALL, PEERS
+from attnlab.kernel import speed_options
 
 CALLS = 5
 
@@ -43,7 +43,7 @@ def main() -> None:
         x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
         peer = PEERS.get(name)
         inputs = {**x, **(peer.our_options or {})} if peer else x
-        speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get("chunkwise", {})
+        speed = speed_options(name, "chunkwise")
         runs = [("attnlab default", attnlab.kernel(name, "chunkwise")), ("attnlab speed", attnlab.kernel(name, "chunkwise", **speed) if speed else None)]
         for label, ours in runs:
             if ours is None:

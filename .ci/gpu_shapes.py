@@ -14,15 +14,13 @@ SHAPES = [(1, 1, 70), (12, 44, 300), (44, 12, 2627), (100, 72, 1000), (128, 128,
 
 
 def one(name: str, form: str) -> None:
-    import importlib
-
     import torch
 
     import attnlab
     from attnlab.evaluate import measure_against_oracle, rounded_inputs
+    from attnlab.kernel import speed_options
 
-    f = attnlab.formulation(name)
-    speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get(form, {})
+    speed = speed_options(name, form)
     settings = {"default": {}, **({"speed": speed} if speed else {})}
     for setting, opts in settings.items():
         for dtype in (torch.bfloat16, torch.float16):

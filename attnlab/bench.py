@@ -113,9 +113,7 @@ def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torc
         progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
     setting) and its peer at one shape; one result row per kernel setting."""
-    import importlib
-
-    from attnlab.kernel import kernel
+    from attnlab.kernel import kernel, speed_options
 
     bandwidth = measured_bandwidth()
     rows = []
@@ -126,7 +124,7 @@ def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torc
         inputs = {**x, **(peer.our_options or {})} if peer else x
         peer_ms, _, peer_error = _timed(peer.make(x)) if peer else (math.nan, None, None)
         chosen = form if form in f.kernel_forms else f.kernel_forms[0]
-        speed = getattr(importlib.import_module(f.kernel_module), "SPEED_OPTIONS", {}).get(chosen, {})
+        speed = speed_options(name, chosen)
         for setting, opts in (("default", {}), ("speed", speed)):
             if setting == "speed" and not opts:
                 continue

@@ -46,6 +46,13 @@ def kernel_options(name: str, form: str) -> dict[str, tuple[Any, tuple[Any, ...]
     return dict(getattr(module, "OPTIONS", {}).get(form, {}))
 
 
+def speed_options(name: str, form: str) -> dict[str, Any]:
+    """The fastest setting of ``name``'s kernel in ``form`` where its module offers one (its SPEED_OPTIONS,
+    which trade accuracy for speed: bench and the GPU scripts time it beside the default), else {}."""
+    module = importlib.import_module(formulation(name).kernel_module)
+    return dict(getattr(module, "SPEED_OPTIONS", {}).get(form, {}))
+
+
 class Kernel:
     """A configured kernel; call it with the formulation's inputs."""
 

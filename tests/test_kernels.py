@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.kernel import kernel_options
+from attnlab.kernel import kernel_options, speed_options
 from attnlab.kernels import _gated
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.properties.traits import is_log_gate
@@ -132,6 +132,24 @@ def test_kernel_resumes_from_state_cpu(name, form):
 @pytest.mark.parametrize("name,form", CASES)
 def test_kernel_matches_oracle_gpu(name, form, dtype, T):
     _check(name, form, dtype, "cuda", T=T, K=64, V=64, H=4, B=2)
+
+
+@pytest.mark.parametrize("name,form", CASES)
+def test_speed_options_are_valid_options(name, form):
+    """bench and the GPU scripts time each module's SPEED_OPTIONS beside its default: every one must be an
+    option the kernel takes, with an allowed value (a renamed option would fail there, on the GPU only)."""
+    speed = speed_options(name, form)
+    allowed = kernel_options(name, form)
+    for option, value in speed.items():
+        assert option in allowed, (option, sorted(allowed))
+        choices = allowed[option][1]
+        assert choices is None or value in choices, (option, value, choices)
+    attnlab.kernel(name, form, **speed)
+
+
+def test_some_kernels_offer_a_speed_setting():
+    assert speed_options("kda", "chunkwise") == {"precision": "bf16"}
+    assert speed_options("kda", "recurrent") == {}
 
 
 PRECISION_CASES = [(name, form, p) for name, form in CASES
