@@ -107,8 +107,8 @@ OPTIONS (chunkwise):
 - ``num_warps`` (4) and ``num_stages`` ("auto": 2 up to K = 128 except with
   "tf32" dots, else 1) of the state pass. Compiled offline for sm_90 (ptxas
   of triton 3.6, .ci/sm90_compile.py, bf16 inputs, K=V=128, C=64, "fp16"):
-  A rows 255 registers at 1 warp with 52 bytes of spills; UT inverse 255 at
-  1 warp (32 bytes); operands 255 at 2 warps (76 bytes); state pass at 2
+  A rows 143 registers at 1 warp, no spills; UT inverse 255 at 1 warp (32
+  bytes of spills); operands 255 at 2 warps (76 bytes); state pass at 2
   stages 255 registers, 32 bytes of spill stores, 144 KB of shared memory
   ("bf16x3" 280 bytes of spills, 152 KB; "tf32x3" 168 KB), "tf32" 272 KB (48 KB at 1
   stage); the limit is 227 KB (KB = 1024 bytes throughout).
