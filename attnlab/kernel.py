@@ -40,17 +40,21 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _module_table(name: str, table: str, form: str) -> dict[str, Any]:
+    """Entry ``form`` of the dict ``table`` in formulation ``name``'s kernel module ({} where it has none)."""
+    module = importlib.import_module(formulation(name).kernel_module)
+    return dict(getattr(module, table, {}).get(form, {}))
+
+
 def kernel_options(name: str, form: str) -> dict[str, tuple[Any, tuple[Any, ...] | None]]:
     """The tunables of formulation ``name``'s kernel in ``form``: option -> (default, its choices or None)."""
-    module = importlib.import_module(formulation(name).kernel_module)
-    return dict(getattr(module, "OPTIONS", {}).get(form, {}))
+    return _module_table(name, "OPTIONS", form)
 
 
 def speed_options(name: str, form: str) -> dict[str, Any]:
     """The fastest setting of ``name``'s kernel in ``form`` where its module offers one (its SPEED_OPTIONS,
     which trade accuracy for speed: bench and the GPU scripts time it beside the default), else {}."""
-    module = importlib.import_module(formulation(name).kernel_module)
-    return dict(getattr(module, "SPEED_OPTIONS", {}).get(form, {}))
+    return _module_table(name, "SPEED_OPTIONS", form)
 
 
 class Kernel:

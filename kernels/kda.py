@@ -135,7 +135,7 @@ import triton.language as tl
 from ._util import block_size, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
-INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (no spills at 32)
+INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (see its warps below)
 # The A rows kernel's [16, 16] products hold whole [16, slice] operands in every warp, so it runs one
 # warp a program, 16 channels a slice (sm_90 build: 143 registers, none spilled; 230 at 32 channels).
 # H100, bench shape: 0.75 ms; 0.96 at 32 channels, 1.69 at 2 warps and 32 channels.
@@ -322,6 +322,8 @@ def _kda_a_rows_kernel(
     block_positions = chunk * C + r + local
     block_ok = block_positions < T
     block_token = (b * T + block_positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    chunk_ok = chunk * C + rows < T
+    chunk_token = (b * T + chunk * C + rows).to(tl.int64) * H + h
     scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
 
     # The diagonal block by halving.
@@ -380,8 +382,8 @@ def _kda_a_rows_kernel(
             key_mask = (key_positions < T)[:, None] & channel_ok[None, :]
             k_J = tl.load(k_ptr + key_ptrs, mask=key_mask, other=0.0).to(tl.float32)
             g_J = tl.load(g_ptr + key_ptrs, mask=key_mask, other=0.0)
-            g_between = tl.load(g_ptr + ((b * T + chunk * C + rows).to(tl.int64) * H + h)[:, None] * K + channels[None, :],
-                                mask=(after_block & (chunk * C + rows < T))[:, None] & channel_ok[None, :], other=0.0)
+            g_between = tl.load(g_ptr + chunk_token[:, None] * K + channels[None, :],
+                                mask=(after_block & chunk_ok)[:, None] & channel_ok[None, :], other=0.0)
             # G_r - G_j = (steps of block J after j) + (steps from J's end to r): same-signed sums.
             after = tl.sum(g_between.to(tl.float32), axis=0)
             to_anchor = tl.exp(_span_sums(to_anchor_span, g16, GATE_DOT))
@@ -453,8 +455,9 @@ def _kda_chunk_operands_kernel(
       W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
     BKW key (BV value) channels at a time; G is summed from the chunk start (exp(G) <= 1) and
     G_C - G over the later steps only (a suffix sum, exp <= 1). Then per-chunk bounds on |W|
-    (its peak), |Qg|, |Kd| and |A_qk| (|sum_c q_tc k_jc decay| <= K peak|q| peak|k|), from which the
-    state pass takes its fp16 scales with no reduction on its sequential path.
+    (largest row sum of |T| times peak|k|), |Qg|, |Kd| and |A_qk| (|sum_c q_tc k_jc decay| <= K peak|q|
+    peak|k|), from which the state pass takes its fp16 scales with no reduction on its sequential
+    path; W, Qg and Kd are stored as _to_scratch makes them with these bounds.
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
