@@ -12,8 +12,6 @@ import torch
 from . import _delta
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
-# The fast setting: every chunkwise intermediate in fp16 (kernels/_delta.py has the accuracy of each).
-SPEED_OPTIONS = {"chunkwise": dict(_delta.SPEED_OPTIONS)}
 
 
 def chunkwise(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,

@@ -521,36 +521,44 @@ def _kda_chunk_operands_kernel(
 
 
 @triton.jit
-def _project_block(w_ptr, qg_ptr, S, scratch_row, channel_start, K, ws, qs, w_bound, qg_bound,
-                   BKB: tl.constexpr, PRECISION: tl.constexpr):
-    """Adds one block of BKB key channels to ws = W S and qs = Qg S."""
+def _project_block(w_ptr, qg_ptr, S, scratch_row, qg_row, row_ok, channel_start, K, ws, qs, w_bound, qg_bound,
+                   BKB: tl.constexpr, PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """Adds one block of BKB key channels to ws = W S and qs = Qg S (with SCALAR_GATE, Q S: qg_ptr
+    is the input q, qg_row its rows' offsets, qg_bound peak|q|)."""
     channels = channel_start + tl.arange(0, BKB)
-    ptrs = scratch_row[:, None] * K + channels[None, :]
     mask = (channels < K)[None, :]
     s_peak = _peak(S)
-    ws += _dot_scratch(tl.load(w_ptr + ptrs, mask=mask, other=0.0), w_bound, S, s_peak, PRECISION)
-    qs += _dot_scratch(tl.load(qg_ptr + ptrs, mask=mask, other=0.0), qg_bound, S, s_peak, PRECISION)
+    ws += _dot_scratch(tl.load(w_ptr + scratch_row[:, None] * K + channels[None, :], mask=mask, other=0.0), w_bound,
+                       S, s_peak, PRECISION)
+    qg = tl.load(qg_ptr + qg_row[:, None] + channels[None, :], mask=row_ok[:, None] & mask, other=0.0)
+    if SCALAR_GATE:
+        qg = _to_scratch(qg.to(tl.float32), qg_bound, PRECISION)
+    qs += _dot_scratch(qg, qg_bound, S, s_peak, PRECISION)
     return ws, qs
 
 
 @triton.jit
-def _advance_block(kd_ptr, gc_ptr, S, delta, scratch_row, gc_offset, channel_start, K, kd_bound, delta_peak,
-                   BKB: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BKB key channels of S_next = gC * S (rows) + Kd^T Delta."""
+def _advance_block(kd_ptr, gc_ptr, S, delta, kd_row, row_ok, gc_offset, channel_start, K, kd_bound, delta_peak,
+                   BKB: tl.constexpr, PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr):
+    """One block of BKB key channels of S_next = gC * S (rows) + Kd^T Delta (with SCALAR_GATE, K^T
+    Delta: kd_ptr is the input k, kd_row its rows' offsets, kd_bound peak|k|)."""
     channels = channel_start + tl.arange(0, BKB)
     channel_ok = channels < K
-    kd_t = tl.load(kd_ptr + scratch_row[None, :] * K + channels[:, None],
-                   mask=channel_ok[:, None], other=0.0)  # [BKB, C]
+    kd_t = tl.load(kd_ptr + kd_row[None, :] + channels[:, None],
+                   mask=channel_ok[:, None] & row_ok[None, :], other=0.0)  # [BKB, C]
+    if SCALAR_GATE:
+        kd_t = _to_scratch(kd_t.to(tl.float32), kd_bound, PRECISION)
     decay = tl.load(gc_ptr + gc_offset + channels, mask=channel_ok, other=0.0)
     return decay[:, None] * S + _dot_scratch(kd_t, kd_bound, delta, delta_peak, PRECISION)
 
 
 @triton.jit
 def _kda_state_pass_kernel(
-    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, bounds_ptr, o_ptr, state_in_ptr, state_out_ptr,
+    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, bounds_ptr, q_ptr, k_ptr, o_ptr, state_in_ptr, state_out_ptr,
     T, H, K, V, num_chunks,
     C: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
+    SCALAR_GATE: tl.constexpr,
 ):
     """S [NKB * BKB, BV] fp32 in registers, held as NKB (1, 2 or 4) blocks S0..S3 of BKB key
     channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, from
@@ -560,6 +568,12 @@ def _kda_state_pass_kernel(
       S_next = gC * S + Kd^T Delta      (block by block)
     The fp16 scales of W, Qg, Kd and Aqk come from kernel 3's bounds, those of S and Delta from one
     reduction each per chunk (a product of "fp16" otherwise reduces both of its operands).
+
+    SCALAR_GATE (the delta rules, kernels/_delta.py: one gate per head): Qg and Kd are the input q
+    and k (q_ptr, k_ptr) times per-row factors, which qg and kd then hold ([rows] fp32: scale exp(G_t)
+    and exp(G_C - G_t)); the factors go on the rows of Q S and of Delta, so the prepare kernel writes
+    no Qg or Kd tiles, and q and k enter the dots exactly (fp16 scaled by peak|q|, peak|k|, the
+    bounds' places of |Qg| and |Kd|). A_qk is stored as _to_scratch makes it (fp16 for "fp16" dots).
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -598,37 +612,49 @@ def _kda_state_pass_kernel(
         w_bound, qg_bound = tl.load(bounds), tl.load(bounds + 1)
         kd_bound, aqk_bound = tl.load(bounds + 2), tl.load(bounds + 3)
 
+        if SCALAR_GATE:
+            qk_base, qk_row, qk_ok = q_ptr, token * K, row_ok  # the inputs' rows
+            kd_base = k_ptr
+        else:
+            qk_base, qk_row, qk_ok = qg_ptr, scratch_row * K, rows >= 0  # scratch rows, padding included
+            kd_base = kd_ptr
         ws = tl.zeros((C, BV), dtype=tl.float32)
         qs = tl.zeros((C, BV), dtype=tl.float32)
-        ws, qs = _project_block(w_ptr, qg_ptr, S0, scratch_row, 0, K, ws, qs, w_bound, qg_bound,
-                                    BKB, PRECISION)
+        ws, qs = _project_block(w_ptr, qk_base, S0, scratch_row, qk_row, qk_ok, 0, K, ws, qs, w_bound, qg_bound,
+                                BKB, PRECISION, SCALAR_GATE)
         if NKB > 1:
-            ws, qs = _project_block(w_ptr, qg_ptr, S1, scratch_row, BKB, K, ws, qs, w_bound, qg_bound,
-                                    BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qk_base, S1, scratch_row, qk_row, qk_ok, BKB, K, ws, qs, w_bound,
+                                    qg_bound, BKB, PRECISION, SCALAR_GATE)
         if NKB > 2:
-            ws, qs = _project_block(w_ptr, qg_ptr, S2, scratch_row, 2 * BKB, K, ws, qs, w_bound, qg_bound,
-                                    BKB, PRECISION)
-            ws, qs = _project_block(w_ptr, qg_ptr, S3, scratch_row, 3 * BKB, K, ws, qs, w_bound, qg_bound,
-                                    BKB, PRECISION)
+            ws, qs = _project_block(w_ptr, qk_base, S2, scratch_row, qk_row, qk_ok, 2 * BKB, K, ws, qs, w_bound,
+                                    qg_bound, BKB, PRECISION, SCALAR_GATE)
+            ws, qs = _project_block(w_ptr, qk_base, S3, scratch_row, qk_row, qk_ok, 3 * BKB, K, ws, qs, w_bound,
+                                    qg_bound, BKB, PRECISION, SCALAR_GATE)
 
         u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
         delta = u - ws
         delta_peak = _peak(delta)
         aqk = tl.load(aqk_ptr + scratch_row[:, None] * C + cols[None, :])
-        o = qs + _dot_within(aqk, aqk_bound, delta, delta_peak, PRECISION)
+        if SCALAR_GATE:
+            qs = qs * tl.load(qg_ptr + scratch_row)[:, None]
+            o = qs + _dot_scratch(aqk, aqk_bound, delta, delta_peak, PRECISION)
+            # |exp(G_C - G_t) Delta_t| <= |Delta_t|: delta_peak still bounds it.
+            delta = delta * tl.load(kd_ptr + scratch_row)[:, None]
+        else:
+            o = qs + _dot_within(aqk, aqk_bound, delta, delta_peak, PRECISION)
         tl.store(o_ptr + token[:, None] * V + values[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & value_ok[None, :])
 
-        S0 = _advance_block(kd_ptr, gc_ptr, S0, delta, scratch_row, gc_offset, 0, K, kd_bound,
-                                delta_peak, BKB, PRECISION)
+        S0 = _advance_block(kd_base, gc_ptr, S0, delta, qk_row, qk_ok, gc_offset, 0, K, kd_bound,
+                            delta_peak, BKB, PRECISION, SCALAR_GATE)
         if NKB > 1:
-            S1 = _advance_block(kd_ptr, gc_ptr, S1, delta, scratch_row, gc_offset, BKB, K, kd_bound,
-                                delta_peak, BKB, PRECISION)
+            S1 = _advance_block(kd_base, gc_ptr, S1, delta, qk_row, qk_ok, gc_offset, BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION, SCALAR_GATE)
         if NKB > 2:
-            S2 = _advance_block(kd_ptr, gc_ptr, S2, delta, scratch_row, gc_offset, 2 * BKB, K, kd_bound,
-                                delta_peak, BKB, PRECISION)
-            S3 = _advance_block(kd_ptr, gc_ptr, S3, delta, scratch_row, gc_offset, 3 * BKB, K, kd_bound,
-                                delta_peak, BKB, PRECISION)
+            S2 = _advance_block(kd_base, gc_ptr, S2, delta, qk_row, qk_ok, gc_offset, 2 * BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION, SCALAR_GATE)
+            S3 = _advance_block(kd_base, gc_ptr, S3, delta, qk_row, qk_ok, gc_offset, 3 * BKB, K, kd_bound,
+                                delta_peak, BKB, PRECISION, SCALAR_GATE)
 
     if STORE_FINAL_STATE:
         tl.store(state_out_ptr + state_ptrs, S0, mask=(block_channels < K)[:, None] & value_ok[None, :])
@@ -642,11 +668,11 @@ def _kda_state_pass_kernel(
                      mask=(3 * BKB + block_channels < K)[:, None] & value_ok[None, :])
 
 
-class _IntraScratch(NamedTuple):
-    """Buffers of the three parallel kernels, rows [B*H, chunks*C] (the last chunk padded).
-    For the state pass: W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk|
-    by chunk; W, Qg and Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots,
-    else fp32), the others fp32. Between the parallel kernels: A_kk and T by row, fp32."""
+class StateOperands(NamedTuple):
+    """What the state pass reads, rows [B*H, chunks*C] (the last chunk padded, its padding rows 0):
+    W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk| by chunk; W, Qg and
+    Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots, else fp32), the others
+    fp32. kernels/_delta.py fills them for the delta rules (a per-head gate broadcast over K)."""
 
     w: torch.Tensor
     u: torch.Tensor
@@ -655,6 +681,31 @@ class _IntraScratch(NamedTuple):
     gc: torch.Tensor
     aqk: torch.Tensor
     bounds: torch.Tensor
+
+    @staticmethod
+    def allocate(B: int, H: int, num_chunks: int, C: int, K: int, V: int, device: torch.device,
+                 dot_precision: str, scalar_gate: bool = False) -> StateOperands:
+        """Buffers for kda's operands, or with ``scalar_gate`` the delta rules' (the state pass's
+        SCALAR_GATE): qg and kd then hold per-row factors [rows] (scale exp(G_t), exp(G_C - G_t)),
+        bounds[:, 1:3] peak|q| and peak|k|, and A_qk is stored like W."""
+        rows = B * H * num_chunks * C
+        operand = torch.float16 if dot_precision in ("fp16", "fp16_emulated") else torch.float32
+
+        def new(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        if scalar_gate:
+            return StateOperands(new(rows, K, dtype=operand), new(rows, V), new(rows), new(rows),
+                                 new(B * H * num_chunks, K), new(rows, C, dtype=operand), new(B * H * num_chunks, 4))
+        return StateOperands(new(rows, K, dtype=operand), new(rows, V), new(rows, K, dtype=operand),
+                             new(rows, K, dtype=operand), new(B * H * num_chunks, K), new(rows, C),
+                             new(B * H * num_chunks, 4))
+
+
+class _IntraScratch(NamedTuple):
+    """The state pass's operands and, between the parallel kernels, A_kk and T by row (fp32)."""
+
+    operands: StateOperands
     akk: torch.Tensor
     ut_matrix: torch.Tensor
 
@@ -662,14 +713,42 @@ class _IntraScratch(NamedTuple):
     def allocate(B: int, H: int, num_chunks: int, C: int, K: int, V: int, device: torch.device,
                  dot_precision: str) -> _IntraScratch:
         rows = B * H * num_chunks * C
-        operand = torch.float16 if dot_precision in ("fp16", "fp16_emulated") else torch.float32
+        return _IntraScratch(StateOperands.allocate(B, H, num_chunks, C, K, V, device, dot_precision),
+                             torch.empty(rows, C, device=device), torch.empty(rows, C, device=device))
 
-        def new(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device=device)
 
-        return _IntraScratch(new(rows, K, dtype=operand), new(rows, V), new(rows, K, dtype=operand),
-                             new(rows, K, dtype=operand), new(B * H * num_chunks, K), new(rows, C),
-                             new(B * H * num_chunks, 4), new(rows, C), new(rows, C))
+def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype, K: int) -> tuple[str, int]:
+    """(the dot precision, the number of stages) of the state pass for the ``precision`` and
+    ``num_stages`` options (checked by the caller) and inputs of ``dtype`` with K key channels."""
+    dot_precision = _dot_precision(precision, dtype)
+    if num_stages == "auto":
+        # Two stages of the state pass's fp32 operand tiles need 272 KB of shared memory with "tf32" dots
+        # (sm_90 has 227 KB; the other precisions need 144-168 KB), and more than it has at K > 128.
+        num_stages = 2 if block_size(K) <= 128 and dot_precision != "tf32" else 1
+    return dot_precision, num_stages
+
+
+def launch_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Tensor | None,
+                      final: torch.Tensor | None, T: int, C: int, block_v: int, dot_precision: str,
+                      num_warps: int, num_stages: int, scalar_gate_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      ) -> None:
+    """Kernel 4 over ``operands``: writes o [B, T, H, V] and, if given, the final state (fp32).
+    ``scalar_gate_inputs`` (q, k) selects the delta rules' operands (StateOperands.allocate's scalar_gate)."""
+    B, _, H, V = o.shape
+    K = operands.gc.shape[1]
+    num_chunks = triton.cdiv(T, C)
+    BK = block_size(K)
+    BKB = min(BK, STATE_CHANNEL_BLOCK)
+    BV = min(block_v, block_size(V))
+    _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
+        operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
+        *(scalar_gate_inputs or (o, o)), o,
+        initial if initial is not None else operands.gc, final if final is not None else operands.gc,
+        T, H, K, V, num_chunks,
+        C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None,
+        STORE_FINAL_STATE=final is not None, PRECISION=dot_precision, SCALAR_GATE=scalar_gate_inputs is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
 
 
 def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -677,12 +756,13 @@ def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     """The three kernels that need no carried state, each parallel over chunks (module docstring)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    C = scratch.aqk.shape[1]
+    operands = scratch.operands
+    C = operands.aqk.shape[1]
     num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
     common = dict(PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype))
     _kda_a_rows_kernel[(num_chunks * (C // SUB_CHUNK), B * H)](
-        q, k, g, scratch.akk, scratch.aqk, T, H, K, scale,
+        q, k, g, scratch.akk, operands.aqk, T, H, K, scale,
         C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_ROWS_CHANNEL_SLICE), num_warps=A_ROWS_NUM_WARPS, **common,
     )
     _kda_ut_inverse_kernel[(num_chunks, B * H)](
@@ -690,7 +770,7 @@ def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
     )
     _kda_chunk_operands_kernel[(num_chunks, B * H)](
-        q, k, v, g, scratch.ut_matrix, scratch.w, scratch.u, scratch.qg, scratch.kd, scratch.gc, scratch.bounds,
+        q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.bounds,
         T, H, K, V, scale,
         C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK), num_warps=OPERANDS_NUM_WARPS, **common,
     )
@@ -707,30 +787,15 @@ def chunkwise(
         _check_choice("chunkwise", name, value)
     B, T, H, K = k.shape
     V = v.shape[-1]
-    C = chunk_size
-    num_chunks = triton.cdiv(T, C)
-    BK = block_size(K)
-    BKB = min(BK, STATE_CHANNEL_BLOCK)
-    BV = min(block_v, block_size(V))
-    dot_precision = _dot_precision(precision, q.dtype)
-    if num_stages == "auto":
-        # Two stages of the state pass's fp32 operand tiles need 272 KB of shared memory with "tf32" dots
-        # (sm_90 has 227 KB; the other precisions need 144-168 KB), and more than it has at K > 128.
-        num_stages = 2 if BK <= 128 and dot_precision != "tf32" else 1
-
-    scratch = _IntraScratch.allocate(B, H, num_chunks, C, K, V, q.device, dot_precision)
+    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
+    scratch = _IntraScratch.allocate(B, H, triton.cdiv(T, chunk_size), chunk_size, K, V, q.device, dot_precision)
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     await_checks()
     _launch_intra_chunk(q, k, v, g, beta, scale, scratch, dot_precision)
-    _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
-        scratch.w, scratch.u, scratch.qg, scratch.kd, scratch.gc, scratch.aqk, scratch.bounds, o,
-        initial if initial is not None else scratch.gc, final if final is not None else scratch.gc,
-        T, H, K, V, num_chunks,
-        C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
-        PRECISION=dot_precision, num_warps=num_warps, num_stages=num_stages,
-    )
+    launch_state_pass(scratch.operands, o, initial, final, T, chunk_size, block_v, dot_precision, num_warps,
+                      num_stages)
     return o, ((final,) if return_state else None)
 
 # ---------------------------------------------------------------------------

@@ -146,13 +146,13 @@ def test_fp16_operand_scaling(magnitude):
     assert rel_err(state, ref_state) <= 8 * 2.0**-11
 
 
-def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16) -> kda_module._IntraScratch:
-    """The parallel kernels' scratch buffers for inputs x, chunks of C."""
+def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16) -> kda_module.StateOperands:
+    """The state pass's operands, as the parallel kernels write them for inputs x, chunks of C."""
     B, T, H, K = x["k"].shape
     dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
     scratch = kda_module._IntraScratch.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"), dot_precision)
     kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision)
-    return scratch
+    return scratch.operands
 
 
 @pytest.mark.parametrize("scale", [0.3, -2.0])
