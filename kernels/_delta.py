@@ -111,21 +111,23 @@ NUM_WARPS = (1, 2, 4, 8)
 # tf32x3 merges it replaces had ~7800 (8 steps + 3 levels) and ~41. Timed on the H200: 16 beat 8 (module
 # docstring).
 SUB = tl.constexpr(16)
-# The prepare kernel at 4 warps, sm_90 build (bf16, K = V = 128, C = 64, "fp16"): 252 registers gated, 255
-# ungated, no spills; 8 warps spill. K K^T and Q K^T sum PREPARE_CHANNEL_SLICE key channels a step; W and U
-# are made PREPARE_OUTPUT_BLOCK channels at a time. At 32 channels (where T, an inverse's result in
-# registers, meets [C, 32] tiles in a dot) the H100 build gave wrong outputs and illegal memory accesses
-# that the interpreter does not show; at 64 and 128 it is right (GPU tests), and 128 was no faster.
-PREPARE_CHANNEL_SLICE = 64
+# The prepare kernel at 4 warps, sm_90 build (bf16, K = V = 128, C = 64, "fp16"): 255 registers, no spills;
+# 8 warps spill. K K^T and Q K^T sum PREPARE_CHANNEL_SLICE key channels a step (H100, bench shape, gated:
+# 0.58 ms at 128, 0.61 at 64). W and U are made PREPARE_OUTPUT_BLOCK channels at a time, whatever K and V:
+# where T, an inverse's result in registers, met [C, 32] or [C, 16] tiles in a dot (blocks of 32, or
+# K, V <= 16 with blocks of min(64, K)), the H100 build gave wrong outputs and illegal memory accesses that
+# the interpreter does not show (.ci/gpu_shapes.py); at 64 and 128 it is right, and 128 was no faster.
+PREPARE_CHANNEL_SLICE = 128
 PREPARE_OUTPUT_BLOCK = 64
 PREPARE_NUM_WARPS = 4
 
 
 def options(chunkwise: bool) -> dict[str, tuple]:
     """The kernel options of one form, as kernels/__init__.py's OPTIONS entry: the chunkwise form's are
-    kda's (its state pass does the sequential work)."""
+    kda's (its state pass does the sequential work), with V blocks of 64 or 128 only."""
     if chunkwise:
-        return dict(kda.OPTIONS["chunkwise"])
+        # V blocks of 16 and 32 are not offered: see kda.launch_state_pass.
+        return {**kda.OPTIONS["chunkwise"], "block_v": (64, (64, 128))}
     return {"block_v": (None, BLOCK_VS), "num_warps": (4, NUM_WARPS)}
 
 
@@ -478,8 +480,8 @@ def chunkwise(
     _delta_prepare_kernel[(n_chunks, B * H)](
         q, k, v, beta, g_arg, operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk,
         operands.bounds, T, H, K, V, float(scale),
-        GATED=gated, C=C, BK=BK, BKC=min(BK, PREPARE_CHANNEL_SLICE), BKW=min(BK, PREPARE_OUTPUT_BLOCK),
-        BV=min(block_size(V), PREPARE_OUTPUT_BLOCK), LEVELS=int(math.log2(C // SUB.value)),
+        GATED=gated, C=C, BK=BK, BKC=min(BK, PREPARE_CHANNEL_SLICE), BKW=PREPARE_OUTPUT_BLOCK,
+        BV=PREPARE_OUTPUT_BLOCK, LEVELS=int(math.log2(C // SUB.value)),
         INVERSE_PRECISION=inverse_precision, PRODUCT_PRECISION=product_precision, STATE_PRECISION=dot_precision,
         EMULATE_BF16=interpreter_active(), num_warps=PREPARE_NUM_WARPS,
     )

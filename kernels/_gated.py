@@ -99,7 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, no_pending_checks, triton_dtype
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks, triton_dtype
 
 PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
@@ -672,10 +672,13 @@ def chunkwise(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
 
-    The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel.
+    The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel. Head dims that are not
+    multiples of 16 go to the recurrent kernel on the GPU (kernels/_util.gpu_shape_known_bad).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if gpu_shape_known_bad(K, V, max_K=256):
+        return recurrent(q, k, v, gk, gv, scale, state, return_state, await_checks=await_checks)
     BT = min(chunk_size, block_size(T))
     NT = triton.cdiv(T, BT)
     BK = min(block_k, block_size(K))

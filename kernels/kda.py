@@ -739,7 +739,10 @@ def launch_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.T
     num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
     BKB = min(BK, STATE_CHANNEL_BLOCK)
-    BV = min(block_v, block_size(V))
+    # The delta rules' q and k tiles are converted in registers before their dots; against V blocks of 16
+    # (V <= 16) the H100 build gave wrong outputs (bf16, K = 44, V = 12) that the interpreter does not show,
+    # so their V blocks are never narrower than the option (64 or 128), whatever V.
+    BV = block_v if scalar_gate_inputs is not None else min(block_v, block_size(V))
     _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
         operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
         *(scalar_gate_inputs or (o, o)), o,
