@@ -3,7 +3,7 @@
     python3 .ci/gpu_configs.py NAME '{"chunk_size": 32}' '{"num_warps": 8}' ...
 
 Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults); a "constants" entry
-({"constants": {"A_ROWS_CHANNEL_SLICE": 32}}, or "_delta.OUTPUT_V_SLICE" for another module of attnlab.kernels)
+({"constants": {"A_ROWS_CHANNEL_SLICE": 32}}, or "_delta.PREPARE_CHANNEL_SLICE" for another module of attnlab.kernels)
 sets module constants of the formulation's kernel module around each call of that setting instead (block sizes
 that are not options). Every setting
 is compiled and its bf16 excess against the float64 oracle at T=1024 measured first, so that a faster setting
