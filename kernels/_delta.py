@@ -313,11 +313,11 @@ def _delta_prepare_kernel(
     Q S and of Delta.) K K^T and Q K^T sum BKC key channels at a time; W takes BKW key channels and
     U BV value channels at a time, exp(G) going into T's columns so that K stays an exact input tile
     of W's product. Then the bounds the state pass takes its fp16 scales from: |W| <= max_t
-    sum_j |T_tj| peak|k| (exp(G) <= 1), peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and
+    sum_j |T_tj exp(G_j)| peak|k|, peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and
     A_qk are stored as kda's _to_scratch makes them at STATE_PRECISION. gC, one value a chunk, is
     stored for each of the K channels (the state pass decays each row of S by its channel's gC).
     Every scratch row is written: rows past the sequence end load q = k = v = beta = g = 0, so
-    theirs are 0.
+    their W, U and A_qk are 0 (their row factors are not, but meet q = k = 0 there).
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -355,7 +355,6 @@ def _delta_prepare_kernel(
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     ut = _unit_lower_inverse(L, C, LEVELS, INVERSE_PRECISION, EMULATE_BF16) * beta[None, :]
 
-    w_bound = tl.max(tl.sum(tl.abs(ut), axis=1)) * k_peak
     if GATED:
         # Rows past the sequence end load g = 0, so the last row holds G_C.
         end_hi = tl.sum(tl.where(rows == C - 1, G_hi, 0.0))
@@ -370,6 +369,9 @@ def _delta_prepare_kernel(
         tl.store(k_factor_ptr + scratch_row, tl.full([C], 1.0, tl.float32))
         chunk_decay = 1.0
         ut_w = ut
+    # |W_tc| = |sum_j T_tj exp(G_j) k_jc| <= max_t sum_j |T_tj exp(G_j)| peak|k|: with exp(G) in it, strong
+    # early gates (W ~ e^-20) do not leave W 2^30 below its bound and fp16-subnormal.
+    w_bound = tl.max(tl.sum(tl.abs(ut_w), axis=1)) * k_peak
     for channel_start in tl.static_range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -455,6 +457,23 @@ def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torc
     return o, final
 
 
+def _launch_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+                    scale: float, operands: kda.StateOperands, C: int, dot_precision: str) -> None:
+    """``_delta_prepare_kernel`` over every chunk and head, into ``operands`` (allocated with scalar_gate)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    inverse_precision, product_precision = _prepare_precisions(dot_precision)
+    _delta_prepare_kernel[(triton.cdiv(T, C), B * H)](
+        q, k, v, beta, g if g is not None else beta,  # an unused pointer when ungated
+        operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
+        T, H, K, V, float(scale),
+        GATED=g is not None, C=C, BK=block_size(K), BKC=min(block_size(K), PREPARE_CHANNEL_SLICE),
+        BKW=PREPARE_OUTPUT_BLOCK, BV=PREPARE_OUTPUT_BLOCK, LEVELS=int(math.log2(C // SUB.value)),
+        INVERSE_PRECISION=inverse_precision, PRODUCT_PRECISION=product_precision, STATE_PRECISION=dot_precision,
+        EMULATE_BF16=interpreter_active(), num_warps=PREPARE_NUM_WARPS,
+    )
+
+
 def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
@@ -468,23 +487,12 @@ def chunkwise(
         _check_choice(name, value, choices[name][1])
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BK = chunk_size, block_size(K)
-    n_chunks = triton.cdiv(T, C)
+    C = chunk_size
     dot_precision, num_stages = kda.resolve_state_pass(precision, num_stages, q.dtype, K)
-    inverse_precision, product_precision = _prepare_precisions(dot_precision)
-    gated = g is not None
-    g_arg = g if gated else beta  # an unused pointer when ungated
-    operands = kda.StateOperands.allocate(B, H, n_chunks, C, K, V, q.device, dot_precision, scalar_gate=True)
+    operands = kda.StateOperands.allocate(B, H, triton.cdiv(T, C), C, K, V, q.device, dot_precision, scalar_gate=True)
     o, final = _outputs(q, v, return_state)
     await_checks()
-    _delta_prepare_kernel[(n_chunks, B * H)](
-        q, k, v, beta, g_arg, operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk,
-        operands.bounds, T, H, K, V, float(scale),
-        GATED=gated, C=C, BK=BK, BKC=min(BK, PREPARE_CHANNEL_SLICE), BKW=PREPARE_OUTPUT_BLOCK,
-        BV=PREPARE_OUTPUT_BLOCK, LEVELS=int(math.log2(C // SUB.value)),
-        INVERSE_PRECISION=inverse_precision, PRODUCT_PRECISION=product_precision, STATE_PRECISION=dot_precision,
-        EMULATE_BF16=interpreter_active(), num_warps=PREPARE_NUM_WARPS,
-    )
+    _launch_prepare(q, k, v, beta, g, scale, operands, C, dot_precision)
     initial = state[0] if state is not None else None
     kda.launch_state_pass(operands, o, initial, final, T, C, block_v, dot_precision, num_warps, num_stages,
                           scalar_gate_inputs=(q, k))

@@ -10,6 +10,8 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
+from attnlab.kernels import _delta
+from attnlab.kernels import kda as kda_module
 from kernel_checks import check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
 
@@ -91,3 +93,56 @@ def test_forms_agree_in_fp32():
     o_chunk, s_chunk = kernel(NAME, "chunkwise", chunk_size=16)(**x, return_state=True)
     o_rec, s_rec = kernel(NAME, "recurrent")(**x, return_state=True)
     assert rel_err(o_chunk, o_rec) <= 1e-6 and rel_err(s_chunk, s_rec) <= 1e-6
+
+
+def _prepared(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16):
+    """The state pass's operands as the delta rules' prepare kernel writes them for inputs x."""
+    B, T, H, K = x["k"].shape
+    dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
+    operands = kda_module.StateOperands.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"),
+                                                 dot_precision, scalar_gate=True)
+    _delta._launch_prepare(x["q"], x["k"], x["v"], x["beta"], x["g"], scale, operands, C, dot_precision)
+    return operands
+
+
+@pytest.mark.parametrize("scale", [0.3, -2.0])
+def test_prepare_bounds_and_row_factors(scale):
+    """kda's state pass takes its fp16 scales from the prepare kernel's per-chunk bounds, and in its
+    SCALAR_GATE mode reads q and k themselves: the bounds must hold (|W| <= bounds[0], peak|q| and
+    peak|k| exactly, |A_qk| <= bounds[3]), for a negative scale too; the row factors are scale
+    exp(G_t) and exp(G_C - G_t) of the chunk-local gates (G_C: the last real step's); "fp16" stores W
+    and A_qk scaled by their bound's power of two, below 2^14 and not wildly below it. Two heads,
+    three chunks of 16, the last one partial, strong gates on a third of the steps."""
+    x = {n: t.float() for n, t in _sample(T=45, K=64, V=16, H=2, seed=3).items()}
+    x["g"] = torch.where(torch.arange(45)[None, :, None] % 3 == 0, -20.0, x["g"])
+    exact = _prepared(x, scale, "ieee")
+    rounded = _prepared(x, scale, "fp16")
+    chunks = exact.bounds.shape[0]
+    B, T, H, K = x["k"].shape
+
+    def by_chunk(t: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B*H*chunks, 16 * ...], zero-padded
+        t = torch.nn.functional.pad(t.movedim(2, 1), (0, 0) * (t.dim() - 3) + (0, 3))
+        return t.reshape(chunks, -1)
+
+    def chunk_peaks(rows: torch.Tensor) -> torch.Tensor:
+        return rows.float().abs().reshape(chunks, -1).amax(dim=1)
+
+    assert torch.equal(exact.bounds[:, 1], by_chunk(x["q"]).abs().amax(dim=1))
+    assert torch.equal(exact.bounds[:, 2], by_chunk(x["k"]).abs().amax(dim=1))
+    assert torch.all(chunk_peaks(exact.w) <= exact.bounds[:, 0]) and torch.all(chunk_peaks(exact.aqk) <= exact.bounds[:, 3])
+    G = by_chunk(x["g"].double()).cumsum(dim=1)  # past the sequence end g = 0: the last row holds G_C
+    real = by_chunk(torch.ones_like(x["g"])) > 0  # (the factors of padding rows meet q = k = 0 there)
+    tiny = 2.0**-126  # fp32's smallest normal: factors below it are subnormal or 0 in fp32
+    # exp of an fp32 exponent errs by |exponent| 2^-24 relative (|G| <= 16 * 21 here): 2e-5; a step too many
+    # or too few in a sum would be off by at least e^0.02 (the weakest gate here, about -0.03).
+    rtol = 2e-5
+    assert by_chunk(x["g"]).abs().max() <= 21 and by_chunk(x["g"]).abs()[real].min() > 0.02
+    q_factor, k_factor = exact.qg.reshape(chunks, -1).double(), exact.kd.reshape(chunks, -1).double()
+    assert torch.allclose(q_factor[real], (scale * G.exp())[real], rtol=rtol, atol=tiny)
+    assert torch.allclose(k_factor[real], (G[:, -1:] - G).exp()[real], rtol=rtol, atol=tiny)
+    assert k_factor.max() <= 1.0
+    for name, column in (("w", 0), ("aqk", 3)):
+        stored = getattr(rounded, name)
+        assert stored.dtype == torch.float16, name
+        peaks = stored.float().abs().reshape(chunks, -1).amax(dim=1)
+        assert torch.all(peaks < 2.0**14) and torch.all(peaks >= 2.0**4), name
