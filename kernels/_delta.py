@@ -159,13 +159,14 @@ def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """acc + a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
 
     Two 16-bit tiles of one dtype go straight to the tensor cores (exact
-    products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo parts
-    (a bf16 operand is its own hi part); "tf32x3" is tl.dot's written out (the
-    same split: hi rounded to tf32, lo the exact rest, truncated to tf32 by the
-    tensor cores; without its NaN clean-up of the small products, which only an
-    infinite input needs); anything else is tl.dot's input_precision. Every
-    product accumulates into acc on the tensor cores: one fp32 tile of
-    registers, where a sum of products held one a product.
+    products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo
+    parts (a bf16 b, the prepare kernel's K or V against T, is its own hi
+    part); "tf32x3" is tl.dot's written out (the same split: hi rounded to
+    tf32, lo the exact rest, truncated to tf32 by the tensor cores; without
+    its NaN clean-up of the small products, which only an infinite input
+    needs); anything else is tl.dot's input_precision. Every product
+    accumulates into acc on the tensor cores (one fp32 tile of registers,
+    where a sum of separate products would hold one per product).
     """
     if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
         acc = tl.dot(a, b, acc)
@@ -176,11 +177,7 @@ def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
         acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     elif PRECISION == "split":
-        if tl.constexpr(a.dtype == tl.bfloat16):
-            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a, b_lo, acc)
-            acc = tl.dot(a, b_hi, acc)
-        elif tl.constexpr(b.dtype == tl.bfloat16):
+        if tl.constexpr(b.dtype == tl.bfloat16):
             a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
             acc = tl.dot(a_lo, b, acc)
             acc = tl.dot(a_hi, b, acc)

@@ -672,7 +672,8 @@ class StateOperands(NamedTuple):
     """What the state pass reads, rows [B*H, chunks*C] (the last chunk padded, its padding rows 0):
     W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk| by chunk; W, Qg and
     Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots, else fp32), the others
-    fp32. kernels/_delta.py fills them for the delta rules (a per-head gate broadcast over K)."""
+    fp32. kernels/_delta.py fills them for the delta rules, with per-row gate factors in place of the
+    Qg and Kd tiles (``allocate``'s scalar_gate; their padding rows' factors meet q = k = 0)."""
 
     w: torch.Tensor
     u: torch.Tensor
