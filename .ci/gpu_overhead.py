@@ -15,7 +15,8 @@ For each formulation, do_bench medians in ms of:
 
 call - kernels is what checking the values costs a call; call - no-sync the cost of the sync itself.
 Then, for back-to-back calls, the host's medians in microseconds: blocked in the sync, from the sync to
-the first launch, and inside that launch (Triton's launch path), which together the GPU idles through.
+the first launch, and inside that launch (a bound attnlab.kernels._util.Launch: the driver's launch
+alone), which together the GPU idles through.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import time
 
 import torch
 import triton
-from triton.runtime.jit import JITFunction
 
 import attnlab
 from attnlab.bench import ALL, PEERS
+from attnlab.kernels._util import Launch
 from attnlab.validation import ValueScan
 
 
@@ -49,27 +50,26 @@ def patched(**methods):
 def host_timeline(call, calls: int = 50) -> tuple[float, float, float]:
     """Median microseconds blocked in ValueScan.wait, from its return to the next launch, inside that launch."""
     marks: list[tuple[str, float]] = []
-    wait, run = ValueScan.wait, JITFunction.run
+    wait, run = ValueScan.wait, Launch.__call__
 
     def timed_wait(self):
         marks.append(("wait", time.perf_counter()))
         wait(self)
         marks.append(("waited", time.perf_counter()))
 
-    def timed_run(self, *args, **kwargs):
+    def timed_run(self):
         marks.append(("launch", time.perf_counter()))
-        result = run(self, *args, **kwargs)
+        run(self)
         marks.append(("launched", time.perf_counter()))
-        return result
 
-    JITFunction.run = timed_run
+    Launch.__call__ = timed_run
     with patched(wait=timed_wait):
         try:
             for _ in range(calls):
                 call()
             torch.cuda.synchronize()
         finally:
-            JITFunction.run = run
+            Launch.__call__ = run
     blocked, to_launch, launching = [], [], []
     for i, (mark, t) in enumerate(marks):
         if mark == "waited" and i + 2 < len(marks) and marks[i + 1][0] == "launch":

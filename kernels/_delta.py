@@ -21,7 +21,7 @@ exp(G_t - G_j) for t >= j, and M the causal mask:
 This is kda's chunk algebra (kernels/kda.py) with one gate per head instead
 of one per key channel: exp(g_t) is a scalar, so it commutes with
 (I - beta k k^T) and the two recurrences agree with g_tc = g_t. The delta
-rules therefore run kda's state pass (``kda.launch_state_pass``: the output
+rules therefore run kda's state pass (``kda.bind_state_pass``: the output
 fused into the sequential pass, the fp32 state in 64-channel blocks, the
 fp16 scales of its operands from per-chunk bounds) in its SCALAR_GATE mode:
 Qg and Kd are never stored. The state pass reads q and k themselves and puts
@@ -99,7 +99,7 @@ import triton.language as tl
 from attnlab.kernel import interpreter_active
 
 from . import kda
-from ._util import block_size, no_pending_checks
+from ._util import block_size, Launch, launch_after_checks, no_pending_checks
 from .kda import _to_scratch
 
 BLOCK_VS = (None, 16, 32, 64, 128)
@@ -126,7 +126,7 @@ def options(chunkwise: bool) -> dict[str, tuple]:
     """The kernel options of one form, as kernels/__init__.py's OPTIONS entry: the chunkwise form's are
     kda's (its state pass does the sequential work), with V blocks of 64 or 128 only."""
     if chunkwise:
-        # V blocks of 16 and 32 are not offered: see kda.launch_state_pass.
+        # V blocks of 16 and 32 are not offered: see kda.bind_state_pass.
         return {**kda.OPTIONS["chunkwise"], "block_v": (64, (64, 128))}
     return {"block_v": (None, BLOCK_VS), "num_warps": (4, NUM_WARPS)}
 
@@ -454,13 +454,14 @@ def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torc
     return o, final
 
 
-def _launch_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-                    scale: float, operands: kda.StateOperands, C: int, dot_precision: str) -> None:
-    """``_delta_prepare_kernel`` over every chunk and head, into ``operands`` (allocated with scalar_gate)."""
+def _bind_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+                  scale: float, operands: kda.StateOperands, C: int, dot_precision: str) -> Launch:
+    """``_delta_prepare_kernel`` over every chunk and head, into ``operands`` (allocated with scalar_gate), bound."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     inverse_precision, product_precision = _prepare_precisions(dot_precision)
-    _delta_prepare_kernel[(triton.cdiv(T, C), B * H)](
+    return Launch(
+        _delta_prepare_kernel, (triton.cdiv(T, C), B * H),
         q, k, v, beta, g if g is not None else beta,  # an unused pointer when ungated
         operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
         T, H, K, V, float(scale),
@@ -488,11 +489,13 @@ def chunkwise(
     dot_precision, num_stages = kda.resolve_state_pass(precision, num_stages, q.dtype, K)
     operands = kda.StateOperands.allocate(B, H, triton.cdiv(T, C), C, K, V, q.device, dot_precision, scalar_gate=True)
     o, final = _outputs(q, v, return_state)
-    await_checks()
-    _launch_prepare(q, k, v, beta, g, scale, operands, C, dot_precision)
     initial = state[0] if state is not None else None
-    kda.launch_state_pass(operands, o, initial, final, T, C, block_v, dot_precision, num_warps, num_stages,
-                          scalar_gate_inputs=(q, k))
+    launch_after_checks(
+        await_checks,
+        _bind_prepare(q, k, v, beta, g, scale, operands, C, dot_precision),
+        kda.bind_state_pass(operands, o, initial, final, T, C, block_v, dot_precision, num_warps, num_stages,
+                            scalar_gate_inputs=(q, k)),
+    )
     return o, ((final,) if return_state else None)
 
 
@@ -511,12 +514,12 @@ def recurrent(
     o, final = _outputs(q, v, return_state)
     initial = state[0] if state is not None else None
     gated = g is not None
-    await_checks()
-    _recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+    launch_after_checks(await_checks, Launch(
+        _recurrent_kernel, (triton.cdiv(V, BV), B * H),
         q, k, v, beta, g if gated else beta, initial if initial is not None else o, o,
         final if final is not None else o,
         T, H, K, V, float(scale),
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
         BK=BK, BV=BV, num_warps=num_warps,
-    )
+    ))
     return o, ((final,) if return_state else None)

@@ -99,7 +99,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks, triton_dtype
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, Launch, launch_after_checks, no_pending_checks, triton_dtype
 
 PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
@@ -711,19 +711,24 @@ def chunkwise(
     A_scale = torch.empty((B * H, NT) if fp16 else (1,), dtype=torch.float32, device=device)
     o = torch.empty_like(v)
     flags = dict(HAS_GK=gk is not None, PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
-    await_checks()
-    _chunk_states_kernel[(NK * NV * B * H,)](
-        k, v, gk_arg, gv_arg, h, h_scale, v_scale, initial, final, T, H, NT,
-        K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_GV=gv is not None,
-        HAS_INITIAL=state is not None, STORE_FINAL=return_state, **flags,
-    )
-    _chunk_scores_kernel[(NT * B * H,)](
-        q, k, gk_arg, A, A_scale, T, H, NT, K=K, BT=BT, BK=BK, BC=BC,
-        LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **flags,
-    )
-    _chunk_output_kernel[(NV * NT * B * H,)](
-        q, v, gk_arg, gv_arg, h, h_scale, v_scale, A, A_scale, o, scale, T, H, NT,
-        K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, HAS_GV=gv is not None, **flags,
+    launch_after_checks(
+        await_checks,
+        Launch(
+            _chunk_states_kernel, (NK * NV * B * H,),
+            k, v, gk_arg, gv_arg, h, h_scale, v_scale, initial, final, T, H, NT,
+            K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_GV=gv is not None,
+            HAS_INITIAL=state is not None, STORE_FINAL=return_state, **flags,
+        ),
+        Launch(
+            _chunk_scores_kernel, (NT * B * H,),
+            q, k, gk_arg, A, A_scale, T, H, NT, K=K, BT=BT, BK=BK, BC=BC,
+            LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **flags,
+        ),
+        Launch(
+            _chunk_output_kernel, (NV * NT * B * H,),
+            q, v, gk_arg, gv_arg, h, h_scale, v_scale, A, A_scale, o, scale, T, H, NT,
+            K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, HAS_GV=gv is not None, **flags,
+        ),
     )
     return o, ((final,) if return_state else None)
 
@@ -747,8 +752,8 @@ def recurrent(
     BV = min(block_size(V), max(16, 4096 // BK))
     o = torch.empty_like(v)
     final = torch.empty((B, H, K, V), dtype=torch.float32, device=q.device) if return_state else o
-    await_checks()
-    _recurrent_kernel[(triton.cdiv(V, BV) * B * H,)](
+    launch_after_checks(await_checks, Launch(
+        _recurrent_kernel, (triton.cdiv(V, BV) * B * H,),
         q, k, v,
         gk if gk is not None else q, gv if gv is not None else v,
         o, state[0] if state is not None else o, final,
@@ -757,5 +762,5 @@ def recurrent(
         HAS_GK=gk is not None, HAS_GV=gv is not None,
         HAS_INITIAL=state is not None, STORE_FINAL=return_state,
         num_warps=4,
-    )
+    ))
     return o, ((final,) if return_state else None)

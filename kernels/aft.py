@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, no_pending_checks
+from attnlab.kernels._util import block_size, Launch, launch_after_checks, no_pending_checks
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
 OPERAND_MAX = tl.constexpr(32768.0)
@@ -291,8 +291,8 @@ def chunkwise(
     BLOCK_D = min(block_size(D), block_d)
     o = torch.empty_like(v)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
-    await_checks()
-    _aft_fwd_kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        _aft_fwd_kernel, grid,
         w, k, v, o,
         T, H, D, DEN_FLOOR[half_operands],
         CAUSAL=causal,
@@ -301,5 +301,5 @@ def chunkwise(
         DOT_PRECISION="tf32" if half_operands else "ieee",
         BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
         num_warps=num_warps, num_stages=num_stages,
-    )
+    ))
     return o, None

@@ -132,7 +132,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block_size, no_pending_checks, zero_state
+from ._util import block_size, Launch, launch_after_checks, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
 INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (see its warps below)
@@ -729,11 +729,11 @@ def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype
     return dot_precision, num_stages
 
 
-def launch_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Tensor | None,
+def bind_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Tensor | None,
                       final: torch.Tensor | None, T: int, C: int, block_v: int, dot_precision: str,
                       num_warps: int, num_stages: int, scalar_gate_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      ) -> None:
-    """Kernel 4 over ``operands``: writes o [B, T, H, V] and, if given, the final state (fp32).
+                      ) -> Launch:
+    """Kernel 4 over ``operands``, bound: writes o [B, T, H, V] and, if given, the final state (fp32).
     ``scalar_gate_inputs`` (q, k) selects the delta rules' operands (StateOperands.allocate's scalar_gate)."""
     B, _, H, V = o.shape
     K = operands.gc.shape[1]
@@ -744,7 +744,8 @@ def launch_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.T
     # (V <= 16) the H100 build gave wrong outputs (bf16, K = 44, V = 12) that the interpreter does not show,
     # so their V blocks are never narrower than the option (64 or 128), whatever V.
     BV = block_v if scalar_gate_inputs is not None else min(block_v, block_size(V))
-    _kda_state_pass_kernel[(triton.cdiv(V, BV), B * H)](
+    return Launch(
+        _kda_state_pass_kernel, (triton.cdiv(V, BV), B * H),
         operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
         *(scalar_gate_inputs or (o, o)), o,
         initial if initial is not None else operands.gc, final if final is not None else operands.gc,
@@ -755,9 +756,9 @@ def launch_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.T
     )
 
 
-def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        scale: float, scratch: _IntraScratch, dot_precision: str) -> None:
-    """The three kernels that need no carried state, each parallel over chunks (module docstring)."""
+def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      scale: float, scratch: _IntraScratch, dot_precision: str) -> list[Launch]:
+    """The three kernels that need no carried state, each parallel over chunks (module docstring), bound."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     operands = scratch.operands
@@ -765,19 +766,25 @@ def _launch_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
     common = dict(PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype))
-    _kda_a_rows_kernel[(num_chunks * (C // SUB_CHUNK), B * H)](
-        q, k, g, scratch.akk, operands.aqk, T, H, K, scale,
-        C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_ROWS_CHANNEL_SLICE), num_warps=A_ROWS_NUM_WARPS, **common,
-    )
-    _kda_ut_inverse_kernel[(num_chunks, B * H)](
-        beta, scratch.akk, scratch.ut_matrix, T, H,
-        C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
-    )
-    _kda_chunk_operands_kernel[(num_chunks, B * H)](
-        q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.bounds,
-        T, H, K, V, scale,
-        C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK), num_warps=OPERANDS_NUM_WARPS, **common,
-    )
+    return [
+        Launch(
+            _kda_a_rows_kernel, (num_chunks * (C // SUB_CHUNK), B * H),
+            q, k, g, scratch.akk, operands.aqk, T, H, K, scale,
+            C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_ROWS_CHANNEL_SLICE), num_warps=A_ROWS_NUM_WARPS, **common,
+        ),
+        Launch(
+            _kda_ut_inverse_kernel, (num_chunks, B * H),
+            beta, scratch.akk, scratch.ut_matrix, T, H,
+            C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
+        ),
+        Launch(
+            _kda_chunk_operands_kernel, (num_chunks, B * H),
+            q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.qg, operands.kd, operands.gc,
+            operands.bounds, T, H, K, V, scale,
+            C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK),
+            num_warps=OPERANDS_NUM_WARPS, **common,
+        ),
+    ]
 
 
 def chunkwise(
@@ -796,10 +803,12 @@ def chunkwise(
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
-    await_checks()
-    _launch_intra_chunk(q, k, v, g, beta, scale, scratch, dot_precision)
-    launch_state_pass(scratch.operands, o, initial, final, T, chunk_size, block_v, dot_precision, num_warps,
-                      num_stages)
+    launch_after_checks(
+        await_checks,
+        *_bind_intra_chunk(q, k, v, g, beta, scale, scratch, dot_precision),
+        bind_state_pass(scratch.operands, o, initial, final, T, chunk_size, block_v, dot_precision, num_warps,
+                        num_stages),
+    )
     return o, ((final,) if return_state else None)
 
 # ---------------------------------------------------------------------------
@@ -868,12 +877,12 @@ def recurrent(
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     unused = zero_state((1,), q.device)  # stands in for an absent state pointer
-    await_checks()
-    _kda_recurrent_kernel[(triton.cdiv(V, BV), B * H)](
+    launch_after_checks(await_checks, Launch(
+        _kda_recurrent_kernel, (triton.cdiv(V, BV), B * H),
         q, k, v, g, beta, o,
         initial if initial is not None else unused, final if final is not None else unused,
         T, H, K, V, scale,
         BK=BK, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
         num_warps=num_warps,
-    )
+    ))
     return o, ((final,) if return_state else None)

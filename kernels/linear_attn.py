@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, Launch, launch_after_checks, no_pending_checks
 
 PRECISIONS = ("split", "tf32", "ieee")
 
@@ -364,8 +364,8 @@ def chunkwise(
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)
-    await_checks()
-    _chunkwise_kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        _chunkwise_kernel, grid,
         q, k, v, o, initial_S, initial_z, final_S, final_z,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
@@ -374,7 +374,7 @@ def chunkwise(
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
-    )
+    ))
     return o, ((final_S, final_z) if return_state else None)
 
 
@@ -400,13 +400,13 @@ def recurrent(
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)
-    await_checks()
-    _recurrent_kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        _recurrent_kernel, grid,
         q, k, v, o, initial_S, initial_z, final_S, final_z,
         T, H, K, V, scale,
         BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         num_warps=num_warps,
-    )
+    ))
     return o, ((final_S, final_z) if return_state else None)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad, no_pending_checks
+from attnlab.kernels._util import block_size, gpu_shape_known_bad, Launch, launch_after_checks, no_pending_checks
 from attnlab.kernels.linear_attn import (
     PRECISIONS,
     default_block_v,
@@ -209,15 +209,15 @@ def chunkwise(
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
     grid = (triton.cdiv(V, BV), B * H)
-    await_checks()
-    _chunkwise_kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        _chunkwise_kernel, grid,
         q, k, v, g, o, state[0] if state is not None else None, final,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
-    )
+    ))
     return o, ((final,) if return_state else None)
 
 
@@ -242,12 +242,12 @@ def recurrent(
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
     grid = (triton.cdiv(V, BV), B * H)
-    await_checks()
-    _recurrent_kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        _recurrent_kernel, grid,
         q, k, v, g, o, state[0] if state is not None else None, final,
         T, H, K, V, scale,
         BK=BK, BV=BV,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         num_warps=num_warps,
-    )
+    ))
     return o, ((final,) if return_state else None)

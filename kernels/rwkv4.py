@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, no_pending_checks
+from attnlab.kernels._util import block_size, Launch, launch_after_checks, no_pending_checks
 
 __all__ = ["recurrent", "chunkwise", "OPTIONS"]
 
@@ -253,12 +253,12 @@ def _launch(
     a_out, b_out, p_out = final if final is not None else (o, o, o)
     block_c = min(block_c, block_size(C))
     grid = (B, triton.cdiv(C, block_c))
-    await_checks()
-    kernel[grid](
+    launch_after_checks(await_checks, Launch(
+        kernel, grid,
         w, u, k, v, o, a_in, b_in, p_in, a_out, b_out, p_out, T, C,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         BLOCK_C=block_c, num_warps=num_warps, **meta,
-    )
+    ))
     return o, final
 
 

@@ -109,7 +109,7 @@ def test_forms_agree_in_fp32():
     ("chunkwise", {"precision": "fp64"}),
     ("chunkwise", {"precision": "fp16x3"}),
     ("chunkwise", {"num_stages": 0}),
-    ("chunkwise", {"block_v": 32}),  # V blocks below 64 gave wrong outputs on the GPU (kda.launch_state_pass)
+    ("chunkwise", {"block_v": 32}),  # V blocks below 64 gave wrong outputs on the GPU (kda.bind_state_pass)
     ("recurrent", {"block_v": 24}),
     ("recurrent", {"num_warps": 3}),
 ])

@@ -101,7 +101,7 @@ def _prepared(x: dict[str, torch.Tensor], scale: float, precision: str, C: int =
     dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
     operands = kda_module.StateOperands.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"),
                                                  dot_precision, scalar_gate=True)
-    _delta._launch_prepare(x["q"], x["k"], x["v"], x["beta"], x["g"], scale, operands, C, dot_precision)
+    _delta._bind_prepare(x["q"], x["k"], x["v"], x["beta"], x["g"], scale, operands, C, dot_precision)()
     return operands
 
 

@@ -151,7 +151,8 @@ def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: 
     B, T, H, K = x["k"].shape
     dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
     scratch = kda_module._IntraScratch.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"), dot_precision)
-    kda_module._launch_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision)
+    for launch in kda_module._bind_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision):
+        launch()
     return scratch.operands
 
 
