@@ -73,27 +73,30 @@ class ValueScan:
     """The value checks of one call: queued on the tensors' device at construction, read by ``wait()``.
 
     ``torch.aminmax`` gives each tensor's two ends in one pass (a NaN propagates to both, an infinity
-    shows at its end), so a call pays one reduction per checked tensor and one device-to-host transfer
-    for all of them, not an elementwise pass, a reduction and a sync per tensor and condition. On a GPU
-    the transfer is asynchronous: ``wait()`` is the only synchronisation, and a kernel calls it after
-    its host-side preparation (allocations, launch arguments), just before its first launch, so that
-    the GPU is not left idle while the host does that work. Nothing but copies (a contiguous copy, the
-    initial state to fp32) touches the inputs before ``wait()`` returns, so a bad value still raises
-    before any kernel computes on it.
+    shows at its end), written straight into one buffer per dtype, so a call pays one reduction per
+    checked tensor and one device-to-host transfer per dtype, not an elementwise pass, a reduction and
+    a sync per tensor and condition (nor the stacking and conversion kernels that once gathered the
+    ends: on the H100, five tiny kernels for gated_deltanet's two checks). On a GPU the transfer is
+    asynchronous: ``wait()`` is the only synchronisation, and a kernel calls it after its host-side
+    preparation (allocations, its launches bound), just before its first launch, so that the GPU is
+    not left idle while the host does that work. Nothing but copies (a contiguous copy, the initial
+    state to fp32) touches the inputs before ``wait()`` returns, so a bad value still raises before
+    any kernel computes on it.
     """
 
     def __init__(self, checks: list[_ValueCheck]) -> None:
         self._checks = [c for c in checks if c.tensor.numel()]
-        self._ends: torch.Tensor | None = None
+        self._ends: list[tuple[list[int], torch.Tensor]] = []  # (indices into _checks, their [n, 2] ends)
         self._ready: torch.cuda.Event | None = None
-        if self._checks:
-            ends = torch.stack([torch.stack(torch.aminmax(c.tensor)).double() for c in self._checks])
+        for dtype in dict.fromkeys(c.tensor.dtype for c in self._checks):
+            indices = [i for i, c in enumerate(self._checks) if c.tensor.dtype == dtype]
+            ends = torch.empty((len(indices), 2), dtype=dtype, device=self._checks[indices[0]].tensor.device)
+            for row, i in enumerate(indices):
+                torch.aminmax(self._checks[i].tensor, out=(ends[row, 0], ends[row, 1]))
+            self._ends.append((indices, ends.to("cpu", non_blocking=True) if ends.is_cuda else ends))
             if ends.is_cuda:
-                self._ends = ends.to("cpu", non_blocking=True)  # pinned host memory
                 self._ready = torch.cuda.Event()
                 self._ready.record(torch.cuda.current_stream(ends.device))
-            else:
-                self._ends = ends
         self.done = not self._checks
 
     def wait(self) -> None:
@@ -103,9 +106,9 @@ class ValueScan:
         self.done = True
         if self._ready is not None:
             self._ready.synchronize()
-        assert self._ends is not None
-        for c, (lowest, highest) in zip(self._checks, self._ends.tolist()):
-            _raise_if_out_of_range(c, lowest, highest)
+        for indices, ends in self._ends:
+            for i, (lowest, highest) in zip(indices, ends.tolist()):
+                _raise_if_out_of_range(self._checks[i], lowest, highest)
 
 
 def _raise_if_out_of_range(c: _ValueCheck, lowest: float, highest: float) -> None:

@@ -224,6 +224,14 @@ def _chunk_cumulative_gate(g_ptr, token, valid):
 
 
 @triton.jit
+def _chunk_total_gate(g_ptr, token, valid):
+    """G_C = sum_s g_s over the chunk as a pair, like _chunk_cumulative_gate's last row (one reduction of
+    the pair, where reading that row out of the scan takes one reduction per part)."""
+    g = tl.load(g_ptr + token, mask=valid, other=0.0).to(tl.float32)
+    return tl.reduce((g, tl.zeros_like(g)), 0, _two_sum)
+
+
+@triton.jit
 def _gate_difference(G_hi, G_lo, other_hi, other_lo):
     """G - other from two (hi, lo) pairs, clamped to <= 0 (the exact value is, since g <= 0)."""
     return tl.minimum((G_hi - other_hi) + (G_lo - other_lo), 0.0)
@@ -352,10 +360,15 @@ def _delta_prepare_kernel(
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     ut = _unit_lower_inverse(L, C, LEVELS, INVERSE_PRECISION, EMULATE_BF16) * beta[None, :]
 
+    for value_start in range(0, V, BV):
+        values = value_start + tl.arange(0, BV)
+        value_ok = values < V
+        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
+        u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
+        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
+    # U is made before W so that T and T exp(G)^T are never live together.
     if GATED:
-        # Rows past the sequence end load g = 0, so the last row holds G_C.
-        end_hi = tl.sum(tl.where(rows == C - 1, G_hi, 0.0))
-        end_lo = tl.sum(tl.where(rows == C - 1, G_lo, 0.0))
+        end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))  # exp(G_t)
         tl.store(q_factor_ptr + scratch_row, scale * from_start)
         tl.store(k_factor_ptr + scratch_row, tl.exp(_gate_difference(end_hi, end_lo, G_hi, G_lo)))  # exp(G_C - G_t)
@@ -377,12 +390,6 @@ def _delta_prepare_kernel(
         tl.store(w_ptr + scratch_row[:, None] * K + channels[None, :], _to_scratch(w, w_bound, STATE_PRECISION),
                  mask=channel_ok[None, :])
         tl.store(gc_ptr + chunk_index * K + channels, tl.full([BKW], chunk_decay, tl.float32), mask=channel_ok)
-    for value_start in range(0, V, BV):
-        values = value_start + tl.arange(0, BV)
-        value_ok = values < V
-        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
-        u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
     which = tl.arange(0, 4)
     bounds = tl.where(which == 0, w_bound, tl.where(which == 1, q_peak, tl.where(which == 2, k_peak, aqk_bound)))
     tl.store(bounds_ptr + chunk_index * 4 + which, bounds)
