@@ -39,8 +39,8 @@ Until 2026-11-25 the delta rules ran three launches of their own: a prepare
 pass (T, W, U), a state pass that wrote each chunk's state S and Delta, and
 an output pass over them. On the H100 at B=8, T=4096, H=16, K=V=128 (bf16)
 that took 1.29 ms (deltanet) and 1.42 ms (gated) against fla's 1.22 and
-1.03; now 1.04 and 1.12-1.16 against 1.22 and 1.03 (prepare 0.51 / 0.58 ms,
-state pass 0.43; reports/bench.md, session 8). A first version stored Qg and
+1.03; now 1.03 and 1.13 against 1.21 and 1.03 (prepare 0.52 / 0.59 ms,
+state pass 0.43; reports/bench.md, sessions 8 and 9). A first version stored Qg and
 Kd as kda does: 1.33 / 1.37-1.42 ms, its prepare kernel writing 270 MB more.
 
 Every exponent is <= 0: pairwise differences are masked to -inf above the

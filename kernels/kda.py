@@ -94,8 +94,11 @@ OPTIONS (chunkwise):
   bf16 hi + lo, three bf16 products, about 2^-16 relative per product).
   "tf32x3" (three TF32 products, about 2^-21) costs twice "bf16x3" on tensor
   cores; "tf32" (2^-11) is faster but costs accuracy (fp16 especially);
-  "bf16" rounds both operands to bf16 and does one product, fla's own choice
-  and the fastest (SPEED_OPTIONS), at about fla's accuracy; "ieee" is exact
+  "bf16" rounds both operands to bf16 and does one product, fla's own choice,
+  at about fla's accuracy; it was the fastest until "fp16" stored the state
+  pass's operands in fp16, and is now slower (H100, bench shape: 2.500 ms
+  against 2.394, reports/bench.md session 9), so kda, like the delta rules,
+  offers no speed setting; "ieee" is exact
   fp32 on CUDA cores (slow). The Triton interpreter computes every fp32 dot
   exactly whatever is asked (its builder does not know "bf16x3", which is
   passed to it as "ieee"); "bf16" and "fp16" are emulated there by rounding
@@ -158,10 +161,6 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
-
-# The fastest setting (bench times it beside the default): fla's own rounding of every dot operand
-# to bf16, about fla's accuracy (excess 1.4 to 2.9), not the lab's target.
-SPEED_OPTIONS: dict[str, dict[str, object]] = {"chunkwise": {"precision": "bf16"}}
 
 # Dot precisions the Triton interpreter's builder accepts; it computes all of them exactly in fp32.
 _INTERPRETER_PRECISIONS = ("tf32", "tf32x3", "ieee")

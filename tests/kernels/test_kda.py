@@ -118,10 +118,9 @@ def test_state_split_into_key_channel_blocks(K):
     assert rel_err(state, ref_state) <= 1e-5
 
 
-def test_bf16_operand_rounding_speed_option():
-    """precision="bf16" (SPEED_OPTIONS) rounds every dot operand to bf16, as fla does: its error
-    is a few bf16 roundings (2^-9 relative each), not the fp32 dots' ~1e-7."""
-    assert kda_module.SPEED_OPTIONS == {"chunkwise": {"precision": "bf16"}}
+def test_bf16_operand_rounding():
+    """precision="bf16" rounds every dot operand to bf16, as fla does: its error is a few bf16
+    roundings (2^-9 relative each), not the fp32 dots' ~1e-7."""
     x = _cast(_inputs(T=24, seed=10), torch.float32)
     o = make_kernel("kda", "chunkwise", chunk_size=16, precision="bf16")(**x)
     error = rel_err(o, attnlab.oracle("kda", "recurrent", "float64")(**x))
