@@ -107,7 +107,7 @@ class Kernel:
         if f.state is not None:
             kwargs.update(state=state, return_state=call.return_state)
         assert call.values is not None
-        # The module waits for the value checks after its own preparation, just before its first launch.
+        # The module binds its launches (kernels/_util.Launch), then waits for the value checks just before the first.
         o, final = self._fn(**kwargs, await_checks=call.values.wait)
         if not call.values.done:
             raise AssertionError(f"{self!r} launched without waiting for the value checks of its inputs")

@@ -34,17 +34,23 @@ class Launch:
         if isinstance(kernel, JITFunction):
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
             compiled = compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compile mode
-            parameters = {name: value for name, value in kwargs.items() if name in kernel.signature.parameters}
-            bound = kernel.signature.bind(*args, **parameters)
-            bound.apply_defaults()
             runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-            values = tuple(bound.arguments.values())
+            values = launch_arguments(kernel, args, kwargs)
             self._run: Callable[[], None] = lambda: runner(*values)
         else:
             self._run = lambda: kernel[grid](*args, **kwargs)
 
     def __call__(self) -> None:
         self._run()
+
+
+def launch_arguments(kernel: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What ``JITFunction.run`` hands the compiled kernel's launcher: every parameter's value in the kernel's
+    order, constexprs included and defaults filled in, the launch options (num_warps, num_stages, ...) left out."""
+    bound = kernel.signature.bind(*args, **{name: value for name, value in kwargs.items()
+                                            if name in kernel.signature.parameters})
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
 
 
 def launch_after_checks(await_checks: Callable[[], None], *launches: Launch) -> None:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import attnlab
 from attnlab.kernel import kernel_options, speed_options
 from attnlab.kernels import _gated
+from attnlab.kernels._util import launch_arguments
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.properties.traits import is_log_gate
 from attnlab.validation import ValueScan
@@ -85,6 +88,23 @@ def test_kernel_reads_its_value_checks_before_its_first_launch_cpu(name, form, m
     monkeypatch.setattr(ValueScan, "wait", recorded_wait)
     attnlab.kernel(name, form)(**_inputs(name, torch.float32, "cpu", T=5, K=16, V=16, H=1))
     assert launches_at_wait[:1] == [0] and launches, (launches_at_wait, launches)
+
+
+def _launched_kernel_example(x_ptr, n, scale, BLOCK: tl.constexpr, EVEN: tl.constexpr = True):
+    """A kernel signature for launch_arguments (never compiled)."""
+
+
+def test_launch_arguments_follow_the_kernel_signature():
+    """On the GPU a bound Launch hands the compiled kernel's launcher what JITFunction.run would: every
+    parameter in the kernel's order, constexprs and defaults included, launch options left out (a slip
+    would put a pointer where a scalar goes, and only on the GPU)."""
+    kernel = JITFunction(_launched_kernel_example)
+    x = torch.zeros(4)
+    values = launch_arguments(kernel, (x, 4), {"BLOCK": 16, "scale": 0.5, "num_warps": 4, "num_stages": 2})
+    assert values[0] is x and values[1:] == (4, 0.5, 16, True)
+    assert launch_arguments(kernel, (x, 4, 0.5, 8, False), {"num_warps": 8})[1:] == (4, 0.5, 8, False)
+    with pytest.raises(TypeError):
+        launch_arguments(kernel, (x, 4), {"BLOCK": 16})  # scale missing
 
 
 RANGED_CASES = [(name, form, a.name) for name, form in CASES for a in attnlab.formulation(name).args
