@@ -23,8 +23,9 @@ class Launch:
     """``kernel[grid](*args, **kwargs)``, bound now and run by calling it.
 
     The value checks' wait is a call's one sync, and the GPU idles from its end until the next kernel
-    starts. Triton's launch path (binding and specialising the arguments, the cache lookup) took 60-90 us
-    of host time a launch on the H100 machine (.ci/gpu_overhead.py), so on the GPU binding compiles the
+    starts. Triton's launch path (binding and specialising the arguments, the cache lookup) took 59 us
+    (retnet) and 87 us (the delta rules' prepare kernel) of host time on the H100 machine, a bound launch
+    17 us (.ci/gpu_overhead.py; reports/bench.md, session 9), so on the GPU binding compiles the
     kernel, or finds it in the cache (``JITFunction.warmup``), and lays out its arguments ahead of the
     wait; calling it is then the driver's launch alone (the compiled kernel's own launcher, as in
     Triton's fused-softmax tutorial). Under the interpreter calling it is the plain launch.
