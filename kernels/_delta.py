@@ -99,7 +99,7 @@ import triton.language as tl
 from attnlab.kernel import interpreter_active
 
 from . import kda
-from ._util import block_size, Launch, launch_after_checks, no_pending_checks
+from ._util import Launch, block_size, launch_after_checks, no_pending_checks
 from .kda import _to_scratch
 
 BLOCK_VS = (None, 16, 32, 64, 128)
@@ -360,13 +360,13 @@ def _delta_prepare_kernel(
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     ut = _unit_lower_inverse(L, C, LEVELS, INVERSE_PRECISION, EMULATE_BF16) * beta[None, :]
 
+    # U is made before W so that T and T exp(G)^T are never live together.
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
         u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
         tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
-    # U is made before W so that T and T exp(G)^T are never live together.
     if GATED:
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))  # exp(G_t)

@@ -99,7 +99,9 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad, Launch, launch_after_checks, no_pending_checks, triton_dtype
+from attnlab.kernels._util import (
+    Launch, block_size, gpu_shape_known_bad, launch_after_checks, no_pending_checks, triton_dtype,
+)
 
 PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)

@@ -15,7 +15,9 @@ def no_pending_checks() -> None:
     """``await_checks`` of a kernel function called directly, not through attnlab.kernel: nothing to wait for.
 
     attnlab.kernel passes the wait of its queued value checks (attnlab.validation.ValueScan); every
-    kernel function binds its launches (``Launch``), then runs them with ``launch_after_checks``.
+    kernel function waits before its first launch. Those of formulations with checked inputs bind their
+    launches first (``Launch``) and run them with ``launch_after_checks``; softmax, which has none to
+    wait for, calls ``await_checks()`` itself.
     """
 
 

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, Launch, launch_after_checks, no_pending_checks
+from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
 OPERAND_MAX = tl.constexpr(32768.0)

@@ -135,7 +135,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import block_size, Launch, launch_after_checks, no_pending_checks, zero_state
+from ._util import Launch, block_size, launch_after_checks, no_pending_checks, zero_state
 
 SUB_CHUNK = 16
 INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (see its warps below)
@@ -729,9 +729,9 @@ def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype
 
 
 def bind_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Tensor | None,
-                      final: torch.Tensor | None, T: int, C: int, block_v: int, dot_precision: str,
-                      num_warps: int, num_stages: int, scalar_gate_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      ) -> Launch:
+                    final: torch.Tensor | None, T: int, C: int, block_v: int, dot_precision: str,
+                    num_warps: int, num_stages: int, scalar_gate_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> Launch:
     """Kernel 4 over ``operands``, bound: writes o [B, T, H, V] and, if given, the final state (fp32).
     ``scalar_gate_inputs`` (q, k) selects the delta rules' operands (StateOperands.allocate's scalar_gate)."""
     B, _, H, V = o.shape

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, gpu_shape_known_bad, Launch, launch_after_checks, no_pending_checks
+from attnlab.kernels._util import Launch, block_size, gpu_shape_known_bad, launch_after_checks, no_pending_checks
 
 PRECISIONS = ("split", "tf32", "ieee")
 

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import block_size, Launch, launch_after_checks, no_pending_checks
+from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
 __all__ = ["recurrent", "chunkwise", "OPTIONS"]
 

@@ -120,3 +120,15 @@ def test_kernels_read_the_values_of_ranged_inputs_only():
     v = x["v"].clone()
     v[0, 0, 0, 0] = math.nan
     assert torch.isnan(gla(**{**x, "v": v})).any()
+
+
+def test_value_checks_of_two_dtypes_both_raise():
+    """fp16 gates and an fp32 initial state are read back in one buffer per dtype: a bad value in either
+    still raises, naming its argument."""
+    x = {n: t.half() for n, t in gla_inputs().items()}
+    gla = attnlab.kernel("gla", "recurrent")
+    with pytest.raises(ValueError, match=r"^initial_state must be finite; it holds nan"):
+        gla(**x, initial_state=torch.full((1, 2, 4, 3), math.nan))
+    with pytest.raises(ValueError, match=r"^g must be a log gate .*maximum is 0.5"):
+        gla(**{**x, "g": torch.full_like(x["g"], 0.5)}, initial_state=torch.zeros((1, 2, 4, 3)))
+    gla(**x, initial_state=torch.zeros((1, 2, 4, 3)))
