@@ -50,20 +50,29 @@ accurate to their own size even when |G| reaches C * 20 inside a chunk.
 
 Precision (the ``precision`` option, kda's choices and meanings: "auto" is
 "fp16" for bf16 inputs, "bf16x3" for fp16, "ieee" for fp32) decides the state
-pass's dots and how W and A_qk are stored (fp16 pre-scaled for "fp16"; U
-stays fp32, since Delta = U - W S may cancel). Measured on the H100 (bench
-shape, bf16): excess 1.025 (deltanet) and 1.015 (gated) at T = 1024 with
-"fp16"; "bf16" (fla's rounding of every operand) 2.28 / 1.73, and slower
+pass's dots and how W, A_qk and U are stored (fp16 pre-scaled for "fp16": W
+and A_qk by per-chunk bounds, U by its per-chunk column peaks, so that each
+entry of U keeps fp16's 2^-11, the size of W S's own rounding, which
+Delta = U - W S subtracts from it). Measured on the H100 (bench shape, bf16):
+excess 1.034 (deltanet) and 1.016 (gated) at T = 1024 with "fp16" (1.025 and
+1.015 with U in fp32, which cost 0.06 ms a call more: reports/bench.md,
+session 10); "bf16" (fla's rounding of every operand) 2.28 / 1.73, and slower
 (1.84 / 2.00 ms in the first version), so the delta rules offer no speed
 setting. On the ill-conditioned regression (beta = 2, nearly parallel keys,
 fp16 inputs, tests) "fp16" costs about 12x the fp16 floor (Delta's fp16
 rounding is amplified by T's conditioning), 1.3x the bf16 floor it is the
 default for; "bf16x3", the fp16 inputs' default, sits at the fp16 floor.
-The prepare kernel keeps its own products more exact, since their errors are
-amplified by T's conditioning: T's inverse merges run at tf32x3 (~2^-22)
-and W = T K, U = T V multiply bf16 hi/lo parts of T (2^-16) with the exact
-16-bit K and V ("split"), except under "ieee", "tf32" and "tf32x3", which
-they follow.
+The prepare kernel keeps its own products more exact than the state pass's,
+since their errors are amplified by T's conditioning: T's inverse merges
+multiply bf16 hi/lo parts ("split", three bf16 products, ~2^-16) under
+"fp16" and "bf16", tf32x3 (~2^-22) under "bf16x3" (the fp16 inputs'
+default, whose own products are ~2^-16), and W = T K, U = T V multiply bf16
+hi/lo parts of T with the exact 16-bit K and V ("split"); under "ieee",
+"tf32" and "tf32x3" both follow the state pass's precision. The split
+merges took gated_deltanet's prepare kernel from 0.598 to 0.524 ms against
+tf32x3 (H100, bench shape) at the same excess (1.016 at T = 1024); on the
+ill-conditioned regression below, "fp16" stays at 12.4x the fp16 floor
+(12.3x with tf32x3 merges and U in fp32).
 K K^T and Q K^T of 16-bit inputs are exact on the tensor cores.
 
 The inverse (``_unit_lower_inverse``): its diagonal SUB x SUB blocks (16)
@@ -100,7 +109,7 @@ from attnlab.kernel import interpreter_active
 
 from . import kda
 from ._util import Launch, block_size, launch_after_checks, no_pending_checks
-from .kda import _to_scratch
+from .kda import _store_u, _to_scratch
 
 BLOCK_VS = (None, 16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
@@ -301,11 +310,11 @@ def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl
 
 @triton.jit
 def _delta_prepare_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, q_factor_ptr, k_factor_ptr, gc_ptr, aqk_ptr, bounds_ptr,
-    T, H, K, V, scale,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, w_ptr, u_ptr, u_peak_ptr, q_factor_ptr, k_factor_ptr, gc_ptr, aqk_ptr,
+    bounds_ptr, T, H, K, V, scale,
     GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BKW: tl.constexpr,
     BV: tl.constexpr, LEVELS: tl.constexpr, INVERSE_PRECISION: tl.constexpr, PRODUCT_PRECISION: tl.constexpr,
-    STATE_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    STATE_PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """One chunk of one head: the operands of kda's state pass in its SCALAR_GATE mode (by scratch row).
 
@@ -317,9 +326,10 @@ def _delta_prepare_kernel(
     (Qg = q_factor * Q and Kd = k_factor * K: the state pass applies the factors to the rows of
     Q S and of Delta.) K K^T and Q K^T sum BKC key channels at a time; W takes BKW key channels and
     U BV value channels at a time, exp(G) going into T's columns so that K stays an exact input tile
-    of W's product. Then the bounds the state pass takes its fp16 scales from: |W| <= max_t
-    sum_j |T_tj exp(G_j)| peak|k|, peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and
-    A_qk are stored as kda's _to_scratch makes them at STATE_PRECISION. gC, one value a chunk, is
+    of W's product; U is stored as kda's _store_u makes it at U_PRECISION (with its column peaks).
+    Then the bounds the state pass takes its fp16 scales from: |W| <= max_t sum_j |T_tj exp(G_j)|
+    peak|k|, peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and A_qk are stored as kda's
+    _to_scratch makes them at STATE_PRECISION. gC, one value a chunk, is
     stored for each of the K channels (the state pass decays each row of S by its channel's gC).
     Every scratch row is written: rows past the sequence end load q = k = v = beta = g = 0, so
     their W, U and A_qk are 0 (their row factors are not, but meet q = k = 0 there).
@@ -366,7 +376,7 @@ def _delta_prepare_kernel(
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
         u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
+        _store_u(u_ptr, u_peak_ptr, u, scratch_row, chunk_index * V, values, value_ok, V, U_PRECISION)
     if GATED:
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))  # exp(G_t)
@@ -451,7 +461,9 @@ def _prepare_precisions(dot_precision: str) -> tuple[str, str]:
     """(T's inverse, W and U's products) for the state pass's dot precision (module docstring)."""
     if dot_precision in ("ieee", "tf32", "tf32x3"):
         return dot_precision, dot_precision
-    return "tf32x3", "split"
+    if dot_precision == "bf16x3":
+        return "tf32x3", "split"
+    return "split", "split"
 
 
 def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -470,12 +482,12 @@ def _bind_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch
     return Launch(
         _delta_prepare_kernel, (triton.cdiv(T, C), B * H),
         q, k, v, beta, g if g is not None else beta,  # an unused pointer when ungated
-        operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
-        T, H, K, V, float(scale),
+        operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd, operands.gc, operands.aqk,
+        operands.bounds, T, H, K, V, float(scale),
         GATED=g is not None, C=C, BK=block_size(K), BKC=min(block_size(K), PREPARE_CHANNEL_SLICE),
         BKW=PREPARE_OUTPUT_BLOCK, BV=PREPARE_OUTPUT_BLOCK, LEVELS=int(math.log2(C // SUB.value)),
         INVERSE_PRECISION=inverse_precision, PRODUCT_PRECISION=product_precision, STATE_PRECISION=dot_precision,
-        EMULATE_BF16=interpreter_active(), num_warps=PREPARE_NUM_WARPS,
+        U_PRECISION=operands.u_precision(dot_precision), EMULATE_BF16=interpreter_active(), num_warps=PREPARE_NUM_WARPS,
     )
 
 

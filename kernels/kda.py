@@ -254,6 +254,16 @@ def _to_scratch(a, a_bound, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _from_scratch(a, a_bound, PRECISION: tl.constexpr):
+    """The fp32 value of an operand that _to_scratch stored with the same bound (unscaled for "fp16")."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        _, a_down = _fp16_scale(a_bound)
+        return a.to(tl.float32) * a_down
+    else:
+        return a
+
+
+@triton.jit
 def _dot_scratch(a, a_bound, b, b_peak, PRECISION: tl.constexpr):
     """a @ b for an operand a as _to_scratch made it (with the same bound) and an fp32 b, |b| <= b_peak."""
     if PRECISION == "fp16" or PRECISION == "fp16_emulated":
@@ -444,11 +454,34 @@ def _kda_ut_inverse_kernel(
 
 
 @triton.jit
+def _store_u(u_ptr, u_peak_ptr, u, scratch_row, peak_offset, values, value_ok, V, U_PRECISION: tl.constexpr):
+    """Stores a block of U's columns for the state pass. Stored in fp16 (U_PRECISION "fp16": the
+    delta rules, StateOperands.allocate), each column is scaled by its own peak |U| over the chunk,
+    stored beside it: every entry keeps 2^-11 relative precision down to 2^-27 of its column's peak,
+    the size of the rounding of W S, which Delta = U - W S subtracts from it."""
+    if U_PRECISION == "fp16" or U_PRECISION == "fp16_emulated":
+        u_peak = tl.max(tl.abs(u), axis=0)
+        tl.store(u_peak_ptr + peak_offset + values, u_peak, mask=value_ok)
+        u = _to_scratch(u, u_peak[None, :], U_PRECISION)
+    tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
+
+
+@triton.jit
+def _load_u(u_ptr, u_peak_ptr, scratch_row, peak_offset, values, value_ok, V, U_PRECISION: tl.constexpr):
+    """A block of U's columns as _store_u stored them, in fp32."""
+    u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
+    if U_PRECISION == "fp16" or U_PRECISION == "fp16_emulated":
+        u_peak = tl.load(u_peak_ptr + peak_offset + values, mask=value_ok, other=0.0)
+        u = _from_scratch(u, u_peak[None, :], U_PRECISION)
+    return u
+
+
+@triton.jit
 def _kda_chunk_operands_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, w_ptr, u_ptr, u_peak_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
     T, H, K, V, scale,
     C: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
 ):
     """One chunk's operands of the state pass, from the UT matrix T:
       W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
@@ -507,7 +540,8 @@ def _kda_chunk_operands_kernel(
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :],
                     other=0.0).to(tl.float32)
         u = _dot_within(t_matrix, t_peak, v, _peak(v), PRECISION)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], u, mask=value_ok[None, :])
+        _store_u(u_ptr, u_peak_ptr, u, scratch_row, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V, values,
+                 value_ok, V, U_PRECISION)
     which = tl.arange(0, 4)
     bounds = tl.where(which == 0, w_bound, tl.where(which == 1, qg_bound,
                       tl.where(which == 2, k_peak, qg_bound * K * k_peak)))
@@ -553,11 +587,11 @@ def _advance_block(kd_ptr, gc_ptr, S, delta, kd_row, row_ok, gc_offset, channel_
 
 @triton.jit
 def _kda_state_pass_kernel(
-    w_ptr, u_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, bounds_ptr, q_ptr, k_ptr, o_ptr, state_in_ptr, state_out_ptr,
-    T, H, K, V, num_chunks,
+    w_ptr, u_ptr, u_peak_ptr, qg_ptr, kd_ptr, gc_ptr, aqk_ptr, bounds_ptr, q_ptr, k_ptr, o_ptr, state_in_ptr,
+    state_out_ptr, T, H, K, V, num_chunks,
     C: tl.constexpr, BKB: tl.constexpr, NKB: tl.constexpr, BV: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, PRECISION: tl.constexpr,
-    SCALAR_GATE: tl.constexpr,
+    U_PRECISION: tl.constexpr, SCALAR_GATE: tl.constexpr,
 ):
     """S [NKB * BKB, BV] fp32 in registers, held as NKB (1, 2 or 4) blocks S0..S3 of BKB key
     channels (as fla does: one [K, BV] fp32 tile does not fit at K >= 128). Per chunk, from
@@ -630,7 +664,8 @@ def _kda_state_pass_kernel(
             ws, qs = _project_block(w_ptr, qk_base, S3, scratch_row, qk_row, qk_ok, 3 * BKB, K, ws, qs, w_bound,
                                     qg_bound, BKB, PRECISION, SCALAR_GATE)
 
-        u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
+        u = _load_u(u_ptr, u_peak_ptr, scratch_row, (bh.to(tl.int64) * num_chunks + n) * V, values, value_ok, V,
+                    U_PRECISION)
         delta = u - ws
         delta_peak = _peak(delta)
         aqk = tl.load(aqk_ptr + scratch_row[:, None] * C + cols[None, :])
@@ -672,10 +707,12 @@ class StateOperands(NamedTuple):
     W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk| by chunk; W, Qg and
     Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots, else fp32), the others
     fp32. kernels/_delta.py fills them for the delta rules, with per-row gate factors in place of the
-    Qg and Kd tiles (``allocate``'s scalar_gate; their padding rows' factors meet q = k = 0)."""
+    Qg and Kd tiles (``allocate``'s scalar_gate; their padding rows' factors meet q = k = 0 there),
+    and with U in fp16 for "fp16" dots, scaled by its column peaks by chunk (u_peak, else None)."""
 
     w: torch.Tensor
     u: torch.Tensor
+    u_peak: torch.Tensor | None
     qg: torch.Tensor
     kd: torch.Tensor
     gc: torch.Tensor
@@ -687,19 +724,33 @@ class StateOperands(NamedTuple):
                  dot_precision: str, scalar_gate: bool = False) -> StateOperands:
         """Buffers for kda's operands, or with ``scalar_gate`` the delta rules' (the state pass's
         SCALAR_GATE): qg and kd then hold per-row factors [rows] (scale exp(G_t), exp(G_C - G_t)),
-        bounds[:, 1:3] peak|q| and peak|k|, and A_qk is stored like W."""
+        bounds[:, 1:3] peak|q| and peak|k|, A_qk is stored like W, and so is U, with its column peaks.
+
+        kda keeps U in fp32: its state pass, which holds Qg and Kd tiles where the delta rules' holds
+        row factors, spilled with an fp16 U (ptxas: 84 bytes against 12) and took 0.650 ms against
+        0.529 (H100, bench shape), more than its operands kernel saved (0.733 against 0.781 ms); the
+        delta rules' prepare kernel and state pass each gained (0.598 / 0.415 against 0.637 / 0.431 ms)."""
         rows = B * H * num_chunks * C
+        chunks = B * H * num_chunks
         operand = torch.float16 if dot_precision in ("fp16", "fp16_emulated") else torch.float32
 
         def new(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device=device)
 
         if scalar_gate:
-            return StateOperands(new(rows, K, dtype=operand), new(rows, V), new(rows), new(rows),
-                                 new(B * H * num_chunks, K), new(rows, C, dtype=operand), new(B * H * num_chunks, 4))
-        return StateOperands(new(rows, K, dtype=operand), new(rows, V), new(rows, K, dtype=operand),
-                             new(rows, K, dtype=operand), new(B * H * num_chunks, K), new(rows, C),
-                             new(B * H * num_chunks, 4))
+            u_peak = new(chunks, V) if operand == torch.float16 else None
+            return StateOperands(new(rows, K, dtype=operand), new(rows, V, dtype=operand), u_peak, new(rows),
+                                 new(rows), new(chunks, K), new(rows, C, dtype=operand), new(chunks, 4))
+        return StateOperands(new(rows, K, dtype=operand), new(rows, V), None, new(rows, K, dtype=operand),
+                             new(rows, K, dtype=operand), new(chunks, K), new(rows, C), new(chunks, 4))
+
+    def u_precision(self, dot_precision: str) -> str:
+        """How U is stored (the U_PRECISION of _store_u and _load_u): as W is, or in fp32."""
+        return dot_precision if self.u.dtype == torch.float16 else "ieee"
+
+    def u_peak_or_u(self) -> torch.Tensor:
+        """The u_peak pointer argument: U itself where U is fp32 and has no peaks (never read then)."""
+        return self.u if self.u_peak is None else self.u_peak
 
 
 class _IntraScratch(NamedTuple):
@@ -745,12 +796,13 @@ def bind_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Ten
     BV = block_v if scalar_gate_inputs is not None else min(block_v, block_size(V))
     return Launch(
         _kda_state_pass_kernel, (triton.cdiv(V, BV), B * H),
-        operands.w, operands.u, operands.qg, operands.kd, operands.gc, operands.aqk, operands.bounds,
-        *(scalar_gate_inputs or (o, o)), o,
+        operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd, operands.gc, operands.aqk,
+        operands.bounds, *(scalar_gate_inputs or (o, o)), o,
         initial if initial is not None else operands.gc, final if final is not None else operands.gc,
         T, H, K, V, num_chunks,
         C=C, BKB=BKB, NKB=BK // BKB, BV=BV, HAS_INITIAL_STATE=initial is not None,
-        STORE_FINAL_STATE=final is not None, PRECISION=dot_precision, SCALAR_GATE=scalar_gate_inputs is not None,
+        STORE_FINAL_STATE=final is not None, PRECISION=dot_precision, U_PRECISION=operands.u_precision(dot_precision),
+        SCALAR_GATE=scalar_gate_inputs is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -778,10 +830,10 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ),
         Launch(
             _kda_chunk_operands_kernel, (num_chunks, B * H),
-            q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.qg, operands.kd, operands.gc,
-            operands.bounds, T, H, K, V, scale,
+            q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd,
+            operands.gc, operands.bounds, T, H, K, V, scale,
             C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK),
-            num_warps=OPERANDS_NUM_WARPS, **common,
+            U_PRECISION=operands.u_precision(dot_precision), num_warps=OPERANDS_NUM_WARPS, **common,
         ),
     ]
 

@@ -111,7 +111,8 @@ def test_prepare_bounds_and_row_factors(scale):
     SCALAR_GATE mode reads q and k themselves: the bounds must hold (|W| <= bounds[0], peak|q| and
     peak|k| exactly, |A_qk| <= bounds[3]), for a negative scale too; the row factors are scale
     exp(G_t) and exp(G_C - G_t) of the chunk-local gates (G_C: the last real step's); "fp16" stores W
-    and A_qk scaled by their bound's power of two, below 2^14 and not wildly below it. Two heads,
+    and A_qk scaled by their bound's power of two, below 2^14 and not wildly below it, and U scaled by
+    its column peaks, each entry to fp16 rounding. Two heads,
     three chunks of 16, the last one partial, strong gates on a third of the steps."""
     x = {n: t.float() for n, t in _sample(T=45, K=64, V=16, H=2, seed=3).items()}
     x["g"] = torch.where(torch.arange(45)[None, :, None] % 3 == 0, -20.0, x["g"])
@@ -146,3 +147,14 @@ def test_prepare_bounds_and_row_factors(scale):
         assert stored.dtype == torch.float16, name
         peaks = stored.float().abs().reshape(chunks, -1).amax(dim=1)
         assert torch.all(peaks < 2.0**14) and torch.all(peaks >= 2.0**4), name
+    # U: fp32 under "ieee"; fp16 under "fp16", each (chunk, column) scaled by its own peak |U|, stored beside it.
+    assert exact.u.dtype == torch.float32 and exact.u_peak is None
+    u = exact.u.reshape(chunks, 16, -1)
+    column_peaks = u.abs().amax(dim=1)
+    assert rounded.u.dtype == torch.float16 and rounded.u_peak.shape == column_peaks.shape
+    # "fp16" makes U from split products of a split inverse (about 2^-16 relative) where "ieee" is exact.
+    assert torch.allclose(rounded.u_peak, column_peaks, rtol=2.0**-12, atol=0.0)
+    up = torch.exp2(13.0 - torch.floor(torch.log2(rounded.u_peak)))[:, None, :]
+    stored = rounded.u.float().reshape(chunks, 16, -1)
+    assert torch.all(stored.abs().amax(dim=1) >= 2.0**13) and torch.all(stored.abs() <= 2.0**14)
+    assert torch.all((stored / up - u).abs() <= 2.0**-11 * u.abs() + 2.0**-12 * column_peaks[:, None, :])
