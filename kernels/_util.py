@@ -8,7 +8,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
 
@@ -30,11 +29,8 @@ class Launch:
     (retnet) and 87 us (the delta rules' prepare kernel) of host time on the H100 machine, a bound launch
     17 us (.ci/gpu_overhead.py; reports/bench.md, session 9), so on the GPU binding compiles the
     kernel, or finds it in the cache (``JITFunction.warmup``), and lays out its arguments ahead of the
-    wait; calling it is then the compiled kernel's own launcher (as in Triton's fused-softmax tutorial),
-    given the current stream and each tensor's address as an integer, which it passes on as they are
-    (a tensor costs it a ``data_ptr()`` call and a driver query of the pointer, ``cuPointerGetAttribute``;
-    the tensors were checked to be on the GPU, and the Launch keeps them alive). Under the interpreter
-    calling it is the plain launch.
+    wait; calling it is then the driver's launch alone (the compiled kernel's own launcher, as in
+    Triton's fused-softmax tutorial). Under the interpreter calling it is the plain launch.
     """
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -42,11 +38,8 @@ class Launch:
             compiled = kernel.warmup(*args, grid=grid, **kwargs)
             compiled = compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compile mode
             runner = compiled[tuple(grid) + (1,) * (3 - len(grid))]
-            stream = driver.active.get_current_stream(driver.active.get_current_device())
-            values = tuple(v.data_ptr() if isinstance(v, torch.Tensor) else v
-                           for v in launch_arguments(kernel, args, kwargs))
-            self._tensors = args
-            self._run: Callable[[], None] = lambda: runner(*values, stream=stream)
+            values = launch_arguments(kernel, args, kwargs)
+            self._run: Callable[[], None] = lambda: runner(*values)
         else:
             self._run = lambda: kernel[grid](*args, **kwargs)
 

@@ -30,13 +30,10 @@ chunk padded):
 1. ``_kda_a_rows_kernel``, grid (chunks * C/16, B*H): one 16-row block row
    of A_kk and A_qk per program (secondary chunking). The pairwise decay
    exp(G_t - G_j) does not factor out of a dot as a whole; for the block's
-   query rows starting at row r, the key rows j < r of the chunk are
+   query rows starting at row r, the key rows j of each earlier block J are
    paired through the anchor r: exp(G_t - G_r) exp(G_r - G_j), both
-   exponents <= 0 because j < r <= t, one [16, BKC] x [BKC, C] dot per
-   channel slice for all of them (G_r - G_j by a reverse scan of the steps
-   j < s <= r; until 2026-11-25 one [16, BKC] x [BKC, 16] dot per earlier
-   block, each reloading the block row's operands and redoing its decays).
-   The anchor is the block's FIRST row, so it is never later than
+   exponents <= 0 because j < r <= t, one [16, BKC] x [BKC, 16] dot per
+   block J. The anchor is the block's FIRST row, so it is never later than
    the query it serves (no future row enters, also in a partial trailing
    block). The diagonal 16 x 16 block uses the same anchors by halving: at
    level h (8, 4, 2, 1) each group of 2h rows pairs its later half with its
@@ -338,19 +335,13 @@ def _kda_a_rows_kernel(
     chunk_token = (b * T + chunk * C + rows).to(tl.int64) * H + h
     scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
 
-    # Per channel slice: the diagonal block by halving, and the blocks left of it through the anchor r.
+    # The diagonal block by halving.
     akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
     aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
-    akk_left = tl.zeros((SUB, C), dtype=tl.float32)
-    aqk_left = tl.zeros((SUB, C), dtype=tl.float32)
-    to_anchor_span = (local[None, :] > 0) & (local[None, :] <= local[:, None])  # steps r < s <= t
-    left_key = (rows < r) & chunk_ok  # key rows j < r
-    ahead = (rows < r) & (chunk * C + rows + 1 < T)  # rows j whose next step j + 1 <= r is in the sequence
     for channel_start in range(0, BK, BKC):
         channels = channel_start + slice_channels
-        channel_ok = channels < K
         ptrs = block_token[:, None] * K + channels[None, :]
-        mask = block_ok[:, None] & channel_ok[None, :]
+        mask = block_ok[:, None] & (channels < K)[None, :]
         q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)  # input dtype, for _span_sums
@@ -373,25 +364,44 @@ def _kda_a_rows_kernel(
             akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
             aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
         aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
-        if r > 0:
-            # Key rows j < r carried to r: G_r - G_j = sum_{j < s <= r} g_s, a reverse scan of the steps one
-            # row ahead (zero from row r on), so that every exponent sums same-signed steps; query rows from r.
-            chunk_ptrs = chunk_token[:, None] * K + channels[None, :]
-            k_left = tl.load(k_ptr + chunk_ptrs, mask=left_key[:, None] & channel_ok[None, :], other=0.0).to(tl.float32)
-            g_ahead = tl.load(g_ptr + chunk_ptrs + H * K, mask=ahead[:, None] & channel_ok[None, :], other=0.0)
-            left_keys = tl.trans(k_left * tl.exp(tl.cumsum(g_ahead.to(tl.float32), axis=0, reverse=True)))  # [BKC, C]
-            to_anchor = tl.exp(_span_sums(to_anchor_span, g16, GATE_DOT))
-            k_left_peak = _peak(k_left)
-            akk_left += _dot_within(k * to_anchor, k_peak, left_keys, k_left_peak, PRECISION)
-            aqk_left += _dot_within(q * to_anchor, q_peak, left_keys, k_left_peak, PRECISION)
     row_ptrs = scratch_rows[:, None] * C
     tl.store(akk_ptr + row_ptrs + (r + local)[None, :], akk_diag)
     tl.store(aqk_ptr + row_ptrs + (r + local)[None, :], aqk_diag * scale)
-    # Left of the diagonal block its products, right of it zeros.
-    outside = (cols < r) | (cols >= r + SUB)
-    tl.store(akk_ptr + row_ptrs + cols[None, :], tl.where((cols < r)[None, :], akk_left, 0.0), mask=outside[None, :])
-    tl.store(aqk_ptr + row_ptrs + cols[None, :], tl.where((cols < r)[None, :], aqk_left * scale, 0.0),
-             mask=outside[None, :])
+    tl.store(akk_ptr + row_ptrs + cols[None, :], tl.zeros((SUB, C), dtype=tl.float32), mask=(cols >= r + SUB)[None, :])
+    tl.store(aqk_ptr + row_ptrs + cols[None, :], tl.zeros((SUB, C), dtype=tl.float32), mask=(cols >= r + SUB)[None, :])
+
+    # The blocks J < I left of it, through the anchor r.
+    within_block = local[:, None] < local[None, :]  # steps j < s <= SUB-1 of block J
+    to_anchor_span = (local[None, :] > 0) & (local[None, :] <= local[:, None])  # steps r < s <= t
+    for J in range(0, I):
+        after_block = (rows >= (J + 1) * SUB) & (rows <= r)  # steps from block J's end to r
+        key_positions = chunk * C + J * SUB + local
+        key_token = (b * T + key_positions).to(tl.int64) * H + h
+        akk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        aqk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        for channel_start in range(0, BK, BKC):
+            channels = channel_start + slice_channels
+            channel_ok = channels < K
+            ptrs = block_token[:, None] * K + channels[None, :]
+            mask = block_ok[:, None] & channel_ok[None, :]
+            q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)
+            key_ptrs = key_token[:, None] * K + channels[None, :]
+            key_mask = (key_positions < T)[:, None] & channel_ok[None, :]
+            k_J = tl.load(k_ptr + key_ptrs, mask=key_mask, other=0.0).to(tl.float32)
+            g_J = tl.load(g_ptr + key_ptrs, mask=key_mask, other=0.0)
+            g_between = tl.load(g_ptr + chunk_token[:, None] * K + channels[None, :],
+                                mask=(after_block & chunk_ok)[:, None] & channel_ok[None, :], other=0.0)
+            # G_r - G_j = (steps of block J after j) + (steps from J's end to r): same-signed sums.
+            after = tl.sum(g_between.to(tl.float32), axis=0)
+            to_anchor = tl.exp(_span_sums(to_anchor_span, g16, GATE_DOT))
+            keys = tl.trans(k_J * tl.exp(_span_sums(within_block, g_J, GATE_DOT) + after[None, :]))  # [BKC, SUB]
+            k_J_peak = _peak(k_J)
+            akk_block += _dot_within(k * to_anchor, _peak(k), keys, k_J_peak, PRECISION)
+            aqk_block += _dot_within(q * to_anchor, _peak(q), keys, k_J_peak, PRECISION)
+        tl.store(akk_ptr + row_ptrs + (J * SUB + local)[None, :], akk_block)
+        tl.store(aqk_ptr + row_ptrs + (J * SUB + local)[None, :], aqk_block * scale)
 
 
 @triton.jit
