@@ -406,16 +406,13 @@ def _kda_a_rows_kernel(
 
 @triton.jit
 def _kda_ut_inverse_kernel(
-    beta_ptr, akk_ptr, t_ptr, t_bounds_ptr,
+    beta_ptr, akk_ptr, t_ptr,
     T, H,
     C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One chunk's UT matrix T = (I + L)^-1 Diag(beta), L = Diag(beta) A_kk (strictly lower), in fp32,
-    from _kda_a_rows_kernel's A_kk (read at and left of the diagonal blocks only); rows past T have
-    beta = 0. By block rows I (r = I*SUB):  X_II = (I + L_II)^-1 by forward substitution,
-    X_I = X_II (E_I - L_I,<r X_<r). T goes to t [rows, C] as _to_scratch makes it with the bound
-    peak|T| (fp16 for "fp16": the rounding the operands kernel's products of T would do anyway), and
-    peak|T| and the largest row sum of |T| (W's bound) to t_bounds [chunks, 2].
+    """One chunk's UT matrix T = (I + L)^-1 Diag(beta), L = Diag(beta) A_kk (strictly lower), fp32,
+    from _kda_a_rows_kernel's A_kk to t [rows, C]; rows past T have beta = 0. By block rows I
+    (r = I*SUB):  X_II = (I + L_II)^-1 by forward substitution,  X_I = X_II (E_I - L_I,<r X_<r).
     """
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
@@ -453,13 +450,7 @@ def _kda_ut_inverse_kernel(
         X_I = _dot(X_II, rhs, PRECISION)
         X3 = tl.where((blocks == I)[:, None, None], X_I[None, :, :], X3)
 
-    t_matrix = tl.reshape(X3, (C, C)) * beta[None, :]
-    t_peak = _peak(t_matrix)
-    tl.store(t_ptr + (scratch_base + rows)[:, None] * C + cols[None, :], _to_scratch(t_matrix, t_peak, PRECISION))
-    which = tl.arange(0, 2)
-    chunk_index = bh.to(tl.int64) * tl.num_programs(0) + chunk
-    tl.store(t_bounds_ptr + chunk_index * 2 + which,
-             tl.where(which == 0, t_peak, tl.max(tl.sum(tl.abs(t_matrix), axis=1))))
+    tl.store(t_ptr + (scratch_base + rows)[:, None] * C + cols[None, :], tl.reshape(X3, (C, C)) * beta[None, :])
 
 
 @triton.jit
@@ -487,7 +478,7 @@ def _load_u(u_ptr, u_peak_ptr, scratch_row, peak_offset, values, value_ok, V, U_
 
 @triton.jit
 def _kda_chunk_operands_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, t_bounds_ptr, w_ptr, u_ptr, u_peak_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, w_ptr, u_ptr, u_peak_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
     T, H, K, V, scale,
     C: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
@@ -521,13 +512,13 @@ def _kda_chunk_operands_kernel(
         q_peak = tl.maximum(q_peak, _peak(tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
         k_peak = tl.maximum(k_peak, _peak(tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
 
-    # T as the UT inverse kernel stored it (with the bound t_peak), and its largest row sum of |T|.
-    t_operand = tl.load(t_ptr + scratch_row[:, None] * C + cols[None, :])
-    t_bounds = t_bounds_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 2
-    t_peak = tl.load(t_bounds)
+    t_matrix = tl.load(t_ptr + scratch_row[:, None] * C + cols[None, :])
+    t_peak = _peak(t_matrix)
     # |W_tc| = |sum_j T_tj k_jc exp(G_jc)| <= max_t sum_j |T_tj| peak|k|; |Qg| <= |scale| peak|q|; |Kd| <= peak|k|.
-    w_bound = tl.load(t_bounds + 1) * k_peak
+    w_bound = tl.max(tl.sum(tl.abs(t_matrix), axis=1)) * k_peak
     qg_bound = tl.abs(scale) * q_peak
+    # T enters every product of W and U: rounded for them once (fp16 for "fp16"), not once a block.
+    t_operand = _to_scratch(t_matrix, t_peak, PRECISION)
     for channel_start in range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -765,23 +756,18 @@ class StateOperands(NamedTuple):
 
 
 class _IntraScratch(NamedTuple):
-    """The state pass's operands and, between the parallel kernels, A_kk (fp32) and T by row, T as
-    _to_scratch stores it (fp16 for "fp16" dots, else fp32) with its bounds by chunk (peak|T|, the
-    largest row sum of |T|)."""
+    """The state pass's operands and, between the parallel kernels, A_kk and T by row (fp32)."""
 
     operands: StateOperands
     akk: torch.Tensor
     ut_matrix: torch.Tensor
-    ut_bounds: torch.Tensor
 
     @staticmethod
     def allocate(B: int, H: int, num_chunks: int, C: int, K: int, V: int, device: torch.device,
                  dot_precision: str) -> _IntraScratch:
         rows = B * H * num_chunks * C
-        operands = StateOperands.allocate(B, H, num_chunks, C, K, V, device, dot_precision)
-        return _IntraScratch(operands, torch.empty(rows, C, device=device),
-                             torch.empty(rows, C, dtype=operands.w.dtype, device=device),
-                             torch.empty(B * H * num_chunks, 2, device=device))
+        return _IntraScratch(StateOperands.allocate(B, H, num_chunks, C, K, V, device, dot_precision),
+                             torch.empty(rows, C, device=device), torch.empty(rows, C, device=device))
 
 
 def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype, K: int) -> tuple[str, int]:
@@ -841,13 +827,13 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ),
         Launch(
             _kda_ut_inverse_kernel, (num_chunks, B * H),
-            beta, scratch.akk, scratch.ut_matrix, scratch.ut_bounds, T, H,
+            beta, scratch.akk, scratch.ut_matrix, T, H,
             C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
         ),
         Launch(
             _kda_chunk_operands_kernel, (num_chunks, B * H),
-            q, k, v, g, scratch.ut_matrix, scratch.ut_bounds, operands.w, operands.u, operands.u_peak_or_u(),
-            operands.qg, operands.kd, operands.gc, operands.bounds, T, H, K, V, scale,
+            q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd,
+            operands.gc, operands.bounds, T, H, K, V, scale,
             C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK),
             U_PRECISION=operands.u_precision(dot_precision), num_warps=OPERANDS_NUM_WARPS, **common,
         ),
