@@ -15,6 +15,12 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
     "matches_oracle": (
         Case(name="deltanet", seed=7574, B=1, T=61, H=1, K=17, V=5, beta_low=2.0, beta_high=2.0,
              key_coherence=0.99, scale=1.246139220448965),
+        # K = 1, beta = 1: each step overwrites the state, so every output is +-v_t, exactly
+        # representable. The chunk algebra reaches it through cancellation (o_t = sum_j A_qk[t, j] U_j,
+        # |U_j| up to 2.4 for |o_t| = 0.1): the bf16 default ("fp16", Delta rounded to fp16 in the
+        # state pass) left o_14 one bf16 ulp off (found on the H100, session 10; a known failure in
+        # bf16, see tests/kernels/test_deltanet.py); "bf16x3" and "tf32x3" are exact.
+        Case(name="deltanet", seed=0, B=1, T=15, H=1, K=1, V=1, beta_low=0.999, beta_high=1.0),
         # One token, K = 7: elu+1 features rounded to fp16 before the dots (then linear_attn's
         # default) cost excess 2.84 in fp16; the perturbation is only averaged away over many
         # keys and features. fp32 (hi + lo) features give 1.0.
