@@ -39,8 +39,9 @@ Until 2026-11-25 the delta rules ran three launches of their own: a prepare
 pass (T, W, U), a state pass that wrote each chunk's state S and Delta, and
 an output pass over them. On the H100 at B=8, T=4096, H=16, K=V=128 (bf16)
 that took 1.29 ms (deltanet) and 1.42 ms (gated) against fla's 1.22 and
-1.03; now 1.03 and 1.13 against 1.21 and 1.03 (prepare 0.52 / 0.59 ms,
-state pass 0.43; reports/bench.md, sessions 8 and 9). A first version stored Qg and
+1.03; now 0.92 and 1.00 against 1.20 and 1.01 (prepare 0.46 / 0.53 ms,
+state pass 0.42, with U in fp16 and split merges; reports/bench.md, sessions
+8-10). A first version stored Qg and
 Kd as kda does: 1.33 / 1.37-1.42 ms, its prepare kernel writing 270 MB more.
 
 Every exponent is <= 0: pairwise differences are masked to -inf above the
