@@ -1,0 +1,43 @@
+"""The delta rules' and kda's bf16 default run on the CPU with the GPU's roundings, for the property suite.
+
+bf16 kernels do not run under the Triton interpreter (it computes on bf16 bit patterns as integers). Their
+default for bf16 inputs, precision "fp16", takes every operand's value exactly whatever its carrier: given fp32
+copies of the bf16 inputs and precision="fp16", these kernels make the roundings the GPU makes on the bf16
+inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order of the sums
+differs), and their fp32 output rounded once to bf16 stands for the GPU's bf16 output. Point the property suite
+at them (slow: the interpreter runs every example; kda takes longest):
+
+    PYTHONPATH=.ci .venv/bin/python -m pytest --pyargs attnlab.properties -q -p no:cacheprovider \\
+        --attnlab-profile ci --attnlab-device cpu --attnlab-dtype bfloat16 -k matches_oracle \\
+        --attnlab-formulation deltanet --attnlab-kernel bf16_on_cpu:deltanet
+
+Session 10 reproduced this way the counterexample on which the H100's bf16 run failed (deltanet, K = 1,
+beta = 1: properties/regressions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import attnlab
+
+
+def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
+    def call(**inputs: Any) -> Any:
+        carried = {n: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
+                   for n, t in inputs.items()}
+        out = attnlab.kernel(name, "chunkwise", precision="fp16")(**carried)
+        if isinstance(out, tuple):
+            return (out[0].to(torch.bfloat16), *out[1:])
+        return out.to(torch.bfloat16)
+
+    call.__name__ = name
+    return call
+
+
+deltanet = _bf16_default_as_on_the_gpu("deltanet")
+gated_deltanet = _bf16_default_as_on_the_gpu("gated_deltanet")
+kda = _bf16_default_as_on_the_gpu("kda")
