@@ -10,7 +10,7 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from kernel_checks import check_stateful_kernel
+from kernel_checks import as_on_the_gpu_in_bf16, check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
 from properties.regressions import REGRESSIONS
 
@@ -81,13 +81,6 @@ def test_fp16_state_pass_stays_below_bf16_rounding(name):
     assert rel_err(o, ref) <= 0.5 * rounding_floor(ref, torch.bfloat16)
 
 
-def _as_on_the_gpu_in_bf16(x: dict) -> dict:
-    """bf16 inputs as the GPU's bf16 default computes them, runnable here: fp32 carriers of the bf16
-    values for precision "fp16" (q, k and v enter its products exactly either way), so that the fp32
-    output is rounded to bf16 once, as the GPU's kernel writes it."""
-    return {n: t.float() if isinstance(t, torch.Tensor) else t for n, t in x.items()}
-
-
 # The property suite's counterexamples of session 10 (properties/regressions.py): K = 1, beta = 1, every output
 # exactly representable in bf16 and reached through cancellation in o = A_qk U.
 REPRESENTABLE = [c for c in REGRESSIONS["matches_oracle"] if c.K == 1 and c.beta_low == 0.999]
@@ -95,7 +88,7 @@ REPRESENTABLE = [c for c in REGRESSIONS["matches_oracle"] if c.K == 1 and c.beta
 
 def _representable_case(case) -> tuple[dict, torch.Tensor]:
     """The case's inputs as the GPU computes bf16, and its oracle, checked to be representable in bf16."""
-    x = _as_on_the_gpu_in_bf16(case.call(torch.bfloat16, "cpu"))
+    x = as_on_the_gpu_in_bf16(case.call(torch.bfloat16, "cpu"))
     ref = attnlab.oracle(case.name, "chunkwise", "float64")(**x)
     assert torch.equal(ref.to(torch.bfloat16).double(), ref)
     return x, ref
