@@ -89,7 +89,11 @@ OPTIONS (chunkwise):
   only S and Delta, once a chunk each (H100, bench shape: state pass 1.07 ->
   0.85 ms for the bounds, -> 0.52 for the fp16 operands). Emulated in torch
   (bf16 inputs, K=V=128, T=64..4096) its excess is 1.016-1.019, against
-  1.000 for fp32 dots and 1.68-1.78 for "bf16". For fp16 inputs it would sit
+  1.000 for fp32 dots and 1.68-1.78 for "bf16". Known defect (session 10):
+  on the property suite's case K = V = 1, no decay, nearly parallel keys,
+  T = 65, it reaches 1.59, over the bf16 bound ("bf16x3" and "ieee" 1.00;
+  properties/regressions.py, a strict xfail in tests/kernels/test_kda.py).
+  For fp16 inputs it would sit
   at their own floor, so they keep "bf16x3" (each fp32 operand split into
   bf16 hi + lo, three bf16 products, about 2^-16 relative per product).
   "tf32x3" (three TF32 products, about 2^-21) costs twice "bf16x3" on tensor
