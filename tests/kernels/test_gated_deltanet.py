@@ -112,8 +112,8 @@ def test_prepare_bounds_and_row_factors(scale):
     peak|k| exactly, |A_qk| <= bounds[3]), for a negative scale too; the row factors are scale
     exp(G_t) and exp(G_C - G_t) of the chunk-local gates (G_C: the last real step's); "fp16" stores W
     and A_qk scaled by their bound's power of two, below 2^14 and not wildly below it, and U scaled by
-    its column peaks, each entry to fp16 rounding. Two heads,
-    three chunks of 16, the last one partial, strong gates on a third of the steps."""
+    its column peaks, each entry to fp16 rounding. Two heads, three chunks of 16, the last one partial,
+    strong gates on a third of the steps."""
     x = {n: t.float() for n, t in _sample(T=45, K=64, V=16, H=2, seed=3).items()}
     x["g"] = torch.where(torch.arange(45)[None, :, None] % 3 == 0, -20.0, x["g"])
     exact = _prepared(x, scale, "ieee")
@@ -152,9 +152,10 @@ def test_prepare_bounds_and_row_factors(scale):
     u = exact.u.reshape(chunks, 16, -1)
     column_peaks = u.abs().amax(dim=1)
     assert rounded.u.dtype == torch.float16 and rounded.u_peak.shape == column_peaks.shape
-    # "fp16" makes U from split products of a split inverse (about 2^-16 relative) where "ieee" is exact.
-    assert torch.allclose(rounded.u_peak, column_peaks, rtol=2.0**-12, atol=0.0)
+    # "fp16" makes U from split products of a split inverse (about 2^-16 relative each, 0.8 * 2^-16 of the
+    # peak measured here) where "ieee" is exact: 2^-14 allows four such errors, then fp16's rounding (2^-11).
+    assert torch.allclose(rounded.u_peak, column_peaks, rtol=2.0**-14, atol=0.0)
     up = torch.exp2(13.0 - torch.floor(torch.log2(rounded.u_peak)))[:, None, :]
     stored = rounded.u.float().reshape(chunks, 16, -1)
     assert torch.all(stored.abs().amax(dim=1) >= 2.0**13) and torch.all(stored.abs() <= 2.0**14)
-    assert torch.all((stored / up - u).abs() <= 2.0**-11 * u.abs() + 2.0**-12 * column_peaks[:, None, :])
+    assert torch.all((stored / up - u).abs() <= 2.0**-11 * u.abs() + 2.0**-14 * column_peaks[:, None, :])

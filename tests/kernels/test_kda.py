@@ -204,11 +204,11 @@ def _bf16_counterexample() -> tuple[dict, torch.Tensor]:
 
 @pytest.mark.parametrize("precision", ["bf16x3", "ieee"])
 def test_bf16_counterexample_at_the_floor(precision):
-    """K = V = 1, no decay, nearly parallel keys, two chunks: the exact-product precisions give the
-    rounding floor itself in bf16."""
+    """K = V = 1, no decay, nearly parallel keys, two chunks: with products to 2^-16 or better the bf16
+    output is the exact answer rounded once (excess 1, the floor itself)."""
     x, ref = _bf16_counterexample()
     o = make_kernel("kda", "chunkwise", precision=precision)(**x).to(torch.bfloat16)
-    assert measure(o, ref, torch.bfloat16).excess <= 1.01
+    assert torch.equal(o, ref.to(torch.bfloat16))
 
 
 @pytest.mark.xfail(strict=True, reason="known: the bf16 default reaches excess 1.59 here (properties/regressions.py)")
