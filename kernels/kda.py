@@ -143,9 +143,11 @@ from ._util import Launch, block_size, launch_after_checks, no_pending_checks, z
 
 SUB_CHUNK = 16
 INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel (see its warps below)
-# The A kernel: key channels per slice, and warps at C = 64 (proportionally fewer for smaller chunks).
-A_CHANNEL_SLICE = 16
-A_NUM_WARPS = 4
+# The A rows kernel's [16, 16] products hold whole [16, slice] operands in every warp, so it runs one
+# warp a program, 16 channels a slice (sm_90 build: 143 registers, none spilled; 230 at 32 channels).
+# H100, bench shape: 0.75 ms; 0.96 at 32 channels, 1.69 at 2 warps and 32 channels.
+A_ROWS_CHANNEL_SLICE = 16
+A_ROWS_NUM_WARPS = 1
 UT_INVERSE_NUM_WARPS = 1  # H100, bench shape: 0.21 ms at 1 warp, 0.37 at 4
 OPERANDS_NUM_WARPS = 2  # 0.77 ms at 2 warps and 32 channels a block; 0.87 at 4 warps, 0.86 at 16 channels
 STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pass (K <= 4 blocks = 256)
@@ -294,74 +296,116 @@ def _span_sums(span, g, GATE_DOT: tl.constexpr):
 
 
 @triton.jit
-def _kda_a_kernel(
-    q_ptr, k_ptr, g_ptr, akk_ptr, aqk_ptr, bounds_ptr,
+def _kda_a_rows_kernel(
+    q_ptr, k_ptr, g_ptr, akk_ptr, aqk_ptr,
     T, H, K, scale,
-    C: tl.constexpr, LOG_C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    C: tl.constexpr, SUB: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     PRECISION: tl.constexpr, GATE_DOT: tl.constexpr,
 ):
-    """One chunk's A_kk (t > j) and A_qk (t >= j), summed over key channels in slices of BKC (the
-    decays are per channel):
+    """One block row of a chunk's A_kk (t > j) and A_qk (t >= j) per program: the query rows
+    t = r .. r+SUB-1 of block I (r = I*SUB) against the key rows j <= t, summed over key channels
+    in slices of BKC (the decays are per channel):
 
       A_kk[t, j] = sum_c k_tc k_jc exp(G_tc - G_jc),   A_qk[t, j] = scale sum_c q_tc k_jc exp(G_tc - G_jc)
 
-    By halving: at level h (C/2, C/4, ..., 1) the rows fall in groups of 2h, and every pair t > j
-    with t in a group's later half and j in its earlier half is formed through that group's anchor
-    a, the later half's first row: (k_t exp(G_t - G_a)) . (k_j exp(G_a - G_j)), both exponents <= 0
-    (j < a <= t), each the sum of the steps it spans. Every pair t > j is formed at exactly one
-    level (the smallest group holding both), by one [C, BKC] x [BKC, C] dot per level and
-    product; A_qk's t = j is sum_c q_tc k_tc. Rows past T read as 0 (g = 0 adds no decay). A_kk is
-    stored up to its diagonal SUB blocks (the UT inverse reads no further), A_qk's rows whole, with
-    zeros above the diagonal (the state pass multiplies whole rows), as _to_scratch makes it with the
-    chunk's peak |A_qk| as its bound, which goes to the chunk's bounds[3] for the state pass.
+    Left of the diagonal, block J < I, one [SUB, BKC] x [BKC, SUB] dot through the anchor r:
+    (k_t exp(G_t - G_r)) . (k_j exp(G_r - G_j)), both exponents <= 0 because j < r <= t; the anchor
+    is the block's FIRST row, so no future row enters, also in a partial trailing block. G_r - G_j
+    is the steps of block J after j plus those from J's end to r, both sums of same-signed gates.
+    The diagonal block by halving: at level h every group of 2h rows pairs its later half (t >= a)
+    with its earlier half (j < a) through the anchor a, the later half's first row, so each pair
+    t > j is formed once, by one dot per level; A_qk's t = j is sum_c q_tc k_tc. Rows past T read
+    as 0 (g = 0 adds no decay). Both block rows go to [rows, C] scratch (A_qk times scale): A_qk
+    with 0 right of the diagonal block (the state pass reads whole rows), A_kk without (the UT
+    inverse reads no further than the diagonal block).
     """
-    chunk = tl.program_id(0)
+    sub_chunk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    NC: tl.constexpr = C // SUB
+    LOG_SUB: tl.constexpr = 4  # halving levels of a SUB = 16 row block
+    chunk = sub_chunk // NC
+    I = sub_chunk % NC
+    r = I * SUB
 
     rows = tl.arange(0, C)
     cols = tl.arange(0, C)
-    positions = chunk * C + rows
-    row_ok = positions < T
-    token = (b * T + positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
-    scratch_row = bh.to(tl.int64) * tl.num_programs(0) * C + chunk * C + rows
+    local = tl.arange(0, SUB)
+    slice_channels = tl.arange(0, BKC)
+    block_positions = chunk * C + r + local
+    block_ok = block_positions < T
+    block_token = (b * T + block_positions).to(tl.int64) * H + h  # index of (b, t, h) in [B, T, H]
+    chunk_ok = chunk * C + rows < T
+    chunk_token = (b * T + chunk * C + rows).to(tl.int64) * H + h
+    scratch_rows = bh.to(tl.int64) * tl.num_programs(0) * SUB + sub_chunk * SUB + local
 
-    akk = tl.zeros((C, C), dtype=tl.float32)
-    aqk = tl.zeros((C, C), dtype=tl.float32)
+    # The diagonal block by halving.
+    akk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
+    aqk_diag = tl.zeros((SUB, SUB), dtype=tl.float32)
     for channel_start in range(0, BK, BKC):
-        channels = channel_start + tl.arange(0, BKC)
-        ptrs = token[:, None] * K + channels[None, :]
-        mask = row_ok[:, None] & (channels < K)[None, :]
+        channels = channel_start + slice_channels
+        ptrs = block_token[:, None] * K + channels[None, :]
+        mask = block_ok[:, None] & (channels < K)[None, :]
         q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)  # input dtype, for _span_sums
         # Every operand below is q or k times decays <= 1: the peaks of q and k bound them.
         q_peak = _peak(q)
         k_peak = _peak(k)
-        # A loop, not unrolled: the levels' [C, C] masks are then built per use, not all held at once.
-        for log_half in range(LOG_C - 1, -1, -1):
-            group = rows >> (log_half + 1)
-            anchor = (group << (log_half + 1)) + (1 << log_half)
-            later_half = rows >= anchor
+        for level in tl.static_range(LOG_SUB):
+            half = SUB >> (level + 1)
+            anchor = (local // (2 * half)) * (2 * half) + half
+            later_half = local >= anchor
             # Exponents G_t - G_a (t >= a) and G_a - G_j (j < a): sums of the steps spanned.
             span = tl.where(later_half[:, None],
-                            (anchor[:, None] < cols[None, :]) & (cols[None, :] <= rows[:, None]),
-                            (rows[:, None] < cols[None, :]) & (cols[None, :] <= anchor[:, None]))
+                            (anchor[:, None] < local[None, :]) & (local[None, :] <= local[:, None]),
+                            (local[:, None] < local[None, :]) & (local[None, :] <= anchor[:, None]))
             decay = tl.exp(_span_sums(span, g16, GATE_DOT))
-            keys = tl.trans(tl.where(later_half[:, None], 0.0, k * decay))  # [BKC, C], rows j < a
-            pair = (group[:, None] == (cols >> (log_half + 1))[None, :]) & later_half[:, None]
+            keys = tl.trans(tl.where(later_half[:, None], 0.0, k * decay))  # [BKC, SUB], rows j < a
+            pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later_half[:, None]
             later_k = tl.where(later_half[:, None], k * decay, 0.0)
             later_q = tl.where(later_half[:, None], q * decay, 0.0)
-            akk += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
-            aqk += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
-        aqk += tl.where(rows[:, None] == cols[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
-    row_ptrs = scratch_row[:, None] * C + cols[None, :]
-    tl.store(akk_ptr + row_ptrs, akk, mask=(cols[None, :] < (rows[:, None] // SUB + 1) * SUB))
-    aqk = aqk * scale
-    aqk_peak = _peak(aqk)
-    tl.store(aqk_ptr + row_ptrs, _to_scratch(aqk, aqk_peak, PRECISION))
-    tl.store(bounds_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 4 + 3, aqk_peak)
+            akk_diag += tl.where(pair, _dot_within(later_k, k_peak, keys, k_peak, PRECISION), 0.0)
+            aqk_diag += tl.where(pair, _dot_within(later_q, q_peak, keys, k_peak, PRECISION), 0.0)
+        aqk_diag += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
+    row_ptrs = scratch_rows[:, None] * C
+    tl.store(akk_ptr + row_ptrs + (r + local)[None, :], akk_diag)
+    tl.store(aqk_ptr + row_ptrs + (r + local)[None, :], aqk_diag * scale)
+    tl.store(aqk_ptr + row_ptrs + cols[None, :], tl.zeros((SUB, C), dtype=tl.float32), mask=(cols >= r + SUB)[None, :])
+
+    # The blocks J < I left of it, through the anchor r.
+    within_block = local[:, None] < local[None, :]  # steps j < s <= SUB-1 of block J
+    to_anchor_span = (local[None, :] > 0) & (local[None, :] <= local[:, None])  # steps r < s <= t
+    for J in range(0, I):
+        after_block = (rows >= (J + 1) * SUB) & (rows <= r)  # steps from block J's end to r
+        key_positions = chunk * C + J * SUB + local
+        key_token = (b * T + key_positions).to(tl.int64) * H + h
+        akk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        aqk_block = tl.zeros((SUB, SUB), dtype=tl.float32)
+        for channel_start in range(0, BK, BKC):
+            channels = channel_start + slice_channels
+            channel_ok = channels < K
+            ptrs = block_token[:, None] * K + channels[None, :]
+            mask = block_ok[:, None] & channel_ok[None, :]
+            q = tl.load(q_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+            g16 = tl.load(g_ptr + ptrs, mask=mask, other=0.0)
+            key_ptrs = key_token[:, None] * K + channels[None, :]
+            key_mask = (key_positions < T)[:, None] & channel_ok[None, :]
+            k_J = tl.load(k_ptr + key_ptrs, mask=key_mask, other=0.0).to(tl.float32)
+            g_J = tl.load(g_ptr + key_ptrs, mask=key_mask, other=0.0)
+            g_between = tl.load(g_ptr + chunk_token[:, None] * K + channels[None, :],
+                                mask=(after_block & chunk_ok)[:, None] & channel_ok[None, :], other=0.0)
+            # G_r - G_j = (steps of block J after j) + (steps from J's end to r): same-signed sums.
+            after = tl.sum(g_between.to(tl.float32), axis=0)
+            to_anchor = tl.exp(_span_sums(to_anchor_span, g16, GATE_DOT))
+            keys = tl.trans(k_J * tl.exp(_span_sums(within_block, g_J, GATE_DOT) + after[None, :]))  # [BKC, SUB]
+            k_J_peak = _peak(k_J)
+            akk_block += _dot_within(k * to_anchor, _peak(k), keys, k_J_peak, PRECISION)
+            aqk_block += _dot_within(q * to_anchor, _peak(q), keys, k_J_peak, PRECISION)
+        tl.store(akk_ptr + row_ptrs + (J * SUB + local)[None, :], akk_block)
+        tl.store(aqk_ptr + row_ptrs + (J * SUB + local)[None, :], aqk_block * scale)
 
 
 @triton.jit
@@ -505,8 +549,9 @@ def _kda_chunk_operands_kernel(
         _store_u(u_ptr, u_peak_ptr, u, scratch_row, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V, values,
                  value_ok, V, U_PRECISION)
     which = tl.arange(0, 4)
-    bounds = tl.where(which == 0, w_bound, tl.where(which == 1, qg_bound, k_peak))
-    tl.store(bounds_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 4 + which, bounds, mask=which < 3)
+    bounds = tl.where(which == 0, w_bound, tl.where(which == 1, qg_bound,
+                      tl.where(which == 2, k_peak, qg_bound * K * k_peak)))
+    tl.store(bounds_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * 4 + which, bounds)
 
 
 # ---------------------------------------------------------------------------
@@ -560,15 +605,14 @@ def _kda_state_pass_kernel(
       Delta  = U - W S
       O      = Qg S + Aqk Delta
       S_next = gC * S + Kd^T Delta      (block by block)
-    The fp16 scales of W, Qg, Kd and Aqk come from the bounds of kernels 1 and 3 (which store them as
-    _to_scratch makes them), those of S and Delta from one reduction each per chunk (a product of
-    "fp16" otherwise reduces both of its operands).
+    The fp16 scales of W, Qg, Kd and Aqk come from kernel 3's bounds, those of S and Delta from one
+    reduction each per chunk (a product of "fp16" otherwise reduces both of its operands).
 
     SCALAR_GATE (the delta rules, kernels/_delta.py: one gate per head): Qg and Kd are the input q
     and k (q_ptr, k_ptr) times per-row factors, which qg and kd then hold ([rows] fp32: scale exp(G_t)
     and exp(G_C - G_t)); the factors go on the rows of Q S and of Delta, so the prepare kernel writes
     no Qg or Kd tiles, and q and k enter the dots exactly (fp16 scaled by peak|q|, peak|k|, the
-    bounds' places of |Qg| and |Kd|).
+    bounds' places of |Qg| and |Kd|). A_qk is stored as _to_scratch makes it (fp16 for "fp16" dots).
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -633,10 +677,11 @@ def _kda_state_pass_kernel(
         aqk = tl.load(aqk_ptr + scratch_row[:, None] * C + cols[None, :])
         if SCALAR_GATE:
             qs = qs * tl.load(qg_ptr + scratch_row)[:, None]
-        o = qs + _dot_scratch(aqk, aqk_bound, delta, delta_peak, PRECISION)
-        if SCALAR_GATE:
+            o = qs + _dot_scratch(aqk, aqk_bound, delta, delta_peak, PRECISION)
             # |exp(G_C - G_t) Delta_t| <= |Delta_t|: delta_peak still bounds it.
             delta = delta * tl.load(kd_ptr + scratch_row)[:, None]
+        else:
+            o = qs + _dot_within(aqk, aqk_bound, delta, delta_peak, PRECISION)
         tl.store(o_ptr + token[:, None] * V + values[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & value_ok[None, :])
 
@@ -665,9 +710,9 @@ def _kda_state_pass_kernel(
 
 class StateOperands(NamedTuple):
     """What the state pass reads, rows [B*H, chunks*C] (the last chunk padded, its padding rows 0):
-    W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk| by chunk; W, Qg, Kd
-    and A_qk as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots, else fp32), the
-    others fp32. kernels/_delta.py fills them for the delta rules, with per-row gate factors in place of the
+    W, U, Qg, Kd, A_qk by row, exp(G_C) and the bounds on |W|, |Qg|, |Kd|, |A_qk| by chunk; W, Qg and
+    Kd as _to_scratch stores them (fp16 scaled by their bound for "fp16" dots, else fp32), the others
+    fp32. kernels/_delta.py fills them for the delta rules, with per-row gate factors in place of the
     Qg and Kd tiles (``allocate``'s scalar_gate; their padding rows' factors meet q = k = 0 there),
     and with U in fp16 for "fp16" dots, scaled by its column peaks by chunk (u_peak, else None)."""
 
@@ -685,7 +730,7 @@ class StateOperands(NamedTuple):
                  dot_precision: str, scalar_gate: bool = False) -> StateOperands:
         """Buffers for kda's operands, or with ``scalar_gate`` the delta rules' (the state pass's
         SCALAR_GATE): qg and kd then hold per-row factors [rows] (scale exp(G_t), exp(G_C - G_t)),
-        bounds[:, 1:3] peak|q| and peak|k|, and U is stored like W, with its column peaks.
+        bounds[:, 1:3] peak|q| and peak|k|, A_qk is stored like W, and so is U, with its column peaks.
 
         kda keeps U in fp32: its state pass, which holds Qg and Kd tiles where the delta rules' holds
         row factors, spilled with an fp16 U (ptxas: 84 bytes against 12) and took 0.650 ms against
@@ -703,7 +748,7 @@ class StateOperands(NamedTuple):
             return StateOperands(new(rows, K, dtype=operand), new(rows, V, dtype=operand), u_peak, new(rows),
                                  new(rows), new(chunks, K), new(rows, C, dtype=operand), new(chunks, 4))
         return StateOperands(new(rows, K, dtype=operand), new(rows, V), None, new(rows, K, dtype=operand),
-                             new(rows, K, dtype=operand), new(chunks, K), new(rows, C, dtype=operand), new(chunks, 4))
+                             new(rows, K, dtype=operand), new(chunks, K), new(rows, C), new(chunks, 4))
 
     def u_precision(self, dot_precision: str) -> str:
         """How U is stored (the U_PRECISION of _store_u and _load_u): as W is, or in fp32."""
@@ -780,10 +825,9 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     common = dict(PRECISION=dot_precision, GATE_DOT=_gate_dot(q.dtype))
     return [
         Launch(
-            _kda_a_kernel, (num_chunks, B * H),
-            q, k, g, scratch.akk, operands.aqk, operands.bounds, T, H, K, scale,
-            C=C, LOG_C=C.bit_length() - 1, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_CHANNEL_SLICE),
-            num_warps=max(1, A_NUM_WARPS * C // 64), **common,
+            _kda_a_rows_kernel, (num_chunks * (C // SUB_CHUNK), B * H),
+            q, k, g, scratch.akk, operands.aqk, T, H, K, scale,
+            C=C, SUB=SUB_CHUNK, BK=BK, BKC=min(BK, A_ROWS_CHANNEL_SLICE), num_warps=A_ROWS_NUM_WARPS, **common,
         ),
         Launch(
             _kda_ut_inverse_kernel, (num_chunks, B * H),
