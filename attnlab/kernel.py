@@ -76,7 +76,7 @@ class Kernel:
         for key, (_, choices) in allowed.items():
             if choices is not None and self.opts[key] not in choices:
                 raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}; got {self.opts[key]!r}")
-        if "chunk_size" in self.opts:
+        if self.opts.get("chunk_size", "auto") != "auto":  # "auto": the kernel picks one by shape
             check_positive_int("chunk_size", self.opts["chunk_size"])
 
     def __repr__(self) -> str:

@@ -73,7 +73,20 @@ before it (a difference of cumulative sums loses about u * |G| to
 cancellation, which at -20 per step tripled the fp32 error).
 
 OPTIONS (chunkwise):
-- ``chunk_size`` (64; 16, 32 or 64): C, a multiple of the 16-row sub-chunk.
+- ``chunk_size`` ("auto"; 16, 32 or 64): C, a multiple of the 16-row sub-chunk.
+  "auto" (``auto_chunk_size``) is 16 where the state pass's programs
+  (B*H*ceil(V/block_v)) fill at least 2/3 of the GPU's SMs, else 64 (and 64
+  off the GPU). Smaller chunks shrink the parallel kernels' work (fewer
+  off-diagonal A blocks, a smaller UT inverse, [C, C] products) but give the
+  sequential state pass more steps, which only pays while its programs keep
+  the SMs busy. H100, bf16, K=V=128, ms at C = 16 / 32 / 64 against fla's
+  chunk_kda (session 11, all in one run): B=8 H=16 T=4096 (256 programs) 1.730 /
+  1.892 / 2.381 against 2.067; B=4 H=16 T=4096 (128) 1.131 / 1.119 / 1.274
+  against 1.103; B=8 H=16 T=4096 V=64 (128) 1.058 / 1.144 / 1.351 against
+  1.150; B=2 H=16 T=4096 (64) 1.023 / 0.938 / 0.920 against 1.062; B=2 H=8
+  T=8192 (32) 1.372 / 1.057 / 1.044 against 1.057; B=1 H=16 T=8192 (32)
+  1.370 / 1.108 / 1.042 against 1.030; B=1 H=4 T=16384 (8) 2.205 / 1.489 /
+  1.271 against 1.199.
 - ``precision`` ("auto"): how the fp32 x fp32 dots run. "auto" is "fp16"
   for bf16 inputs, "bf16x3" for fp16 inputs and "ieee" for fp32 inputs.
   "fp16" scales each operand tile by a power of two (exact) so that a bound
@@ -154,7 +167,7 @@ STATE_CHANNEL_BLOCK = 64  # key channels per state block S0..S3 of the state pas
 
 OPTIONS = {
     "chunkwise": {
-        "chunk_size": (64, (16, 32, 64)),
+        "chunk_size": ("auto", ("auto", 16, 32, 64)),
         "precision": ("auto", ("auto", "fp16", "tf32x3", "bf16x3", "ieee", "tf32", "bf16")),
         "block_v": (64, (16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8, 16)),
@@ -844,10 +857,18 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     ]
 
 
+def auto_chunk_size(state_programs: int, multiprocessors: int | None) -> int:
+    """The chunk size "auto" picks (module docstring): 16 where the state pass's programs fill at least
+    2/3 of the ``multiprocessors`` (None off the GPU), else 64."""
+    if multiprocessors is not None and 3 * state_programs >= 2 * multiprocessors:
+        return 16
+    return 64
+
+
 def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool,
-    chunk_size: int = 64, precision: str = "auto", block_v: int = 64, num_warps: int = 4,
+    chunk_size: int | str = "auto", precision: str = "auto", block_v: int = 64, num_warps: int = 4,
     num_stages: int | str = "auto", await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
@@ -855,6 +876,9 @@ def chunkwise(
         _check_choice("chunkwise", name, value)
     B, T, H, K = k.shape
     V = v.shape[-1]
+    if chunk_size == "auto":
+        multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
+        chunk_size = auto_chunk_size(B * H * triton.cdiv(V, min(block_v, block_size(V))), multiprocessors)
     dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
     scratch = _IntraScratch.allocate(B, H, triton.cdiv(T, chunk_size), chunk_size, K, V, q.device, dot_precision)
     o = torch.empty_like(v)

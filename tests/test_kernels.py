@@ -215,6 +215,34 @@ def test_every_precision_choice_runs_gpu(name, form, precision):
     assert m.nonfinite == 0 and m.excess <= ANY_PRECISION_EXCESS_BOUND, f"{name}/{form} {precision}: {m.as_dict()}"
 
 
+# Kernels whose chunk size defaults to "auto" pick it by shape (kda: by how many programs its state pass has), so
+# the tests at small B*H would meet only one of the sizes: each is checked here at the bench's head size.
+AUTO_CHUNK_CASES = [(name, form, size) for name, form in CASES
+                    if kernel_options(name, form).get("chunk_size", (None,))[0] == "auto"
+                    for size in kernel_options(name, form)["chunk_size"][1] if size != "auto"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,form,chunk_size", AUTO_CHUNK_CASES)
+def test_every_chunk_size_of_an_auto_choice_gpu(name, form, chunk_size, dtype):
+    """Each chunk size "auto" may pick holds the excess bound at K = V = 128, T = 1000 (a partial last chunk)."""
+    x = _inputs(name, dtype, "cuda", T=1000, K=128, V=128, H=2, B=2)
+    reference = attnlab.oracle(name, "chunkwise", "float64")
+    o = attnlab.kernel(name, form, chunk_size=chunk_size)(**x)
+    m = measure(o, reference(**x), dtype, conditioning_floor(reference, x))
+    assert m.nonfinite == 0 and m.excess <= EXCESS_BOUND[dtype], f"{name}/{form} C={chunk_size}: {m.as_dict()}"
+
+
+def test_kda_chunk_size_is_chosen_by_shape():
+    """kda's "auto" chunk size: 16 once its state pass fills 2/3 of the SMs, else 64, and 64 off the GPU."""
+    assert AUTO_CHUNK_CASES, "no kernel chooses its chunk size by shape"
+    from attnlab.kernels.kda import auto_chunk_size
+
+    assert [auto_chunk_size(programs, 132) for programs in (8, 64, 87, 88, 128, 256)] == [64, 64, 64, 16, 16, 16]
+    assert auto_chunk_size(10**6, None) == 64
+
+
 def _log_gates(name: str) -> list[str]:
     return [a.name for a in attnlab.formulation(name).args if is_log_gate(a)]
 

@@ -274,3 +274,9 @@ def test_bad_options_raise_value_error(form, option, value):
 def test_unknown_option_is_refused():
     with pytest.raises(TypeError, match="chunk_size"):
         make_kernel("kda", "recurrent", chunk_size=16)
+
+
+def test_auto_chunk_size_off_the_gpu():
+    """Off the GPU "auto" is chunks of 64 (the state pass's SM count is unknown there): bit for bit the same."""
+    x = _cast(_inputs(T=24, seed=13), torch.float32)
+    assert torch.equal(make_kernel("kda", "chunkwise")(**x), make_kernel("kda", "chunkwise", chunk_size=64)(**x))
