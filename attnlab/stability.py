@@ -207,13 +207,15 @@ def members(family: str) -> list[tuple[Formulation, StabilityMap]]:
 
 
 def kernel_chunk_size(name: str) -> int:
-    """The chunkwise kernel's default chunk size (the oracle's when the kernel is unavailable)."""
+    """The chunkwise kernel's default chunk size (the oracle's when the kernel is unavailable, or where the
+    kernel picks its size by shape, "auto": kda's picks 64 at the maps' small B*H)."""
     from attnlab.kernel import kernel
 
     try:
-        return int(kernel(name, "chunkwise").opts.get("chunk_size", REFERENCE_CHUNK_SIZE))
+        size = kernel(name, "chunkwise").opts.get("chunk_size", REFERENCE_CHUNK_SIZE)
     except Exception:  # noqa: BLE001 - a missing kernel module still gets a map of its baselines
         return REFERENCE_CHUNK_SIZE
+    return REFERENCE_CHUNK_SIZE if size == "auto" else int(size)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,14 @@ chunk padded):
    instruction fetch); split, each runs at the warps its tiles want (one
    warp for the A rows, whose small products hold whole operands in every
    warp, block J by block J: [16, 16] tiles, 143 registers): 0.75 + 0.22 +
-   0.77 ms.
+   0.77 ms at C = 64; at C = 16, which "auto" takes at the bench shape, the
+   A rows are the diagonal block alone: 0.29 + 0.07 + 0.64 ms, and the state
+   pass 0.62 against 0.52 (H100, session 11). Tried and dropped (session 11):
+   one program a chunk forming all of A by halving over the whole chunk
+   (log2 C levels of [C, slice] x [slice, C] dots with [C, C] pair masks):
+   2.24 ms at C = 64 on 4 warps, 1.44 with 32-channel slices, 3.80 on 8
+   warps, against 0.74; the masks and layout conversions of the wide tiles
+   cost more than the small tiles' latency.
 4. ``_kda_state_pass_kernel``, grid (V blocks, B*H), sequential over chunks:
    the fp32 state stays in registers as up to four blocks of 64 key channels
    (as fla does: a whole [K, BV] fp32 tile and its [C, K] operands do not fit

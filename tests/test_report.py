@@ -189,3 +189,15 @@ def test_growth_exponent_and_guides():
     gamma, root = guides.values()
     assert gamma[0] == pytest.approx(16 * 2.0**-11 / (1 - 16 * 2.0**-11)) and gamma[1] != gamma[1]  # vacuous: NaN
     assert root == [pytest.approx(4 * 2.0**-11), pytest.approx(64 * 2.0**-11)]
+
+
+def test_map_boundaries_take_the_kernels_chunk_size():
+    """The gate map draws its overflow line at the kernel's chunk size; kda's "auto" (by shape) is drawn at the
+    reference size, which is what it picks at the maps' B*H, and a fixed size is taken as it is."""
+    from attnlab.kernel import kernel
+    from attnlab.kernels.kda import auto_chunk_size
+    from attnlab.stability import MAP_DEFAULTS, kernel_chunk_size
+
+    sizes = MAP_DEFAULTS["cuda"].sizes
+    assert kernel_chunk_size("kda") == 64 == auto_chunk_size(sizes.B * sizes.H, 132)
+    assert kernel_chunk_size("gla") == kernel("gla", "chunkwise").opts["chunk_size"]
