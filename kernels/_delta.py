@@ -141,10 +141,11 @@ PREPARE_NUM_WARPS = 4
 
 def options(chunkwise: bool) -> dict[str, tuple]:
     """The kernel options of one form, as kernels/__init__.py's OPTIONS entry: the chunkwise form's are
-    kda's (its state pass does the sequential work), with V blocks of 64 or 128 only."""
+    kda's (its state pass does the sequential work), with V blocks of 64 or 128 only and a fixed chunk
+    size (kda's "auto" choice was measured for kda's own parallel kernels, not for the prepare kernel)."""
     if chunkwise:
         # V blocks of 16 and 32 are not offered: see kda.bind_state_pass.
-        return {**kda.OPTIONS["chunkwise"], "block_v": (64, (64, 128))}
+        return {**kda.OPTIONS["chunkwise"], "chunk_size": (64, (16, 32, 64)), "block_v": (64, (64, 128))}
     return {"block_v": (None, BLOCK_VS), "num_warps": (4, NUM_WARPS)}
 
 
