@@ -18,14 +18,12 @@ def one(name: str, form: str) -> None:
 
     import attnlab
     from attnlab.evaluate import measure_against_oracle, rounded_inputs
-    from attnlab.kernel import kernel_options, speed_options
+    from attnlab.kernel import auto_chunk_sizes, speed_options
 
     speed = speed_options(name, form)
     settings = {"default": {}, **({"speed": speed} if speed else {})}
-    chunk_size = kernel_options(name, form).get("chunk_size")
-    if chunk_size and chunk_size[0] == "auto":
-        # "auto" picks by B*H (kda), and at these shapes' B*H only one size: walk each it may pick elsewhere.
-        settings.update({f"C={size}": {"chunk_size": size} for size in chunk_size[1] if size != "auto"})
+    # "auto" picks by shape (kda: by B*H), and these shapes' small B*H meet only one size: walk each.
+    settings.update({f"C={size}": {"chunk_size": size} for size in auto_chunk_sizes(name, form)})
     for setting, opts in settings.items():
         for dtype in (torch.bfloat16, torch.float16):
             for K, V, T in SHAPES:

@@ -57,6 +57,13 @@ def speed_options(name: str, form: str) -> dict[str, Any]:
     return _module_table(name, "SPEED_OPTIONS", form)
 
 
+def auto_chunk_sizes(name: str, form: str) -> tuple[int, ...]:
+    """The chunk sizes ``name``'s kernel in ``form`` may pick by shape where its chunk_size defaults to "auto"
+    (the GPU tests and .ci/gpu_shapes.py walk each, since small test shapes meet only one); () otherwise."""
+    default, choices = kernel_options(name, form).get("chunk_size", (None, ()))
+    return tuple(c for c in choices or () if c != "auto") if default == "auto" else ()
+
+
 class Kernel:
     """A configured kernel; call it with the formulation's inputs."""
 
@@ -76,7 +83,7 @@ class Kernel:
         for key, (_, choices) in allowed.items():
             if choices is not None and self.opts[key] not in choices:
                 raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}; got {self.opts[key]!r}")
-        if self.opts.get("chunk_size", "auto") != "auto":  # "auto": the kernel picks one by shape
+        if self.opts.get("chunk_size") not in (None, "auto"):  # "auto": the kernel picks one by shape
             check_positive_int("chunk_size", self.opts["chunk_size"])
 
     def __repr__(self) -> str:

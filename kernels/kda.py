@@ -805,6 +805,11 @@ def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype
     return dot_precision, num_stages
 
 
+def _value_block(block_v: int, V: int) -> int:
+    """kda's V columns per program of the state pass (the delta rules keep the option's whole block)."""
+    return min(block_v, block_size(V))
+
+
 def bind_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Tensor | None,
                     final: torch.Tensor | None, T: int, C: int, block_v: int, dot_precision: str,
                     num_warps: int, num_stages: int, scalar_gate_inputs: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -819,7 +824,7 @@ def bind_state_pass(operands: StateOperands, o: torch.Tensor, initial: torch.Ten
     # The delta rules' q and k tiles are converted in registers before their dots; against V blocks of 16
     # (V <= 16) the H100 build gave wrong outputs (bf16, K = 44, V = 12) that the interpreter does not show,
     # so their V blocks are never narrower than the option (64 or 128), whatever V.
-    BV = block_v if scalar_gate_inputs is not None else min(block_v, block_size(V))
+    BV = block_v if scalar_gate_inputs is not None else _value_block(block_v, V)
     return Launch(
         _kda_state_pass_kernel, (triton.cdiv(V, BV), B * H),
         operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd, operands.gc, operands.aqk,
@@ -885,7 +890,7 @@ def chunkwise(
     V = v.shape[-1]
     if chunk_size == "auto":
         multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
-        chunk_size = auto_chunk_size(B * H * triton.cdiv(V, min(block_v, block_size(V))), multiprocessors)
+        chunk_size = auto_chunk_size(B * H * triton.cdiv(V, _value_block(block_v, V)), multiprocessors)
     dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
     scratch = _IntraScratch.allocate(B, H, triton.cdiv(T, chunk_size), chunk_size, K, V, q.device, dot_precision)
     o = torch.empty_like(v)

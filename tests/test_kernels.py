@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 import attnlab
-from attnlab.kernel import kernel_options, speed_options
+from attnlab.kernel import auto_chunk_sizes, kernel_options, speed_options
 from attnlab.kernels import _gated
 from attnlab.kernels._util import launch_arguments
 from attnlab.metrics import conditioning_floor, measure, rel_err
@@ -217,9 +217,7 @@ def test_every_precision_choice_runs_gpu(name, form, precision):
 
 # Kernels whose chunk size defaults to "auto" pick it by shape (kda: by how many programs its state pass has), so
 # the tests at small B*H would meet only one of the sizes: each is checked here at the bench's head size.
-AUTO_CHUNK_CASES = [(name, form, size) for name, form in CASES
-                    if kernel_options(name, form).get("chunk_size", (None,))[0] == "auto"
-                    for size in kernel_options(name, form)["chunk_size"][1] if size != "auto"]
+AUTO_CHUNK_CASES = [(name, form, size) for name, form in CASES for size in auto_chunk_sizes(name, form)]
 
 
 @pytest.mark.gpu
@@ -238,7 +236,8 @@ def test_every_chunk_size_of_an_auto_choice_gpu(name, form, chunk_size, dtype, K
 
 def test_kda_chunk_size_is_chosen_by_shape():
     """kda's "auto" chunk size: 16 once its state pass fills 2/3 of the SMs, else 64, and 64 off the GPU."""
-    assert AUTO_CHUNK_CASES, "no kernel chooses its chunk size by shape"
+    assert auto_chunk_sizes("kda", "chunkwise") == (16, 32, 64)
+    assert auto_chunk_sizes("deltanet", "chunkwise") == () == auto_chunk_sizes("kda", "recurrent")
     from attnlab.kernels.kda import auto_chunk_size
 
     assert [auto_chunk_size(programs, 132) for programs in (8, 64, 87, 88, 128, 256)] == [64, 64, 64, 16, 16, 16]
