@@ -2,9 +2,9 @@
 
     o_t = sum_{i<=t} exp(scale q_t.k_i) v_i / sum_{i<=t} exp(scale q_t.k_i)   (all i when causal=False)
 
-The same online softmax, in the same arithmetic, as softmax.py's Triton kernel (base-2 scores, P shifted by
-2^P_EXP2_SHIFT, P @ V in V's dtype with fp32 accumulation, V optionally column-scaled fp16): with V in fp16
-the two kernels agree bit for bit. What differs is the schedule. One program owns 128 queries of one (batch,
+The same online softmax, in the same arithmetic, as softmax.py's Triton kernel (_online_softmax's step:
+base-2 scores, P shifted by 2^P_EXP2_SHIFT; P @ V in V's dtype with fp32 accumulation, V optionally
+column-scaled fp16): with V in fp16 the two kernels agree bit for bit. What differs is the schedule. One program owns 128 queries of one (batch,
 head) and runs three partitions:
 
 - a loader warp streams K and V blocks of BLOCK_N keys through STAGES shared-memory slots with TMA, each slot
@@ -15,9 +15,10 @@ head) and runs three partitions:
   issued together and the softmax of block j starts as soon as its scores land, while P_{j-1} V_{j-1} is
   still running; the accumulator is rescaled by exp2(m_{j-1} - m_j) once it has.
 
-In one partition of 8 warps (both warpgroups together) every barrier wait and arrive is a CTA barrier, the
-warpgroups move in lockstep and the kernel ran no faster than the Triton one (1.28 ms against 1.25 at the
-bench shape on an H100); as two partitions, 1.11 ms (.ci/gpu_configs.py softmax).
+Why two consumer partitions: Gluon puts a barrier of the whole partition before every mbarrier wait and
+arrive, so one partition of 8 warps moved both warpgroups in lockstep and ran no faster than the Triton
+kernel (precision "input", bench shape, H100: 1.28 ms against 1.25); as two partitions, 1.11 ms
+(reports/bench.md, session 12).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from attnlab.kernels._online_softmax import block_softmax, key_range, program_head
+
 BLOCK_M = 128  # queries per program: two consumer warpgroups of 64
 BLOCK_N = 128  # keys per block
 STAGES = 3  # K/V slots in shared memory (3 x 64 KB + Q's 32 KB at head dims 128)
@@ -39,27 +42,6 @@ HEAD_DIMS = (64, 128)  # head dims K and V this kernel is built and tested for
 CONSUMER_WARPS = 4  # one warpgroup per consumer partition
 CONSUMER_REGISTERS = 240
 LOADER_REGISTERS = 24
-
-
-@gluon.jit
-def _block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
-                   MASK_KEYS: gl.constexpr, CAUSAL: gl.constexpr, P_EXP2_SHIFT: gl.constexpr):
-    """One block's P = exp2(s - m_new + shift) (fp32), the new row max, the rescale exp2(m_old - m_new) and
-    the rescaled row sum; keys past T or (causal) after the query get -inf scores when MASK_KEYS."""
-    if MASK_KEYS:
-        scores = scores * qk_scale
-        visible = (offs_n < T)[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        scores = gl.where(visible, scores, -float("inf"))
-        new_max = gl.maximum(row_max, gl.max(scores, 1))
-        p = gl.exp2(scores - (new_max - P_EXP2_SHIFT)[:, None])
-    else:
-        # qk_scale >= 0 (the wrapper folds a negative scale into q): scaling and shift fuse into one FMA.
-        new_max = gl.maximum(row_max, gl.max(scores, 1) * qk_scale)
-        p = gl.exp2(scores * qk_scale - (new_max - P_EXP2_SHIFT)[:, None])
-    rescale = gl.exp2(row_max - new_max)
-    return p, new_max, rescale, row_sum * rescale + gl.sum(p, 1)
 
 
 @gluon.jit
@@ -106,10 +88,10 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_ready, ready, empty, o_ptr, v_
     mbarrier.wait(ready.index(0), 0)
     scores = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), no_scores, use_acc=False)
     if unmasked_end > 0:
-        p, row_max, rescale, row_sum = _block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
+        p, row_max, rescale, row_sum = block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
                                                       False, CAUSAL, P_EXP2_SHIFT)
     else:
-        p, row_max, rescale, row_sum = _block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
+        p, row_max, rescale, row_sum = block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
                                                       True, CAUSAL, P_EXP2_SHIFT)
     p_operand = gl.convert_layout(p.to(v_dtype), p_layout)
 
@@ -123,10 +105,10 @@ def _consumer_partition(q_smem, k_smem, v_smem, q_ready, ready, empty, o_ptr, v_
         scores = warpgroup_mma_wait(num_outstanding=1, deps=[scores])
         start_n = block * BLOCK_N
         if start_n < unmasked_end:
-            p, row_max, rescale, row_sum = _block_softmax(scores, row_max, row_sum, offs_m, start_n + offs_n, T,
+            p, row_max, rescale, row_sum = block_softmax(scores, row_max, row_sum, offs_m, start_n + offs_n, T,
                                                           qk_scale, False, CAUSAL, P_EXP2_SHIFT)
         else:
-            p, row_max, rescale, row_sum = _block_softmax(scores, row_max, row_sum, offs_m, start_n + offs_n, T,
+            p, row_max, rescale, row_sum = block_softmax(scores, row_max, row_sum, offs_m, start_n + offs_n, T,
                                                           qk_scale, True, CAUSAL, P_EXP2_SHIFT)
         acc, p_operand = warpgroup_mma_wait(num_outstanding=0, deps=[acc, p_operand])
         mbarrier.arrive(empty.index(previous), count=1)
@@ -153,13 +135,7 @@ def softmax_fwd_sm90_kernel(
     STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr,
     LOADER_REGISTERS: gl.constexpr,
 ):
-    # Grid (query blocks, B*H), query blocks in reverse: the longest causal rows start first.
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    batch = (pid_bh // H).to(gl.int64)
-    head = pid_bh % H
-    qk_base = batch * T * H * HEAD_K + head * HEAD_K
-    vo_base = batch * T * H * HEAD_V + head * HEAD_V
+    pid_m, pid_bh, qk_base, vo_base = program_head(T, H, HEAD_K, HEAD_V)
 
     # One [T, head dim] TMA view per head: rows past T read as zeros.
     qk_dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -183,13 +159,7 @@ def softmax_fwd_sm90_kernel(
         mbarrier.init(empty.index(slot), count=2)  # one arrival per consumer
     fence_async_shared()
 
-    # Key blocks [0, unmasked_end) precede every query of the program (causal) or lie inside T: no mask.
-    if CAUSAL:
-        unmasked_end = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        end = gl.minimum((pid_m + 1) * BLOCK_M, T)
-    else:
-        unmasked_end = T // BLOCK_N * BLOCK_N
-        end = T
+    unmasked_end, end = key_range(pid_m, T, BLOCK_M, BLOCK_N, CAUSAL)
     n_blocks = gl.cdiv(end, BLOCK_N)
 
     ROWS: gl.constexpr = BLOCK_M // 2

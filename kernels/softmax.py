@@ -43,9 +43,10 @@ defaults), the call runs _softmax_sm90's Gluon kernel instead: the same arithmet
 fp16) on a FlashAttention-3 schedule, a loader warp and two consumer warpgroups that synchronise only
 through shared-memory barriers, so that one's softmax overlaps the other's dots, and each warpgroup's
 softmax of block j overlaps its own P_{j-1} V_{j-1}. H100, bench shape (B=8, T=4096, H=16, D=128, bf16,
-causal): precision "fp16" 1.248 ms against 1.419 for the Triton kernel below and 1.036 for torch's SDPA
-(1.20x; 1.37x before), "input" 1.111 against 1.251 (1.07x). The Triton kernel stays the path everywhere
-else (other GPUs, head dims, "split", fp32, explicit launch options, the interpreter).
+causal; reports/bench.md, session 12): the default ("fp16") 1.243 ms against torch SDPA's 0.995 (1.25x;
+1.43x with the Triton kernel), its attention kernel 1.016 ms against the Triton kernel's 1.261; "input"
+1.127 (1.13x). The Triton kernel stays the path everywhere else (other GPUs, head dims, "split", fp32,
+explicit launch options, the interpreter).
 
 Option tma (default True) loads Q, K and V through tensor descriptors built
 on the device, one [T, head dim] view per head (TMA on sm_90; the wrapper
@@ -109,6 +110,7 @@ import triton.language as tl
 
 from attnlab.kernel import interpreter_active
 from attnlab.kernels import _softmax_sm90
+from attnlab.kernels._online_softmax import block_softmax, key_range, program_head
 from attnlab.kernels._util import block_size, no_pending_checks
 
 LOG2E = math.log2(math.e)
@@ -277,23 +279,8 @@ def _online_softmax_step(
         k_block = _load_tile(k_src + start_n * (H * K), offs_k < K, key_ok, not EVEN_K, MASK_KEYS)
         v_block = _load_tile(v_src + start_n * (H * V), key_ok, offs_v < V, MASK_KEYS, not EVEN_V)
     scores = tl.dot(q, k_block, input_precision=DOT_PRECISION)
-    if MASK_KEYS:
-        scores = scores * qk_scale
-        visible = (offs_n < T)[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        scores = tl.where(visible, scores, -float("inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        p = tl.exp2(scores - (new_max - P_EXP2_SHIFT)[:, None])
-    else:
-        # qk_scale >= 0 (the wrapper folds a negative scale into q), so max(s) * qk_scale = max(s * qk_scale)
-        # and the scaling and the shift fuse into one FMA per score.
-        new_max = tl.maximum(row_max, tl.max(scores, 1) * qk_scale)
-        p = tl.exp2(scores * qk_scale - (new_max - P_EXP2_SHIFT)[:, None])
-    # Every query sees key 0 in the first block, so row_max is finite after it
-    # and exp2(-inf - finite) = 0 on the first block clears the empty state.
-    rescale = tl.exp2(row_max - new_max)
-    row_sum = row_sum * rescale + tl.sum(p, 1)
+    p, new_max, rescale, row_sum = block_softmax(scores, row_max, row_sum, offs_m, offs_n, T, qk_scale,
+                                                 MASK_KEYS, CAUSAL, P_EXP2_SHIFT)
     acc = acc * rescale[:, None]
     # P is rounded to V's dtype: the input dtype, or fp16 for the column-scaled V of precision "fp16".
     if SPLIT_P:
@@ -315,13 +302,7 @@ def _softmax_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, TMA: tl.constexpr,
 ):
-    # Reverse order: with causal masking the last query blocks have the most keys; start them first.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = (pid_bh // H).to(tl.int64)
-    head = pid_bh % H
-    qk_base = batch * T * H * K + head * K
-    vo_base = batch * T * H * V + head * V
+    pid_m, pid_bh, qk_base, vo_base = program_head(T, H, K, V)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -346,15 +327,7 @@ def _softmax_fwd_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
 
-    # Keys [0, unmasked_end) need no mask: they precede every query of the
-    # block (causal) or are whole blocks inside T (non-causal). The blocks in
-    # [unmasked_end, end) hold the diagonal or the tail and are masked.
-    if CAUSAL:
-        unmasked_end = (pid_m * BLOCK_M) // BLOCK_N * BLOCK_N
-        end = tl.minimum((pid_m + 1) * BLOCK_M, T)
-    else:
-        unmasked_end = T // BLOCK_N * BLOCK_N
-        end = T
+    unmasked_end, end = key_range(pid_m, T, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
         acc, row_max, row_sum = _online_softmax_step(
             acc, row_max, row_sum, q, k_src, v_src, start_n,

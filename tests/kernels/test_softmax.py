@@ -233,6 +233,7 @@ def test_random_shapes_fp16(T, K, V, causal, seed, q_std):
         ({"precision": "fp8"}, ValueError),
         ({"num_warps": 3}, ValueError),
         ({"tma": 1.5}, ValueError),
+        ({"warp_specialize": "yes"}, ValueError),
         ({"block_n": 64}, TypeError),
     ],
 )
