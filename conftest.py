@@ -6,6 +6,8 @@ The ``gpu`` marker and the hypothesis profiles (``attnlab-ci``, ``-dev``,
 """
 
 import os
+import sys
+from pathlib import Path
 
 # The interpreter's many small numpy matmuls run 1000x slower with OpenBLAS threads on a loaded 2-core machine.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -15,3 +17,6 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     # Must happen before any @triton.jit decorator runs.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# tests/kernels/kernel_checks.py holds the bounds every kernel test asserts; tests/test_kernels.py imports them too.
+sys.path.insert(0, str(Path(__file__).parent / "tests" / "kernels"))

@@ -130,6 +130,10 @@ OPTIONS = {
         "warp_specialize": (True, (False, True)),
     }
 }
+# The Triton kernel's launch options (block_m, chunk_size, num_warps, num_stages) at their defaults: a call that
+# sets none of them leaves the choice of kernel to chunkwise (see _warp_specialized_fits).
+LAUNCH_OPTION_NAMES = ("block_m", "chunk_size", "num_warps", "num_stages")
+DEFAULT_LAUNCH_OPTIONS = tuple(OPTIONS["chunkwise"][name][0] for name in LAUNCH_OPTION_NAMES)
 # The fast side of the precision trade: P rounded once, as FlashAttention does.
 SPEED_OPTIONS: dict[str, dict[str, object]] = {"chunkwise": {"precision": "input"}}
 
@@ -381,15 +385,15 @@ def _warp_specialized_fits(
 ) -> bool:
     """Whether _softmax_sm90's kernel runs this call: on sm_90 (``capability``; None off the GPU), 16-bit
     inputs, one P @ V dot (precision "fp16" or "input", resolved), head dims it is built for, TMA-aligned
-    rows (v after the "fp16" conversion), and the Triton kernel's launch options
-    (block_m, chunk_size, num_warps, num_stages) left at their defaults, (None, 128, None, None)."""
+    rows (v after the "fp16" conversion), and the Triton kernel's launch options (LAUNCH_OPTION_NAMES) left at
+    their defaults."""
     return (
         capability == (9, 0)
         and q.dtype in (torch.float16, torch.bfloat16)
         and precision in ("fp16", "input")
         and q.shape[-1] in _softmax_sm90.HEAD_DIMS
         and v.shape[-1] in _softmax_sm90.HEAD_DIMS
-        and launch_options == (None, _softmax_sm90.BLOCK_N, None, None)
+        and launch_options == DEFAULT_LAUNCH_OPTIONS
         and _tma_fits(q, k, v)
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton.language as tl
+from kernel_checks import ANY_PRECISION_EXCESS_BOUND, EXCESS_BOUND, STATE_BOUND
 from triton.runtime.jit import JITFunction
 
 import attnlab
@@ -22,10 +23,6 @@ from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.properties.traits import is_log_gate
 from attnlab.validation import ValueScan
 
-EXCESS_BOUND = {torch.float16: 2.0, torch.bfloat16: 1.5, torch.float32: 4.0}
-# The final state is kept in fp32 by every kernel, but it is built from
-# low-precision intermediates; bound it by the input dtype's unit roundoff.
-STATE_BOUND = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 1e-5}
 
 CASES = [(f.name, form) for f in attnlab.REGISTRY for form in f.kernel_forms]
 
@@ -197,9 +194,6 @@ def test_some_kernels_offer_a_speed_setting():
 
 PRECISION_CASES = [(name, form, p) for name, form in CASES
                    for p in kernel_options(name, form).get("precision", (None, ()))[1]]
-# Any precision choice, speed settings included (fla's own roundings measured 1.4 to 2.9), stays within this;
-# a wrong answer (a bad tile, a lost chunk) lands far above it.
-ANY_PRECISION_EXCESS_BOUND = 4.0
 
 
 @pytest.mark.gpu
