@@ -4,7 +4,7 @@ A kernel takes the formulation's inputs (fp16, bf16 or fp32, all one dtype,
 on one CUDA device), accumulates in fp32 and returns ``o`` in the input
 dtype, or ``(o, final_state)`` with ``return_state=True`` (the state in
 fp32). On a machine without a GPU the kernels run on CPU tensors under the
-Triton interpreter: this module sets ``TRITON_INTERPRET=1`` before any kernel
+Triton interpreter: attnlab.runtime sets ``TRITON_INTERPRET=1`` before any kernel
 is imported when no CUDA device is present. The interpreter cannot compute
 in bf16 (DESIGN.md), so bf16 there is refused with a clear error.
 
@@ -19,25 +19,17 @@ a non-finite one shows up as a non-finite output.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import torch
 
 from attnlab.registry import formulation
+from attnlab.runtime import interpreter_active
 from attnlab.validation import check_positive_int, validate
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 HEAD_DIMS = ("K", "V", "D")
-
-
-def interpreter_active() -> bool:
-    """Whether Triton kernels run under the CPU interpreter in this process."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _module_table(name: str, table: str, form: str) -> dict[str, Any]:
