@@ -235,7 +235,7 @@ def _excess_text(rows: list[dict[str, Any]], impl: str) -> str:
 
 
 def _plain_summary_table(rows: list[dict[str, Any]]) -> list[str]:
-    """attnlab.report.summary_table's table, torch-free: the excess at each T and the worst rel_err."""
+    """attnlab.commands.report.summary_table's table, torch-free: the excess at each T and the worst rel_err."""
     lengths = sorted({r["T"] for r in rows})
     body = []
     for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
@@ -251,7 +251,7 @@ def _plain_summary_table(rows: list[dict[str, Any]]) -> list[str]:
 def render(results: Path, target: Path) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     try:
-        from attnlab.report import summary_table
+        from attnlab.commands.report import summary_table
     except ImportError:  # no torch here (attnlab imports it): the same table without the growth column
         summary_table = _plain_summary_table
 

@@ -16,7 +16,7 @@ import torch
 import triton.testing
 
 import attnlab
-from attnlab.bench import PEERS
+from attnlab.commands.bench import PEERS
 from attnlab.kernel import kernel_options
 
 SHAPES = [(8, 4096, 16, 128), (4, 4096, 16, 128), (8, 4096, 16, 64), (2, 4096, 16, 128), (2, 8192, 8, 128),

@@ -30,7 +30,7 @@ import triton.testing
 from gpu_profile import kernel_times
 
 import attnlab
-from attnlab.bench import PEERS
+from attnlab.commands.bench import PEERS
 from attnlab.metrics import measure
 
 LOCK = "/tmp/attnlab-gpu-timing.lock"

@@ -31,7 +31,7 @@ def call(name: str, side: str) -> None:
     import torch
 
     import attnlab
-    from attnlab.bench import PEERS
+    from attnlab.commands.bench import PEERS
 
     f = attnlab.formulation(name)
     x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}

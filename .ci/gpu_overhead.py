@@ -30,7 +30,7 @@ import torch
 import triton
 
 import attnlab
-from attnlab.bench import ALL, PEERS
+from attnlab.commands.bench import ALL, PEERS
 from attnlab.kernels._util import Launch
 from attnlab.validation import ValueScan
 

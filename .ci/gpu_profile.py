@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attnlab
-from attnlab.bench import ALL, PEERS
+from attnlab.commands.bench import ALL, PEERS
 from attnlab.kernel import speed_options
 
 CALLS = 5

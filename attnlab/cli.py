@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab import report, selftest, stability, validate
+from attnlab.commands import report, selftest, stability, validate
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -55,7 +55,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("attnlab bench needs a CUDA GPU: triton.testing.do_bench times device events, "
               "and the interpreter's timings would mean nothing.", file=sys.stderr)
         return 2
-    from attnlab import bench
+    from attnlab.commands import bench
     from attnlab.evaluate import parse_dtype
 
     dtype = parse_dtype(args.dtype)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.report import METRIC_KEYS, growth_exponent, textbook_guides
+from attnlab.commands.report import METRIC_KEYS, growth_exponent, textbook_guides
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROW_KEYS = {"formulation", "impl", "dtype", "T", *METRIC_KEYS, "ref_nonfinite", "oracle", "oracle_check", "error"}
@@ -196,7 +196,7 @@ def test_map_boundaries_take_the_kernels_chunk_size():
     reference size, which is what it picks at the maps' B*H, and a fixed size is taken as it is."""
     from attnlab.kernel import kernel
     from attnlab.kernels.kda import auto_chunk_size
-    from attnlab.stability import MAP_DEFAULTS, kernel_chunk_size
+    from attnlab.commands.stability import MAP_DEFAULTS, kernel_chunk_size
 
     sizes = MAP_DEFAULTS["cuda"].sizes
     assert kernel_chunk_size("kda") == 64 == auto_chunk_size(sizes.B * sizes.H, 132)

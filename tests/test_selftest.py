@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from attnlab import selftest
+from attnlab.commands import selftest
 from attnlab.properties import specimens
 from attnlab.properties.targets import function_target
 

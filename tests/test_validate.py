@@ -25,7 +25,7 @@ import torch
 from attnlab.cli import main
 from attnlab.conventions import FLA, FLA_NUMERICS_ENV, detect
 from attnlab.registry import formulation
-from attnlab.validate import (EXIT_FAILED, EXIT_HELD, EXIT_USAGE, UsageError, choose_fla_convention, fla_kernel,
+from attnlab.commands.validate import (EXIT_FAILED, EXIT_HELD, EXIT_USAGE, UsageError, choose_fla_convention, fla_kernel,
                               load_kernel)
 
 KERNELS = '''
@@ -337,7 +337,7 @@ def test_a_kernel_whose_state_omits_the_normalizer(normalize: bool) -> None:
 
     from attnlab.properties import checks
     from attnlab.properties.strategies import Case
-    from attnlab.validate import make_target
+    from attnlab.commands.validate import make_target
 
     convention = replace(FLA["linear_attn"]["fused_recurrent_linear_attn"], name="S only", carries=(("", ("S",)),),
                          part_unsqueeze={})
@@ -359,7 +359,7 @@ def test_fla_linear_attn_convention_carries_s_or_s_and_z(normalize: bool) -> Non
     """fla 0.6.0's linear attention: S alone when normalize=False, (S, z [B, 1, H, K]) when normalized."""
     from attnlab.properties import checks
     from attnlab.properties.strategies import Case
-    from attnlab.validate import make_target
+    from attnlab.commands.validate import make_target
 
     convention = FLA["linear_attn"]["chunk_linear_attn"]
     target = make_target(_linear_attn_kernel(carry_z=True), "linear_attn", "standin:fla_like", convention)

@@ -44,7 +44,7 @@ import torch
 
 from attnlab.evaluate import DTYPES
 from attnlab.registry import REGISTRY
-from attnlab.report import (
+from attnlab.commands.report import (
     REFERENCE_CHUNK_SIZE,
     Row,
     Sizes,
@@ -434,32 +434,6 @@ def plot_map(rows: Sequence[Row], family: Family, xs: Axis, ys: Axis, boundaries
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def index_sections(out: Path) -> list[str]:
-    """Markdown for index.md: one section per map-<family>.json in ``out``, with a table and the figures."""
-    lines: list[str] = []
-    for path in sorted(out.glob("map-*.json")):
-        document = json.loads(path.read_text())
-        rows = document["rows"]
-        family = document["settings"]["family"]
-        lines += [f"## Stability map: {family}", "", document["description"], "",
-                  *[f"- Device: {run['device']['name']}; reproduce: `{run['settings']['command']}`"
-                    for run in document.get("runs", [document])],
-                  f"- Axes: {document['axes']['x']['name']} x {document['axes']['y']['name']}", "",
-                  "| formulation | impl | dtype | points | with non-finite output | failed | largest finite excess |",
-                  "|---|---|---|---|---|---|---|"]
-        for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
-            mine = [r for r in rows if (r["formulation"], r["impl"], r["dtype"]) == key]
-            broken = sum(1 for r in mine if not r["error"] and r["nonfinite"])
-            failed = sum(1 for r in mine if r["error"])
-            largest = max((r["excess"] for r in mine if r["excess"] is not None), default=None)
-            lines.append(f"| {key[0]} | `{key[1]}` | {key[2]} | {len(mine)} | {broken} | {failed} | "
-                         f"{'' if largest is None else f'{largest:.3g}'} |")
-        lines.append("")
-        for figure in document["figures"]:
-            lines += [f"![{figure['png']}]({figure['png']})", ""]
-    return lines
 
 
 # --- command line -----------------------------------------------------------------

@@ -527,10 +527,34 @@ def failures(rows: Sequence[Row]) -> list[str]:
     return [f"- {n} `{i}` {d}, T={','.join(map(str, sorted(Ts)))}: {e}" for (n, i, d, e), Ts in hits.items()]
 
 
+def map_sections(out: Path) -> list[str]:
+    """Markdown for index.md: one section per stability map (map-<family>.json, written by ``attnlab map``) in ``out``, with a table and the figures."""
+    lines: list[str] = []
+    for path in sorted(out.glob("map-*.json")):
+        document = json.loads(path.read_text())
+        rows = document["rows"]
+        family = document["settings"]["family"]
+        lines += [f"## Stability map: {family}", "", document["description"], "",
+                  *[f"- Device: {run['device']['name']}; reproduce: `{run['settings']['command']}`"
+                    for run in document.get("runs", [document])],
+                  f"- Axes: {document['axes']['x']['name']} x {document['axes']['y']['name']}", "",
+                  "| formulation | impl | dtype | points | with non-finite output | failed | largest finite excess |",
+                  "|---|---|---|---|---|---|---|"]
+        for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
+            mine = [r for r in rows if (r["formulation"], r["impl"], r["dtype"]) == key]
+            broken = sum(1 for r in mine if not r["error"] and r["nonfinite"])
+            failed = sum(1 for r in mine if r["error"])
+            largest = max((r["excess"] for r in mine if r["excess"] is not None), default=None)
+            lines.append(f"| {key[0]} | `{key[1]}` | {key[2]} | {len(mine)} | {broken} | {failed} | "
+                         f"{'' if largest is None else f'{largest:.3g}'} |")
+        lines.append("")
+        for figure in document["figures"]:
+            lines += [f"![{figure['png']}]({figure['png']})", ""]
+    return lines
+
+
 def write_index(out: Path) -> Path:
     """(Re)write ``out/index.md`` from the folder's report.json and map-*.json; return its path."""
-    from attnlab.stability import index_sections
-
     lines = ["# attnlab report", ""]
     report_path = out / "report.json"
     if report_path.exists():
@@ -579,7 +603,7 @@ def write_index(out: Path) -> Path:
         problems = failures(rows)
         if problems:
             lines += ["## Failures", "", *problems, ""]
-    lines += index_sections(out)
+    lines += map_sections(out)
     path = out / "index.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path

@@ -37,7 +37,7 @@ Case), then each failure's report with a script that reproduces it. Written
 to ``--out DIR``: ``report.json`` (verdicts, convention, detection, device,
 versions, the FLA_* environment variables that change fla's numerics, the
 curve's rows), ``summary.md`` (the same, readable), and ``curve/`` (the
-error-vs-length rows, plot and index.md of attnlab.report, with attnlab's own
+error-vs-length rows, plot and index.md of attnlab.commands.report, with attnlab's own
 kernels and the naive recurrences side by side under ``--compare``).
 
 Exit status: 0 when every property held; 1 when one failed (or raised, or was
@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from attnlab import report
+from attnlab.commands import report
 from attnlab.conventions import ATTNLAB, FLA, FLA_NUMERICS_ENV, Convention, Detection, adapt, detect, fixed_scale
 from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 without a GPU
 from attnlab.registry import formulation, names
@@ -508,7 +508,7 @@ def curve_implementations(name: str, dtype: str, label: str, call: Callable[...,
 def error_curve(name: str, call: Callable[..., Any], label: str, dtypes: Sequence[str], lengths: Sequence[int],
                 sizes: report.Sizes, device: str, *, compare: bool, options: dict[str, Any] | None, seed: int = 0,
                 progress: Any = None) -> list[dict[str, Any]]:
-    """attnlab.report's rows (excess at each length) for the kernel and, with ``compare``, attnlab's own."""
+    """attnlab.commands.report's rows (excess at each length) for the kernel and, with ``compare``, attnlab's own."""
     f = formulation(name)
     rows: list[dict[str, Any]] = []
     for dtype in dtypes:
@@ -688,7 +688,7 @@ def environment() -> dict[str, Any]:
 
 
 def all_versions(kernel_spec: str) -> dict[str, str]:
-    """attnlab.report's versions, fla-core's when installed, and the kernel's package version when it has one."""
+    """attnlab.commands.report's versions, fla-core's when installed, and the kernel's package version when it has one."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = report.versions()
@@ -764,7 +764,7 @@ def summary_markdown(v: Validation, data: dict[str, Any]) -> str:
 
 
 def write_outputs(v: Validation, out: Path) -> dict[str, Path]:
-    """report.json, summary.md and (with a curve) curve/ with attnlab.report's report.json, plot and index.md."""
+    """report.json, summary.md and (with a curve) curve/ with attnlab.commands.report's report.json, plot and index.md."""
     out.mkdir(parents=True, exist_ok=True)
     data = {
         "what": "attnlab validate: the property suite and the error-vs-length curve on a third-party kernel",
