@@ -10,13 +10,16 @@ g_h = log(1 - 2^(-5-h)); rwkv4's w = exp(N(0, 0.25)) and u ~ N(0, 0.25)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from attnlab.spec import Arg, Dims, Formulation, Option, StabilityMap, StateSpec
+from attnlab.spec import (Arg, Bounds, Convention, Dims, Formulation, Option, Peer, Reduction, StabilityMap, StateSpec,
+                          Tensors)
 
-__all__ = ["REGISTRY", "names", "formulation"]
+__all__ = ["REGISTRY", "BOUNDS", "names", "formulation", "bounds_for"]
 
 
 def _shape(dims: Dims, symbols: tuple[str, ...]) -> tuple[int, ...]:
@@ -78,21 +81,95 @@ GATE_MAP = StabilityMap("gate", ("g",))
 DELTA_MAP = StabilityMap("delta", ("k", "beta"))
 SHIFT_MAP = StabilityMap("shift", ("k",))
 
+# Every verdict's bounds, by output dtype (a registry entry's ``bounds`` may override one); the reasons are in
+# docs/FORMULATIONS.md, "Bounds".
+BOUNDS: dict[str, Bounds] = {
+    "float16": Bounds(accuracy=2.0, correctness=8.0, state=2.0**-10,
+                      why="one fp16 rounding of the output plus fp16 operands of the tensor-core products"),
+    "bfloat16": Bounds(accuracy=1.5, correctness=8.0, state=2.0**-7,
+                       why="one bf16 rounding of the output; fp16 intermediates where the range allows"),
+    "float32": Bounds(accuracy=64.0, correctness=1e4, state=1e-5,
+                      why="fp32 accumulation over T steps and K products grows like sqrt(T K) u"),
+}
+
+
+def bounds_for(f: Formulation, dtype: str) -> Bounds:
+    """The bounds ``f``'s outputs in ``dtype`` (a dtype name: "bfloat16") are judged by."""
+    return f.bounds.get(dtype, BOUNDS[dtype])
+
 
 def _q(unit: bool = False) -> Arg:
-    return Arg("q", QK, "queries", unit_rows(*QK) if unit else gaussian(*QK))
+    return Arg("q", QK, "queries", unit_rows(*QK) if unit else gaussian(*QK), role="query")
 
 
 def _k(unit: bool = False) -> Arg:
-    return Arg("k", QK, "keys", unit_rows(*QK) if unit else gaussian(*QK))
+    return Arg("k", QK, "keys", unit_rows(*QK) if unit else gaussian(*QK), role="key")
 
 
 def _v() -> Arg:
-    return Arg("v", VO, "values", gaussian(*VO))
+    return Arg("v", VO, "values", gaussian(*VO), role="value")
 
 
 def _beta() -> Arg:
-    return Arg("beta", BTH, "delta-rule write strength", sigmoid_beta(*BTH), **BETA)
+    return Arg("beta", BTH, "delta-rule write strength", sigmoid_beta(*BTH), role="write_strength", **BETA)
+
+
+def _log_gate(dims: tuple[str, ...], doc: str, **kw) -> Arg:
+    return Arg("g", dims, doc, log_sigmoid_gate(*dims), role="log_gate", **LOG_GATE, **kw)
+
+
+# --- special cases (Formulation.reductions): the special case's call -> the general formulation's call
+
+
+def _query_key_value(x: Tensors) -> Tensors:
+    return {n: x[n] for n in ("q", "k", "v", "scale") if n in x}
+
+
+def _gla_as_general(x: Tensors) -> Tensors:
+    return {**_query_key_value(x), "gk": x["g"]}
+
+
+def _retnet_as_general(x: Tensors) -> Tensors:
+    gk = x["g"][None, None, :, None].expand_as(x["q"]).contiguous()
+    return {**_query_key_value(x), "gk": gk, "gv": torch.zeros_like(x["v"])}
+
+
+def _linear_as_general(x: Tensors) -> Tensors:
+    # linear_attn's default scale is 1.0, general's K ** -0.5: pass it explicitly.
+    return {"q": x["q"], "k": x["k"], "v": x["v"], "scale": x.get("scale", LINEAR_ATTN_SCALE)}
+
+
+def _with_zero_gate_like(reference: str) -> Callable[[Tensors], Tensors]:
+    return lambda x: {**x, "g": torch.zeros_like(x[reference])}
+
+
+def _gated_deltanet_as_kda(x: Tensors) -> Tensors:
+    return {**x, "g": x["g"][..., None].expand_as(x["q"]).contiguous()}
+
+
+LINEAR_ATTN_SCALE = 1.0
+
+# --- third-party peers: flash-linear-attention 0.6.0 (fla.ops) and torch
+
+
+def _fla(function: str, label: str = "", bench: bool = False, our_options: tuple[tuple[str, Any], ...] = (),
+         module: str = "fla.ops", **convention: Any) -> Peer:
+    """fla 0.6.0's ``function``: it returns (o, final state), the state in fp32, asked for with output_final_state."""
+    calling = dict(state_keyword="initial_state", final_state_flag="output_final_state", returns="o_state",
+                   state_dtype=torch.float32)
+    calling.update(convention)
+    return Peer("fla", f"{module}:{function}", Convention(f"fla:{function}", **calling),
+                label=label or f"fla {function}", our_options=our_options, bench=bench)
+
+
+# fla 0.6.0's linear attention (fla/ops/linear_attn/{chunk,fused_recurrent}.py): the state is S alone when
+# normalize=False; when normalized, the tuple (S, z) with the normalizer z (running key sum) as [B, 1, H, K].
+_FLA_LINEAR_STATE = dict(feature_map_outside=True, carries=(("normalize=False", ("S",)),), part_unsqueeze={"z": 1})
+
+SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention",
+            Convention("torch:sdpa", layout="BHTD", names={"causal": "is_causal"}, state_keyword=None,
+                       final_state_flag=None, returns="o"),
+            label="torch SDPA", bench=True)
 
 
 def _aft_dims(B: int, T: int, H: int, K: int, V: int) -> dict[str, int]:
@@ -112,6 +189,13 @@ REGISTRY: tuple[Formulation, ...] = (
         options=(_scale, Option("causal", True, "mask keys after the query", kind=bool)),
         kernel_forms=("chunkwise",),
         notes="no finite state; recurrent form is the KV-cache loop; chunkwise is the online softmax",
+        convex_when=(),
+        bilinear_logits=True,
+        peers=(
+            SDPA,
+            _fla("parallel_attn", implied={"causal": True}, state_keyword=None, final_state_flag=None, returns="o",
+                 state_dtype=None),
+        ),
     ),
     Formulation(
         name="linear_attn",
@@ -120,32 +204,45 @@ REGISTRY: tuple[Formulation, ...] = (
         "o_t = phi(q_t)^T S_t / phi(q_t)^T z_t (normalize) or scale phi(q_t)^T S_t",
         args=(_q(), _k(), _v()),
         options=(
-            Option("scale", 1.0, "output scale when normalize=False (cancels when normalized)"),
+            Option("scale", LINEAR_ATTN_SCALE, "output scale when normalize=False (cancels when normalized)"),
             Option("feature_map", "elu1", "phi: elu(x)+1 or identity", kind=str, choices=("elu1", "identity")),
             Option("normalize", True, "divide by phi(q_t)^T z_t", kind=bool),
         ),
         state=StateSpec(parts=(("S", S_KV), ("z", ("B", "H", "K"))), empty=(0.0, 0.0)),
         kernel_forms=("chunkwise", "recurrent"),
+        convex_when=(("feature_map", "elu1"), ("normalize", True)),
+        peers=(
+            _fla("chunk_linear_attn", bench=True, our_options=(("feature_map", "identity"), ("normalize", False)),
+                 **_FLA_LINEAR_STATE),
+            _fla("fused_recurrent_linear_attn", **_FLA_LINEAR_STATE),
+        ),
     ),
     Formulation(
         name="retnet",
         title="RetNet retention",
         definition="S_t = exp(g) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)",
-        args=(_q(), _k(), _v(), Arg("g", ("H",), "per-head log decay, log gamma", retnet_gamma, **LOG_GATE)),
+        args=(_q(), _k(), _v(), Arg("g", ("H",), "per-head log decay, log gamma", retnet_gamma, role="log_gate",
+                                   **LOG_GATE)),
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(GATE_MAP,),
+        peers=(
+            _fla("chunk_simple_gla", label="fla chunk_simple_gla(g_gamma)", bench=True, names={"g": "g_gamma"},
+                 arg_dtypes={"g": torch.float32}),
+            _fla("chunk_retention", derived=("g",)),
+        ),
     ),
     Formulation(
         name="gla",
         title="gated linear attention",
         definition="S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t)",
-        args=(_q(), _k(), _v(), Arg("g", QK, "per-key-channel log gate", log_sigmoid_gate(*QK), **LOG_GATE)),
+        args=(_q(), _k(), _v(), _log_gate(QK, "per-key-channel log gate")),
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(GATE_MAP,),
+        peers=(_fla("chunk_gla", bench=True), _fla("fused_recurrent_gla", names={"g": "gk"})),
     ),
     Formulation(
         name="general",
@@ -155,38 +252,46 @@ REGISTRY: tuple[Formulation, ...] = (
             _q(),
             _k(),
             _v(),
-            Arg("gk", QK, "key-side log gate", log_sigmoid_gate(*QK), optional=True, **LOG_GATE),
-            Arg("gv", VO, "value-side log gate", log_sigmoid_gate(*VO), optional=True, **LOG_GATE),
+            Arg("gk", QK, "key-side log gate", log_sigmoid_gate(*QK), role="log_gate", optional=True, **LOG_GATE),
+            Arg("gv", VO, "value-side log gate", log_sigmoid_gate(*VO), role="log_gate", optional=True, **LOG_GATE),
         ),
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(StabilityMap("gate", ("gk", "gv")),),
+        reductions=(
+            Reduction("gla", _gla_as_general),
+            Reduction("retnet", _retnet_as_general),
+            Reduction("linear_attn", _linear_as_general, (("feature_map", "identity"), ("normalize", False))),
+        ),
+        peers=(_fla("fused_recurrent_gla", label="fla fused_recurrent_gla(gk, gv)", bench=True),),
     ),
     Formulation(
         name="aft",
         title="attention-free transformer (AFT-full)",
         definition="o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)",
         args=(
-            Arg("w", ("T", "T"), "pairwise position bias", gaussian("T", "T")),
-            Arg("k", ("B", "T", "H", "D"), "keys", gaussian("B", "T", "H", "D")),
-            Arg("v", ("B", "T", "H", "D"), "values", gaussian("B", "T", "H", "D")),
+            Arg("w", ("T", "T"), "pairwise position bias", gaussian("T", "T"), role="bias"),
+            Arg("k", ("B", "T", "H", "D"), "keys", gaussian("B", "T", "H", "D"), role="key"),
+            Arg("v", ("B", "T", "H", "D"), "values", gaussian("B", "T", "H", "D"), role="value"),
         ),
         options=(Option("causal", True, "mask keys after the query", kind=bool),),
         kernel_forms=("chunkwise",),
         dims_from_sizes=_aft_dims,
         notes="no finite state; D is the sampled V",
         stability=(SHIFT_MAP,),
+        convex_when=(),
+        shift_invariant=("k",),
     ),
     Formulation(
         name="rwkv4",
         title="RWKV-4 WKV",
         definition="o_t = (sum_{i<t} e^{-(t-1-i)w + k_i} v_i + e^{u+k_t} v_t) / (sum_{i<t} e^{-(t-1-i)w + k_i} + e^{u+k_t})",
         args=(
-            Arg("w", ("C",), "decay rate (decay exp(-w))", rwkv_decay, low=0.0),
-            Arg("u", ("C",), "current-token bonus", gaussian("C", std=0.5)),
-            Arg("k", ("B", "T", "C"), "keys", gaussian("B", "T", "C")),
-            Arg("v", ("B", "T", "C"), "values", gaussian("B", "T", "C")),
+            Arg("w", ("C",), "decay rate (decay exp(-w))", rwkv_decay, role="decay_rate", low=0.0),
+            Arg("u", ("C",), "current-token bonus", gaussian("C", std=0.5), role="bias"),
+            Arg("k", ("B", "T", "C"), "keys", gaussian("B", "T", "C"), role="key"),
+            Arg("v", ("B", "T", "C"), "values", gaussian("B", "T", "C"), role="value"),
         ),
         state=StateSpec(
             parts=(("a", ("B", "C")), ("b", ("B", "C")), ("p", ("B", "C"))),
@@ -197,7 +302,16 @@ REGISTRY: tuple[Formulation, ...] = (
         dims_from_sizes=_rwkv_dims,
         notes="state (a, b, p): numerator e^p a, denominator e^p b; C is the sampled H * V",
         naive_options=(("stable", False),),
+        form_options={"recurrent": (Option("stable", True, "the running-maximum loop; False: the naive exp(k) "
+                                                            "accumulation, which overflows", kind=bool),)},
         stability=(SHIFT_MAP,),
+        convex_when=(),
+        shift_invariant=("k",),
+        peers=(
+            _fla("fused_recurrent_rwkv4", module="fla.ops.rwkv4", bench=True, positional=("w", "u", "k", "v"),
+                 decay_rate_as_log=True, stacked_state=True, arg_dtypes={"w": torch.float32, "u": torch.float32},
+                 state_keyword="state", final_state_flag=None),
+        ),
     ),
     Formulation(
         name="deltanet",
@@ -208,38 +322,34 @@ REGISTRY: tuple[Formulation, ...] = (
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(DELTA_MAP,),
+        peers=(_fla("chunk_delta_rule", bench=True), _fla("fused_recurrent_delta_rule")),
     ),
     Formulation(
         name="gated_deltanet",
         title="Gated DeltaNet",
         definition="S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)",
-        args=(
-            _q(unit=True),
-            _k(unit=True),
-            _v(),
-            Arg("g", BTH, "per-head log gate", log_sigmoid_gate(*BTH), **LOG_GATE),
-            _beta(),
-        ),
+        args=(_q(unit=True), _k(unit=True), _v(), _log_gate(BTH, "per-head log gate"), _beta()),
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(GATE_MAP, DELTA_MAP),
+        reductions=(Reduction("deltanet", _with_zero_gate_like("beta")),),
+        peers=(_fla("chunk_gated_delta_rule", bench=True), _fla("fused_recurrent_gated_delta_rule")),
     ),
     Formulation(
         name="kda",
         title="Kimi Delta Attention",
         definition="S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t)",
-        args=(
-            _q(unit=True),
-            _k(unit=True),
-            _v(),
-            Arg("g", QK, "per-key-channel log gate", log_sigmoid_gate(*QK), **LOG_GATE),
-            _beta(),
-        ),
+        args=(_q(unit=True), _k(unit=True), _v(), _log_gate(QK, "per-key-channel log gate"), _beta()),
         options=(_scale,),
         state=_state_S,
         kernel_forms=("chunkwise", "recurrent"),
         stability=(GATE_MAP, DELTA_MAP),
+        reductions=(
+            Reduction("deltanet", _with_zero_gate_like("q")),
+            Reduction("gated_deltanet", _gated_deltanet_as_kda),
+        ),
+        peers=(_fla("chunk_kda", bench=True), _fla("fused_recurrent_kda")),
     ),
 )
 
