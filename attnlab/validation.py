@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from attnlab.spec import Dims, Formulation
+from attnlab.spec import CONTRACT, Dims, Formulation
 
 STATE_KEYWORDS = ("initial_state", "return_state")
 
@@ -67,6 +67,12 @@ class _ValueCheck:
     low: float | None = None
     high: float | None = None
     allow_neg_inf: bool = False
+    formulation: str = ""
+
+
+def contract_reference(name: str) -> str:
+    """Where a user reads what an input of formulation ``name`` must be: appended to every validation error."""
+    return f"(see {CONTRACT}, section {name})"
 
 
 class ValueScan:
@@ -117,12 +123,12 @@ def _raise_if_out_of_range(c: _ValueCheck, lowest: float, highest: float) -> Non
         if c.allow_neg_inf:
             allowed |= c.tensor == -math.inf
         bad = c.tensor[~allowed].flatten()[0].item()
-        raise ValueError(f"{c.name} must be finite; it holds {bad}")
+        raise ValueError(f"{c.name} must be finite; it holds {bad} {contract_reference(c.formulation)}")
     if c.low is not None and lowest < c.low:
-        raise ValueError(f"{c.name} must be >= {c.low:g}; its minimum is {lowest:.6g}")
+        raise ValueError(f"{c.name} must be >= {c.low:g}; its minimum is {lowest:.6g} {contract_reference(c.formulation)}")
     if c.high is not None and highest > c.high:
         what = "a log gate (decay exp(g) <= 1)" if c.high == 0.0 and c.low is None else f"<= {c.high:g}"
-        raise ValueError(f"{c.name} must be {what}; its maximum is {highest:.6g}")
+        raise ValueError(f"{c.name} must be {what}; its maximum is {highest:.6g} {contract_reference(c.formulation)}")
 
 
 def _check_option(f: Formulation, name: str, value: Any, dims: Dims) -> Any:
@@ -172,6 +178,26 @@ def validate(
     the caller must call ``call.values.wait()`` before it launches anything
     on the inputs (see ValueScan).
     """
+    try:
+        return _validate(f, inputs, dtypes=dtypes, device_type=device_type, extra_keywords=extra_keywords, scan=scan,
+                         defer_values=defer_values)
+    except (TypeError, ValueError) as error:
+        if CONTRACT in str(error):
+            raise
+        raise type(error)(f"{error} {contract_reference(f.name)}") from None
+
+
+def _validate(
+    f: Formulation,
+    inputs: Mapping[str, Any],
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    device_type: str | None = None,
+    extra_keywords: tuple[str, ...] = (),
+    scan: str = "all",
+    defer_values: bool = False,
+) -> Call:
+    """The checks of :func:`validate`, whose errors it completes with the contract's section."""
     if scan not in ("all", "ranges"):
         raise ValueError(f"scan must be 'all' or 'ranges'; got {scan!r}")
     allowed = set(f.arg_names) | set(f.option_names) | set(extra_keywords)
@@ -213,7 +239,7 @@ def validate(
             raise ValueError(f"{arg.name} has dtype {t.dtype} but {first} has {dtype}; all tensors must share one dtype")
         _bind_shape(arg.name, tuple(t.shape), arg.dims, dims, origin)
         if scan == "all" or arg.low is not None or arg.high is not None:
-            value_checks.append(_ValueCheck(arg.name, t, arg.low, arg.high, arg.allow_neg_inf))
+            value_checks.append(_ValueCheck(arg.name, t, arg.low, arg.high, arg.allow_neg_inf, f.name))
         tensors[arg.name] = t
     assert device is not None and dtype is not None
 
@@ -222,7 +248,7 @@ def validate(
     initial_state = None
     if f.state is not None and inputs.get("initial_state") is not None:
         initial_state = _check_state(f, inputs["initial_state"], dims, device)
-        value_checks += [_ValueCheck(label, part, allow_neg_inf=log_scale) for label, part, log_scale in _state_parts(f, initial_state)]
+        value_checks += [_ValueCheck(label, part, allow_neg_inf=log_scale, formulation=f.name) for label, part, log_scale in _state_parts(f, initial_state)]
     return_state = inputs.get("return_state", False)
     if not isinstance(return_state, bool):
         raise ValueError(f"return_state must be True or False; got {return_state!r}")

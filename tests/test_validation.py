@@ -132,3 +132,15 @@ def test_value_checks_of_two_dtypes_both_raise():
     with pytest.raises(ValueError, match=r"^g must be a log gate .*maximum is 0.5"):
         gla(**{**x, "g": torch.full_like(x["g"], 0.5)}, initial_state=torch.zeros((1, 2, 4, 3)))
     gla(**x, initial_state=torch.zeros((1, 2, 4, 3)))
+
+
+def test_errors_cite_the_contract_section_of_their_formulation():
+    import attnlab
+
+    x = attnlab.formulation("gla").sample(T=8, K=4, V=4)
+    with pytest.raises(ValueError, match=r"g must be a log gate .*\(see docs/FORMULATIONS.md, section gla\)$"):
+        attnlab.oracle("gla")(**{**x, "g": x["g"] + 1})
+    with pytest.raises(ValueError, match=r"q must have shape .*\(see docs/FORMULATIONS.md, section gla\)$"):
+        attnlab.oracle("gla")(**{**x, "q": x["q"][0]})
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) foo; .*\(see docs/FORMULATIONS.md, section gla\)$"):
+        attnlab.oracle("gla")(**x, foo=1)
