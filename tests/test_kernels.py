@@ -151,7 +151,7 @@ def test_kernel_matches_oracle_gpu(name, form, dtype, T):
     _check(name, form, dtype, "cuda", T=T, K=64, V=64, H=4, B=2)
 
 
-# Head dims below one 16-wide tile and not powers of two (.ci/gpu_shapes.py walks more): the delta rules'
+# Head dims below one 16-wide tile and not powers of two (tools/gpu/shapes.py walks more): the delta rules'
 # prepare kernel once gave wrong outputs on the GPU at K or V <= 16 (excess 500-6000) that neither the
 # interpreter nor the tests at K = V = 64 and 128 showed.
 AWKWARD_HEAD_DIMS = [(1, 44), (12, 12), (44, 12)]

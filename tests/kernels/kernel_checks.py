@@ -25,7 +25,7 @@ STATE_BOUND = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 
 def as_on_the_gpu_in_bf16(x: dict[str, Any]) -> dict[str, Any]:
     """bf16 inputs as the GPU's bf16 default of the delta rules and kda (precision "fp16") computes them,
     runnable here: fp32 carriers of the bf16 values for precision="fp16" (its operands enter exactly either
-    way), so that the fp32 output is rounded to bf16 once, as the GPU's kernel writes it (.ci/bf16_on_cpu.py)."""
+    way), so that the fp32 output is rounded to bf16 once, as the GPU's kernel writes it (tools/bf16_on_cpu.py)."""
     return {n: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t for n, t in x.items()}
 
 

@@ -1,6 +1,6 @@
 """Where a kernel call's time goes besides its kernels, at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
 
-    python3 .ci/gpu_overhead.py [NAME,NAME...]
+    python3 tools/gpu/overhead.py [NAME,NAME...]
 
 For each formulation, do_bench medians in ms of:
 

@@ -1,6 +1,6 @@
 """Time a kernel's option settings against its peer at the bench shape, per launch, to choose defaults.
 
-    python3 .ci/gpu_configs.py NAME '{"chunk_size": 32}' '{"num_warps": 8}' ...
+    python3 tools/gpu/configs.py NAME '{"chunk_size": 32}' '{"num_warps": 8}' ...
 
 Each argument is a JSON dict of attnlab.kernel options (the first row is always the defaults); a "constants" entry
 ({"constants": {"A_ROWS_CHANNEL_SLICE": 32}}, or "_delta.PREPARE_CHANNEL_SLICE" for another module of attnlab.kernels)
@@ -9,7 +9,7 @@ that are not options). Every setting
 is compiled and its bf16 excess against the float64 oracle at T=1024 measured first, so that a faster setting
 that loses accuracy shows; then, holding an exclusive lock (/tmp/attnlab-gpu-timing.lock), each setting and the
 peer are timed: the whole call with triton.testing.do_bench (median) and each launch's GPU time under
-torch.profiler (.ci/gpu_profile.py). Several formulations can run as parallel processes (PROCESSES=N in the
+torch.profiler (tools/gpu/profile_launches.py). Several formulations can run as parallel processes (PROCESSES=N in the
 environment of each): they compile at once, wait for each other, then take turns at the GPU for the timing.
 """
 
@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import torch
 import triton.testing
-from gpu_profile import kernel_times
+from profile_launches import kernel_times
 
 import attnlab
 from attnlab.commands.bench import PEERS

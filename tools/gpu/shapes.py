@@ -1,7 +1,7 @@
 """Each kernel over awkward shapes on the GPU, one process per kernel so a crash stays contained.
 
-    python .ci/gpu_shapes.py NAME FORM     one kernel: a line per case, printed as it completes
-    python .ci/gpu_shapes.py [a,b,...]     every kernel (of those formulations), six processes at a time
+    python tools/gpu/shapes.py NAME FORM     one kernel: a line per case, printed as it completes
+    python tools/gpu/shapes.py [a,b,...]     every kernel (of those formulations), six processes at a time
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bisect the fused linear_attn/retnet chunkwise kernels' wrong GPU results at odd shapes.
 
-    python3 .ci/gpu_fused_probe.py
+    python3 tools/gpu/fused_probe.py
 
 Bypasses kernels._util.gpu_shape_known_bad (which routes these shapes to the recurrent kernels) and prints,
 per (formulation, K, V, T, options), the excess over the rounding floor of the bf16 chunkwise kernel against the

@@ -1,6 +1,6 @@
 """Per-launch GPU time of each kernel and its peer at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
 
-    python3 .ci/gpu_profile.py [NAME,NAME...]
+    python3 tools/gpu/profile_launches.py [NAME,NAME...]
 
 For each formulation: attnlab's default setting, its SPEED_OPTIONS setting and the peer, each run under
 torch.profiler for a few calls after a warm-up; prints, per implementation, every GPU kernel it launched

@@ -1,6 +1,6 @@
 """Time a chunkwise kernel at each of its chunk sizes against its peer, over shapes from many programs to few.
 
-    python3 .ci/gpu_chunk_sizes.py [NAME]        (default kda; bf16, K = V = 128 unless a shape says otherwise)
+    python3 tools/gpu/chunk_sizes.py [NAME]        (default kda; bf16, K = V = 128 unless a shape says otherwise)
 
 For each shape (B, T, H, K = V): the whole call at every fixed chunk size the kernel offers and the peer's call,
 with triton.testing.do_bench (median). Used in session 11 to choose kda's chunk_size "auto" (kernels/kda.py,

@@ -1,15 +1,15 @@
 """Nsight Compute on one kernel launch at the bench shape (B=8, T=4096, H=16, K=V=128, bf16): where its time goes.
 
-    python3 .ci/gpu_ncu.py profile NAME ours|peer REGEX OUT    ncu on the first launch of a kernel whose name
-                                                               matches REGEX after a warm-up call: the summary
-                                                               sections (occupancy, issue rate, registers) in
-                                                               OUT/ncu-LABEL.txt and the SASS source page in
-                                                               OUT/ncu-LABEL-sass.csv, with its digest printed
-    python3 .ci/gpu_ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
-                                                               and the lines with the most stall samples
-    python3 .ci/gpu_ncu.py call NAME ours|peer                 (what ncu runs) the warm-up call and the profiled one
+    python3 tools/gpu/ncu.py profile NAME ours|peer REGEX OUT    ncu on the first launch of a kernel whose name
+                                                                 matches REGEX after a warm-up call: the summary
+                                                                 sections (occupancy, issue rate, registers) in
+                                                                 OUT/ncu-LABEL.txt and the SASS source page in
+                                                                 OUT/ncu-LABEL-sass.csv, with its digest printed
+    python3 tools/gpu/ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
+                                                                 and the lines with the most stall samples
+    python3 tools/gpu/ncu.py call NAME ours|peer                 (what ncu runs) the warm-up call and the profiled one
 
-LABEL is NAME-ours|peer-REGEX. Used in session 6 on the delta rules' three passes and fla's (bash .ci/gpu-job ncu).
+LABEL is NAME-ours|peer-REGEX. Used in session 6 on the delta rules' three passes and fla's (bash tools/gpu/job ncu).
 """
 
 from __future__ import annotations

@@ -5,11 +5,15 @@ default for bf16 inputs, precision "fp16", takes every operand's value exactly w
 copies of the bf16 inputs and precision="fp16", these kernels make the roundings the GPU makes on the bf16
 inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order of the sums
 differs), and their fp32 output rounded once to bf16 stands for the GPU's bf16 output. Point the property suite
-at them (slow: the interpreter runs every example; kda takes longest):
+at them by path (slow: the interpreter runs every example; kda takes longest):
 
-    PYTHONPATH=.ci .venv/bin/python -m pytest --pyargs attnlab.properties -q -p no:cacheprovider \\
+    .venv/bin/python -m pytest --pyargs attnlab.properties -q -p no:cacheprovider \\
         --attnlab-profile ci --attnlab-device cpu --attnlab-dtype bfloat16 -k matches_oracle \\
-        --attnlab-formulation deltanet --attnlab-kernel bf16_on_cpu:deltanet
+        --attnlab-formulation deltanet --attnlab-kernel tools/bf16_on_cpu.py:deltanet
+
+A developer's instrument, not a target for users: it stands for attnlab's own GPU kernels in one setting
+(precision "fp16" on bf16 inputs) and only approximately (the order of the sums differs), so a verdict on it
+is a lead to confirm on the GPU, never a verdict on a kernel.
 
 Session 10 reproduced this way the counterexample on which the H100's bf16 run failed (deltanet, K = 1,
 beta = 1: properties/regressions.py).

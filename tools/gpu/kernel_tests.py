@@ -1,7 +1,7 @@
 """The gpu-marked kernel tests, one process per formulation, so that one kernel's crash (an illegal memory
 access poisons the CUDA context of its process) cannot fail every test after it.
 
-    python3 .ci/gpu_kernel_tests.py [NAME,NAME...] [--log DIR]
+    python3 tools/gpu/kernel_tests.py [NAME,NAME...] [--log DIR]
 
 Prints one summary line per formulation (passed / failed counts and the first failure) and exits 1 if any failed.
 """
