@@ -1,4 +1,4 @@
-"""The ``attnlab`` command line: ``list``, ``bench``, ``report``, ``map``, ``selftest`` and ``validate``."""
+"""The ``attnlab`` command line: ``list``, ``bench``, ``report``, ``map``, ``selftest``, ``validate`` and ``campaign``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from attnlab.commands import report, selftest, stability, validate
+from attnlab.commands import campaign, report, selftest, stability, validate
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     stability.add_parser(sub)
     selftest.add_parser(sub)
     validate.add_parser(sub)
+    campaign.add_parser(sub)
     return parser
 
 

@@ -1,35 +1,47 @@
-"""The fla 0.6.0 campaign (issue 6): ``attnlab validate`` on every fla kernel attnlab knows the convention of.
+"""``attnlab campaign``: ``attnlab validate`` on every kernel of a third-party library, rendered as one report.
 
-    python3 .ci/gpu_campaign.py run OUT [--budget 400] [--jobs 10] [--examples 6] [--ops chunk_gla,...]
-    python3 .ci/gpu_campaign.py render OUT [--out reports/third_party/fla-0.6.0.md]
+    attnlab campaign fla [--budget 400] [--jobs 10] [--examples 6] [--ops chunk_gla,...] [--out DIR]
+    attnlab campaign --render DIR [--report PATH]         (re-render fetched results; no GPU)
 
-``run`` (on the GPU, fla importable) starts one ``attnlab validate`` per
-(kernel, dtype) in bf16 and fp16, both strategies (default and adversarial),
-in parallel subprocesses (compiling and autotuning fla's Triton kernels is
-CPU-bound), each into ``OUT/<op>-<dtype>/`` (report.json, summary.md, curve/,
-log.txt), and writes ``OUT/campaign.json``. Everything is bounded by
-``--budget`` seconds, shared fairly: the jobs run in waves of ``--jobs``, and
-every job gets the same slot, budget / waves (the first run spent the budget
-on the first jobs, and half never started); within it ``attnlab validate``
+A target is a library the registry's peers name (``Peer.library``) that has a
+campaign (``TARGETS``: fla). Its kernels are every registry entry's peers of
+that library, in registry order; the job list never names a formulation.
+
+Running (on the GPU, the library importable) starts one ``attnlab validate``
+per (kernel, dtype), bf16 and fp16, both strategies (default and
+adversarial), in parallel subprocesses (compiling and autotuning the
+library's Triton kernels is CPU-bound), each into ``DIR/<formulation>.<op>-<dtype>/``
+(report.json, summary.md, curve/, log.txt), writes ``DIR/campaign.json``,
+then renders ``DIR/campaign.md``. Everything is bounded by ``--budget``
+seconds, shared fairly: the jobs run in waves of ``--jobs``, and every job
+gets the same slot, budget / waves (the first campaign spent the budget on
+the first jobs, and half never started); within it ``attnlab validate``
 measures the curve first (``--curve-first``), then stops starting searches
 ``SLOT_MARGIN`` seconds before the slot ends, and is killed at the slot's end
-(plus ``KILL_GRACE``). The bf16 and fp16 jobs of a kernel are adjacent and the
-slow-compiling chunked kernels go first. Head dims are fixed at 64 and heads at
-most 2 (fla autotunes per K, V and H), T up to 1024; the curve runs
-T = 64..4096 at B=1, H=2, K=V=64 beside attnlab's own kernels and the naive
-recurrences (the gallery has the long curves: the naive same-dtype recurrences
-are Python loops, and T = 16384 cost chunk_gla and chunk_kda their curve).
+(plus ``KILL_GRACE``). The dtypes of one kernel are adjacent and the kernels
+that compile most go first (the target's rule over function names: fla's
+``chunk_*``). Head dims are fixed at 64 and heads at most 2 (fla autotunes
+per K, V and H), T up to 1024; the curve runs T = 64..4096 at B=1, H=2,
+K=V=64 beside attnlab's own kernels and the naive recurrences (the gallery
+has the long curves: the naive same-dtype recurrences are Python loops, and
+T = 16384 cost chunk_gla and chunk_kda their curve).
 
-``render`` (anywhere, from the fetched OUT) writes the Markdown report: per
-kernel, the excess by length (fla beside attnlab), every property that
-failed with its minimal counterexample, each classified (``classify``: bug,
-rounding on an exactly representable output, accuracy finding, does not
+Rendering (anywhere, from the fetched DIR) writes the Markdown report: per
+kernel, the excess by length (the library beside attnlab), every property
+that failed with its minimal counterexample, each classified (``classify``:
+bug, rounding on an exactly representable output, accuracy finding, does not
 apply), and for the bugs alone a standalone script reproducing them.
+
+Exit status: 0 when every job ran and every property held; 1 when a job
+failed a property, erred, was killed or did not start; 2 on a usage error
+(unknown target or op, bad number, no CUDA GPU or the library missing for a
+run, no results to render).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -39,26 +51,46 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# (formulation, fla op), in FORMULATIONS.md's order: the kernels of issue 6.
-KERNELS = (
-    ("softmax", "parallel_attn"),
-    ("linear_attn", "chunk_linear_attn"),
-    ("linear_attn", "fused_recurrent_linear_attn"),
-    ("retnet", "chunk_retention"),
-    ("retnet", "chunk_simple_gla"),
-    ("gla", "chunk_gla"),
-    ("gla", "fused_recurrent_gla"),
-    ("rwkv4", "fused_recurrent_rwkv4"),
-    ("deltanet", "chunk_delta_rule"),
-    ("deltanet", "fused_recurrent_delta_rule"),
-    ("gated_deltanet", "chunk_gated_delta_rule"),
-    ("gated_deltanet", "fused_recurrent_gated_delta_rule"),
-    ("kda", "chunk_kda"),
-    ("kda", "fused_recurrent_kda"),
-)
+from attnlab.conventions import FLA_NUMERICS_ENV
+from attnlab.registry import REGISTRY
+from attnlab.spec import Peer
+
+EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Target:
+    """A library with a campaign: what its kernels are called through and how its report reads.
+
+    ``library`` is the ``Peer.library`` its kernels carry; ``convention`` is ``attnlab validate
+    --convention``'s name for its calling convention; ``slow_prefixes`` are the function-name prefixes of
+    the kernels that compile and autotune most (their jobs start first); ``env`` the environment variables
+    that change its numerics (recorded); ``calling`` the report's paragraph on how its kernels are called.
+    """
+
+    library: str
+    title: str
+    distribution: str
+    convention: str
+    slow_prefixes: tuple[str, ...]
+    env: tuple[str, ...]
+    calling: str
+
+
+TARGETS: dict[str, Target] = {
+    "fla": Target(
+        library="fla", title="flash-linear-attention", distribution="fla-core", convention="fla",
+        slow_prefixes=("chunk_",), env=FLA_NUMERICS_ENV,
+        calling="Each kernel is called in its own convention (the registry's peers: fla's keywords, log gates, "
+                "`(o, final_state)` with `output_final_state`, fp32 states, RWKV-4's `log w` and `[B, 3, 1, C]` "
+                "state, linear attention's feature map applied outside) through the adapter, so that attnlab's "
+                "oracles and properties apply unchanged."),
+}
+
 DTYPES = ("bfloat16", "float16")
 LENGTHS = "64,256,1024,4096"
 CURVE_SHAPE = "1,2,64,64"
@@ -67,16 +99,45 @@ CURVE_SHAPE = "1,2,64,64"
 SLOT_MARGIN = 25
 # Seconds a job may run past its slot before it is killed (a killed job writes no report).
 KILL_GRACE = 10
-# The order of the jobs: these compile and autotune the most Triton kernels (slowest first).
-SLOW_FIRST = ("chunk_gla", "chunk_kda", "chunk_gated_delta_rule", "chunk_delta_rule", "chunk_retention",
-              "chunk_simple_gla", "chunk_linear_attn")
+# A job with less time than this left is not started.
+MIN_START = 30
+REPORT_NAME = "campaign.md"
 
 
-def job_order(ops: list[tuple[str, str]], dtypes: list[str]) -> list[tuple[str, str, str]]:
-    """Every (formulation, op, dtype), slow ops first, the dtypes of one op adjacent."""
-    rank = {op: i for i, op in enumerate(SLOW_FIRST)}
-    ordered = sorted(ops, key=lambda k: (rank.get(k[1], len(rank)), KERNELS.index(k) if k in KERNELS else 0))
-    return [(name, op, dtype) for name, op in ordered for dtype in dtypes]
+def known_targets() -> list[str]:
+    """The libraries named by the registry's peers that have a campaign, in registry order."""
+    libraries = dict.fromkeys(p.library for f in REGISTRY for p in f.peers)
+    return [library for library in libraries if library in TARGETS]
+
+
+@dataclass(frozen=True)
+class Job:
+    formulation: str
+    peer: Peer
+    dtype: str
+
+    @property
+    def op(self) -> str:
+        return self.peer.attribute
+
+    @property
+    def folder(self) -> str:
+        return f"{self.formulation}.{self.op}-{self.dtype}"
+
+
+def kernels(target: Target, ops: list[str] | None = None) -> list[tuple[str, Peer]]:
+    """(formulation, peer) of every registry peer of the target's library, in registry order (``ops``: only those)."""
+    return [(f.name, p) for f in REGISTRY for p in f.peers
+            if p.library == target.library and (ops is None or p.attribute in ops)]
+
+
+def job_order(target: Target, chosen: list[tuple[str, Peer]], dtypes: list[str]) -> list[Job]:
+    """Every (kernel, dtype): the slow-compiling kernels first, registry order otherwise, one kernel's dtypes adjacent."""
+    def slow(item: tuple[str, Peer]) -> bool:
+        return item[1].attribute.startswith(target.slow_prefixes)
+
+    ordered = [k for k in chosen if slow(k)] + [k for k in chosen if not slow(k)]
+    return [Job(name, peer, dtype) for name, peer in ordered for dtype in dtypes]
 
 
 def slot_seconds(budget: float, jobs: int, count: int) -> float:
@@ -85,58 +146,70 @@ def slot_seconds(budget: float, jobs: int, count: int) -> float:
     return (budget - KILL_GRACE) / waves
 
 
-def job_command(name: str, op: str, dtype: str, out: Path, examples: int, time_budget: float) -> list[str]:
-    return [sys.executable, "-m", "attnlab.cli", "validate", "--fla-op", op, "--formulation", name,
-            "--device", "cuda", "--dtype", dtype, "--strategy", "both", "--examples", str(examples),
+def job_command(target: Target, job: Job, out: Path, examples: int, time_budget: float) -> list[str]:
+    return [sys.executable, "-m", "attnlab.cli", "validate", "--kernel", job.peer.function,
+            "--convention", target.convention, "--formulation", job.formulation,
+            "--device", "cuda", "--dtype", job.dtype, "--strategy", "both", "--examples", str(examples),
             "--dims", "64", "--max-T", "1024", "--max-H", "2", "--max-B", "2", "--minimize", "12",
             "--lengths", LENGTHS, "--curve-shape", CURVE_SHAPE, "--curve-first", "--time-budget", f"{time_budget:.0f}",
             "--out", str(out), "--no-progress"]
 
 
-def run_campaign(out: Path, budget: float, jobs: int, examples: int, ops: list[str] | None, dtypes: list[str]) -> int:
+def _version(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: int, work: list[Job],
+                 command: str = "") -> dict[str, Any]:
+    """Run every job (see the module's docstring) and write ``out/campaign.json``; returns what it wrote."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     deadline = start + budget
-    work = job_order([(name, op) for name, op in KERNELS if ops is None or op in ops], dtypes)
     slot = slot_seconds(budget, jobs, len(work))
     records: dict[str, dict[str, Any]] = {}
-    print(f"campaign: {len(work)} jobs, {jobs} at a time, {slot:.0f} s each (budget {budget:.0f} s)", flush=True)
+    print(f"campaign {target.library}: {len(work)} jobs, {jobs} at a time, {slot:.0f} s each (budget {budget:.0f} s)",
+          flush=True)
 
-    def one(job: tuple[str, str, str]) -> None:
-        name, op, dtype = job
-        key = f"{op}-{dtype}"
-        folder = out / key
+    def one(job: Job) -> None:
+        folder = out / job.folder
         folder.mkdir(parents=True, exist_ok=True)
         left = min(slot + KILL_GRACE, deadline + KILL_GRACE - time.time())
-        record: dict[str, Any] = {"formulation": name, "op": op, "dtype": dtype, "folder": key, "slot_s": round(slot)}
-        if left < 30:
+        record: dict[str, Any] = {"formulation": job.formulation, "op": job.op, "function": job.peer.function,
+                                  "dtype": job.dtype, "folder": job.folder, "slot_s": round(slot)}
+        if left < MIN_START:
             record.update(status="not started", detail=f"campaign budget of {budget:.0f} s spent")
-            records[key] = record
+            records[job.folder] = record
             return
-        command = job_command(name, op, dtype, folder, examples, max(10.0, min(slot, left) - SLOT_MARGIN))
-        record["command"] = " ".join(shlex.quote(c) for c in command[1:]).replace("-m attnlab.cli", "attnlab", 1)
+        argv = job_command(target, job, folder, examples, max(10.0, min(slot, left) - SLOT_MARGIN))
+        record["command"] = " ".join(shlex.quote(c) for c in argv[1:]).replace("-m attnlab.cli", "attnlab", 1)
         started = time.time()
         with open(folder / "log.txt", "w") as log:
             try:
-                rc = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=left, check=False).returncode
-                record.update(status={0: "held", 1: "failed"}.get(rc, "error"), rc=rc)
+                rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=left, check=False).returncode
+                record.update(status={EXIT_HELD: "held", EXIT_FAILED: "failed"}.get(rc, "error"), rc=rc)
             except subprocess.TimeoutExpired:
                 record.update(status="timed out", rc=None, detail=f"killed after {left:.0f} s (its slot)")
         record["seconds"] = round(time.time() - started, 1)
-        records[key] = record
-        print(f"{key}: {record['status']} ({record['seconds']} s)", flush=True)
+        records[job.folder] = record
+        print(f"{job.folder}: {record['status']} ({record['seconds']} s)", flush=True)
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         list(pool.map(one, work))
-    summary = {"what": "attnlab validate on flash-linear-attention 0.6.0's kernels (issue 6)", "budget_s": budget,
+    summary = {"what": f"attnlab validate on {target.title}'s kernels", "target": target.library,
+               "version": _version(target.distribution), "command": command, "budget_s": budget,
                "slot_s": round(slot), "jobs": jobs, "examples": examples, "lengths": LENGTHS, "curve_shape": CURVE_SHAPE,
-               "env": {k: os.environ.get(k) for k in ("FLA_DISABLE_BACKEND_DISPATCH", "FLA_TRIL_PRECISION", "FLA_USE_FAST_OPS")},
+               "env": {k: os.environ.get(k) for k in target.env},
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start)),
-               "records": [records[f"{op}-{dtype}"] for name, op, dtype in work if f"{op}-{dtype}" in records]}
+               "records": [records[job.folder] for job in work if job.folder in records]}
     (out / "campaign.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"campaign: {len(records)} jobs, " + ", ".join(
+    print(f"campaign {target.library}: {len(records)} jobs, " + ", ".join(
         f"{sum(r['status'] == s for r in records.values())} {s}" for s in ("held", "failed", "error", "timed out", "not started")))
-    return 0
+    return summary
 
 
 # ----------------------------------------------------------------------------- render
@@ -210,14 +283,6 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
     return "accuracy", f"past the bound on adversarial inputs ({ratio:.3g}x)"
 
 
-def looks_like_bug(v: dict[str, Any]) -> str:
-    """Why a failure is a bug ('' when it is not one: an accuracy finding, a limitation or attnlab's error)."""
-    if v["status"] != "failed":
-        return ""
-    kind, why = classify(v)
-    return why if kind == "bug" else ""
-
-
 KIND_WORDS = {"bug": "Bug", "representable": "Rounding on an exactly representable output",
               "accuracy": "Accuracy finding", "limitation": "Does not apply", "error": "attnlab's check failed"}
 
@@ -234,55 +299,58 @@ def _excess_text(rows: list[dict[str, Any]], impl: str) -> str:
     return text + (f" ({len(broken)} point(s) failed)" if broken else "")
 
 
-def _plain_summary_table(rows: list[dict[str, Any]]) -> list[str]:
-    """attnlab.commands.report.summary_table's table, torch-free: the excess at each T and the worst rel_err."""
-    lengths = sorted({r["T"] for r in rows})
-    body = []
-    for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
-        mine = {r["T"]: r for r in rows if (r["formulation"], r["impl"], r["dtype"]) == key}
-        cell = lambda r: ("-" if r is None else "error" if r.get("error") else  # noqa: E731
-                          "non-finite" if r.get("excess") is None else f"{r['excess']:.3g}")
-        errors = [r["rel_err"] for r in mine.values() if r.get("rel_err") is not None]
-        body.append([key[0], f"`{key[1]}`", key[2], *[cell(mine.get(T)) for T in lengths],
-                     f"{max(errors):.3g}" if errors else "-"])
-    return _md_table(["formulation", "impl", "dtype", *[f"T={T}" for T in lengths], "worst rel_err"], body)
+def load_results(results: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """(campaign.json, its records, folder -> report.json) of a results folder.
 
-
-def render(results: Path, target: Path) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    try:
-        from attnlab.commands.report import summary_table
-    except ImportError:  # no torch here (attnlab imports it): the same table without the growth column
-        summary_table = _plain_summary_table
-
+    Without a campaign.json (a run cut off before writing it), every subfolder holding a report.json is a
+    record, described from its report (status "?").
+    """
     campaign = json.loads((results / "campaign.json").read_text()) if (results / "campaign.json").exists() else {"records": []}
-    records = campaign["records"] or [{"folder": p.name, "op": p.name.rsplit("-", 1)[0], "dtype": p.name.rsplit("-", 1)[1],
-                                       "status": "?"} for p in sorted(results.iterdir()) if (p / "report.json").exists()]
+    records = campaign["records"]
+    if not records:
+        for path in sorted(results.glob("*/report.json")):
+            rep = json.loads(path.read_text())
+            records.append({"folder": path.parent.name, "formulation": rep["formulation"],
+                            "op": rep["kernel"].rpartition(":")[2], "dtype": ",".join(rep.get("dtypes", [])) or "?",
+                            "status": "?"})
     reports: dict[str, dict[str, Any]] = {}
     for r in records:
         path = results / r["folder"] / "report.json"
         if path.exists():
             reports[r["folder"]] = json.loads(path.read_text())
             r.setdefault("formulation", reports[r["folder"]]["formulation"])
+    return campaign, records, reports
+
+
+def job_held(record: dict[str, Any], report: dict[str, Any] | None) -> bool:
+    """Whether a job ran to its end and every property held (a record without a status: its report says)."""
+    if record["status"] == "?":
+        return report is not None and bool(report.get("held"))
+    return record["status"] == "held"
+
+
+def render(target: Target, results: Path, destination: Path) -> int:
+    """Write the Markdown report of a results folder to ``destination``; returns the campaign's exit status."""
+    from attnlab.commands.report import summary_table
+
+    campaign, records, reports = load_results(results)
     first = next(iter(reports.values()), None)
-    lines = ["# flash-linear-attention 0.6.0 under `attnlab validate`", ""]
+    version = campaign.get("version") or (first or {}).get("versions", {}).get(target.distribution) or "(version unknown)"
+    lines = [f"# {target.title} {version} under `attnlab validate`", ""]
     if first:
         env = ", ".join(f"{k}={'unset' if v is None else v}" for k, v in first["env"].items())
         lines += [f"- Device: {first['device']['name']}",
                   "- Versions: " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()),
-                  f"- Environment (changes fla's numerics): {env}",
+                  f"- Environment (changes {target.library}'s numerics): {env}",
                   f"- Search: {first['examples']} examples per (property, strategy, dtype), derandomized, sizes "
                   f"{first['sizes']}, head dims 64; failures minimized greedily (at most 12 checks).",
                   f"- Curve: T = {campaign.get('lengths', LENGTHS)}, shape B,H,K,V = {campaign.get('curve_shape', CURVE_SHAPE)}, "
                   "the registry's default inputs (seed 0), against the float64 oracle.",
-                  f"- Campaign: `python3 .ci/gpu_campaign.py run OUT` (budget {campaign.get('budget_s', '?')} s, "
-                  f"{campaign.get('jobs', '?')} parallel jobs), rendered by `python3 .ci/gpu_campaign.py render OUT`; "
-                  f"started {campaign.get('started', '?')}.", ""]
+                  f"- Campaign: `{campaign.get('command') or f'attnlab campaign {target.library}'}` (budget "
+                  f"{campaign.get('budget_s', '?')} s, {campaign.get('jobs', '?')} parallel jobs), rendered by "
+                  f"`attnlab campaign --render DIR`; started {campaign.get('started', '?')}.", ""]
     lines += [
-        "Each kernel is called in its own convention (attnlab.conventions.FLA: fla's keywords, log gates, "
-        "`(o, final_state)` with `output_final_state`, fp32 states, RWKV-4's `log w` and `[B, 3, 1, C]` state, "
-        "linear attention's feature map applied outside) through the adapter, so that attnlab's oracles and "
-        "properties apply unchanged. *default*: the registry's default input distributions; *adversarial*: gates "
+        target.calling + " *default*: the registry's default input distributions; *adversarial*: gates "
         "down to -20 per step, beta at 0 and 2, nearly parallel keys, logits and keys past the dtype's exp "
         "overflow. Bounds: excess = rel_err / floor <= 1.5 (bf16), 2 (fp16); final states 2^-7 (bf16), 2^-10 "
         "(fp16) relative; causality bitwise (attnlab.properties.checks).", "",
@@ -306,12 +374,15 @@ def render(results: Path, target: Path) -> Path:
         body.append([rep["formulation"], f"`{r['op']}`", r["dtype"], cell(by["default"]), cell(by["adversarial"]),
                      _excess_text(rows, rep["kernel"]), ", ".join(f"{i.split(':')[1]} {_excess_text(rows, i)}" for i in own),
                      ", ".join(failed) + (f"; job {r['status']}" if r["status"] in ("timed out", "error") else "")])
-    lines += _md_table(["formulation", "fla kernel", "dtype", "default", "adversarial", "worst curve excess (fla)",
-                        "worst curve excess (attnlab)", "failed properties"], body)
+    lines += _md_table(["formulation", f"{target.library} kernel", "dtype", "default", "adversarial",
+                        f"worst curve excess ({target.library})", "worst curve excess (attnlab)", "failed properties"], body)
     lines += ["", "Worst curve excess: the largest excess over T of the error-vs-length curve below.", ""]
+    # One section per kernel: the registry's order, then any the registry no longer names.
+    sections = list(dict.fromkeys([(name, p.attribute) for name, p in kernels(target)]
+                                  + [(r["formulation"], r["op"]) for r in records]))
     bugs: list[tuple[str, dict[str, Any], str, str]] = []
-    for name, op in KERNELS:
-        mine = [r for r in records if r["op"] == op and r.get("formulation", name) == name]
+    for name, op in sections:
+        mine = [r for r in records if r["op"] == op and r["formulation"] == name]
         if not mine:
             continue
         lines += [f"## {name}: `{op}`", ""]
@@ -341,7 +412,7 @@ def render(results: Path, target: Path) -> Path:
         if failures:
             lines += ["### Failures", ""]
             for rep, v in failures:
-                kind, reason = classify(v, "fla" if rep["kernel"].startswith("fla") else "the kernel")
+                kind, reason = classify(v, target.library)
                 why = reason if kind == "bug" and v["status"] == "failed" else ""
                 lines += [f"- **{v['property']}** ({v['strategy']}, {v['dtype']}): {v['figure_text'] or v['status']}; "
                           f"minimal counterexample `{v['case']}`" + (f" (found as `{v['found']}`)" if v.get("found") and v["found"] != v["case"] else "")
@@ -353,36 +424,105 @@ def render(results: Path, target: Path) -> Path:
             lines.append("")
     if bugs:
         lines += ["## Reproducing the bugs", "",
-                  "Each script runs on a CUDA machine with fla-core 0.6.0 and attnlab installed; it calls fla's kernel "
-                  "through its declared convention (attnlab.conventions.FLA) on the minimal counterexample and prints "
-                  "the check's report.", ""]
+                  f"Each script runs on a CUDA machine with {target.distribution} {version} and attnlab installed; it "
+                  f"calls {target.library}'s kernel through its declared convention (the registry's peer) on the "
+                  "minimal counterexample and prints the check's report.", ""]
         for title, v, script, why in bugs:
             lines += [f"### {title}", "", f"{why}.", "", "```python", script.rstrip(), "```", ""]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text("\n".join(line for line in lines if line is not None).rstrip() + "\n")
-    return target
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    destination.write_text("\n".join(line for line in lines if line is not None).rstrip() + "\n")
+    every = bool(records) and all(job_held(r, reports.get(r["folder"])) for r in records)
+    return EXIT_HELD if every else EXIT_FAILED
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run validate on every fla kernel (GPU)")
-    run.add_argument("out", type=Path)
-    run.add_argument("--budget", type=float, default=400.0, help="seconds for the whole campaign (default 400)")
-    run.add_argument("--jobs", type=int, default=10, help="validate processes at a time (default 10)")
-    run.add_argument("--examples", type=int, default=6, help="examples per property, strategy and dtype (default 6)")
-    run.add_argument("--ops", default=None, help="comma-separated fla ops (default: all 14)")
-    run.add_argument("--dtypes", default=",".join(DTYPES), help="default bfloat16,float16")
-    draw = sub.add_parser("render", help="write the Markdown report from a run's folder")
-    draw.add_argument("results", type=Path)
-    draw.add_argument("--out", type=Path, default=Path("reports/third_party/fla-0.6.0.md"))
-    args = parser.parse_args(argv)
-    if args.command == "run":
-        ops = [o.strip() for o in args.ops.split(",")] if args.ops else None
-        return run_campaign(args.out, args.budget, args.jobs, args.examples, ops, [d.strip() for d in args.dtypes.split(",")])
-    print(f"wrote {render(args.results, args.out)}")
-    return 0
+# ----------------------------------------------------------------------------- command line
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``attnlab campaign`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "campaign", help="attnlab validate on every kernel of a library (GPU), rendered as one Markdown report",
+        description="Run attnlab validate on every kernel the registry's peers name for TARGET (a GPU with the "
+                    "library installed), then render DIR/campaign.md; or, with --render DIR, only re-render "
+                    "fetched results. Exit 0: every job ran and every property held; 1: one did not; 2: usage.")
+    parser.add_argument("target", nargs="?", default=None, metavar="TARGET",
+                        help=f"the library: {', '.join(known_targets())} (with --render: default the results' own)")
+    parser.add_argument("--budget", type=float, default=400.0, help="seconds for the whole campaign (default 400)")
+    parser.add_argument("--jobs", type=int, default=10, help="validate processes at a time (default 10)")
+    parser.add_argument("--examples", type=int, default=6, help="examples per property, strategy and dtype (default 6)")
+    parser.add_argument("--ops", default=None, help="comma-separated function names (default: every kernel of the target)")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated (default {','.join(DTYPES)})")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default out/campaign-TARGET)")
+    parser.add_argument("--render", type=Path, default=None, metavar="DIR",
+                        help="only render the results in DIR (a run's --out), on any machine; the run's options are ignored")
+    parser.add_argument("--report", type=Path, default=None, metavar="PATH",
+                        help=f"where the Markdown goes (default DIR/{REPORT_NAME})")
+    parser.set_defaults(func=command)
+    return parser
+
+
+def _usage(message: str) -> int:
+    print(f"attnlab campaign: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _target(name: str | None) -> Target | str:
+    """The Target named ``name``, or the usage error's message."""
+    known = known_targets()
+    if name is None:
+        return f"name a target: one of {', '.join(known)}"
+    if name not in known:
+        return f"unknown target {name!r}; known: {', '.join(known)}"
+    return TARGETS[name]
+
+
+def command(args: argparse.Namespace) -> int:
+    if args.render is not None:
+        return _render_command(args)
+    target = _target(args.target)
+    if isinstance(target, str):
+        return _usage(target)
+    if args.budget <= 0 or args.jobs < 1 or args.examples < 1:
+        return _usage("--budget must be positive, --jobs and --examples at least 1")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or any(d not in EPS for d in dtypes):
+        return _usage(f"--dtypes must be some of {', '.join(EPS)}; got {args.dtypes!r}")
+    available = dict.fromkeys(p.attribute for _, p in kernels(target))
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    if ops is not None and (not ops or any(o not in available for o in ops)):
+        return _usage(f"--ops: unknown {', '.join(o for o in ops if o not in available) or '(none given)'}; "
+                      f"{target.library}'s kernels: {', '.join(available)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        return _usage("a campaign runs on a CUDA GPU (none is visible here); --render DIR renders fetched results anywhere")
+    module = kernels(target)[0][1].function.partition(":")[0]
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        return _usage(f"{target.library} is not importable here (pip install {target.distribution})")
+    out = args.out or Path("out") / f"campaign-{target.library}"
+    work = job_order(target, kernels(target, ops), dtypes)
+    invocation = " ".join(["attnlab campaign", target.library, *(f"--{k} {getattr(args, k)}" for k in ("budget", "jobs", "examples")),
+                           *([f"--ops {args.ops}"] if args.ops else [])])
+    run_campaign(target, out, args.budget, args.jobs, args.examples, work, command=invocation)
+    destination = args.report or out / REPORT_NAME
+    status = render(target, out, destination)
+    print(f"wrote {destination}; {'every job ran and held' if status == EXIT_HELD else 'not every job ran and held'}")
+    return status
+
+
+def _render_command(args: argparse.Namespace) -> int:
+    results: Path = args.render
+    if not (results / "campaign.json").exists() and not any(results.glob("*/report.json")):
+        return _usage(f"--render {results}: no campaign.json and no */report.json there")
+    name = args.target
+    if name is None and (results / "campaign.json").exists():
+        name = json.loads((results / "campaign.json").read_text()).get("target")
+    if name is None and len(known_targets()) == 1:  # results from before campaign.json named its target
+        name = known_targets()[0]
+    target = _target(name)
+    if isinstance(target, str):
+        return _usage(target)
+    destination = args.report or results / REPORT_NAME
+    status = render(target, results, destination)
+    print(f"wrote {destination}; {'every job ran and held' if status == EXIT_HELD else 'not every job ran and held'}")
+    return status

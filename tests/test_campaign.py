@@ -1,0 +1,215 @@
+"""``attnlab campaign``: usage errors, the job list drawn from the registry, and rendering a results folder.
+
+No campaign runs here (fla is not installed and there is no GPU): the results are hand-made, shaped as
+``attnlab campaign`` and ``attnlab validate --out`` write them.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnlab.cli import main
+from attnlab.commands import campaign
+from attnlab.commands.campaign import TARGETS, job_command, job_order, kernels, known_targets, slot_seconds
+from attnlab.registry import REGISTRY, names
+
+ROOT = Path(__file__).resolve().parent.parent
+FLA = TARGETS["fla"]
+
+
+def run(*argv: str) -> tuple[int, str, str]:
+    """``attnlab campaign ARGV`` in this process: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["campaign", *argv])
+        except SystemExit as exit_:  # argparse's own usage errors
+            code = exit_.code
+    return code, out.getvalue(), err.getvalue()
+
+
+# ----------------------------------------------------------------------------- usage
+
+
+def test_an_unknown_target_is_a_usage_error_naming_the_known_ones() -> None:
+    result = subprocess.run([sys.executable, "-m", "attnlab.cli", "campaign", "nosuch"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unknown target 'nosuch'; known: fla" in result.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "name a target: one of fla"),
+    (("fla", "--ops", "chunk_gla,nosuch"), "--ops: unknown nosuch; fla's kernels: parallel_attn, chunk_linear_attn"),
+    (("fla", "--jobs", "0"), "--jobs and --examples at least 1"),
+    (("fla", "--dtypes", "float8"), "--dtypes must be some of"),
+    (("--render", "no/such/folder"), "no campaign.json and no */report.json there"),
+])
+def test_usage_errors_exit_2(argv: tuple[str, ...], message: str) -> None:
+    code, _, stderr = run(*argv)
+    assert code == 2 and message in stderr, stderr
+
+
+# ----------------------------------------------------------------------------- the job list
+
+
+def fla_peers() -> list[tuple[str, str]]:
+    return [(f.name, p.function) for f in REGISTRY for p in f.peers if p.library == "fla"]
+
+
+def test_the_targets_are_the_peers_libraries_with_a_campaign() -> None:
+    assert known_targets() == ["fla"]
+    assert {p.library for f in REGISTRY for p in f.peers} >= {"fla"}
+
+
+def test_the_jobs_are_every_fla_peer_once_per_dtype_slow_ones_first() -> None:
+    dtypes = ["bfloat16", "float16"]
+    jobs = job_order(FLA, kernels(FLA), dtypes)
+    expected = fla_peers()
+    assert len(expected) >= 14
+    assert sorted((j.formulation, j.peer.function, j.dtype) for j in jobs) == sorted(
+        (name, function, dtype) for name, function in expected for dtype in dtypes)
+    # One kernel's dtypes adjacent; chunk_* first; registry order within each group.
+    pairs = [(j.formulation, j.peer.function) for j in jobs]
+    assert pairs[::2] == pairs[1::2] and [j.dtype for j in jobs] == dtypes * len(expected)
+    order = pairs[::2]
+    chunked = [k for k in expected if k[1].rpartition(":")[2].startswith("chunk_")]
+    assert chunked and order == chunked + [k for k in expected if k not in chunked]
+    # The same function under two formulations (fla's fused_recurrent_gla: gla and general) gets two folders.
+    assert len({j.folder for j in jobs}) == len(jobs)
+    assert [n for n, p in kernels(FLA, ["fused_recurrent_gla"])] == [
+        f.name for f in REGISTRY for p in f.peers if p.library == "fla" and p.attribute == "fused_recurrent_gla"]
+
+
+def test_a_job_validates_the_registry_function_in_the_targets_convention(tmp_path: Path) -> None:
+    job = job_order(FLA, kernels(FLA, ["fused_recurrent_rwkv4"]), ["bfloat16"])[0]
+    argv = job_command(FLA, job, tmp_path, examples=6, time_budget=100)
+    assert argv[1:4] == ["-m", "attnlab.cli", "validate"]
+    text = " ".join(argv)
+    assert f"--kernel {job.peer.function} --convention fla --formulation {job.formulation}" in text
+    assert "--dtype bfloat16" in text and "--time-budget 100" in text and "--curve-first" in text
+
+
+def test_fair_slots() -> None:
+    assert slot_seconds(400, 10, 30) == pytest.approx((400 - campaign.KILL_GRACE) / 3)
+    assert slot_seconds(400, 10, 5) == pytest.approx(400 - campaign.KILL_GRACE)
+
+
+def test_the_module_never_names_a_formulation() -> None:
+    tree = ast.parse((ROOT / "attnlab" / "commands" / "campaign.py").read_text())
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    assert not strings & set(names())
+
+
+# ----------------------------------------------------------------------------- rendering
+
+CASE = "Case(name='deltanet', seed=3, B=1, T=2, H=1, K=1, V=1)"
+
+
+def verdict(strategy: str, prop: str, status: str, figure: float | None, bound: float, case: str = "",
+            measure: str = "excess = rel_err / floor", detail: str = "") -> dict:
+    return {"strategy": strategy, "dtype": "bfloat16", "property": prop, "status": status, "examples": 6,
+            "figure": figure, "bound": bound, "measure": measure, "case": case, "found": case, "detail": detail,
+            "held": status == "held", "figure_text": f"{figure:.3g} / {bound:.3g} (excess)" if figure is not None else ""}
+
+
+def curve(name: str, impl: str, excess: float) -> list[dict]:
+    return [{"formulation": name, "impl": i, "dtype": "bfloat16", "T": T, "rel_err": 1e-3 * e, "floor": 1e-3,
+             "nonfinite": 0, "excess": e, "error": None} for T in (64, 256) for i, e in ((impl, excess), ("attnlab:chunkwise", 1.0))]
+
+
+def report(name: str, function: str, verdicts: list[dict], excess: float, repro: dict | None = None) -> dict:
+    return {"kernel": function, "formulation": name, "held": all(v["held"] for v in verdicts),
+            "exit_code": 0 if all(v["held"] for v in verdicts) else 1,
+            "convention": {"describe": f"fla:{function.rpartition(':')[2]}: returns='o_state'", "derived": []},
+            "device": {"type": "cuda", "name": "NVIDIA H100"}, "dtypes": ["bfloat16"], "examples": 6,
+            "sizes": {"max_T": 1024}, "env": {"FLA_USE_FAST_OPS": None},
+            "versions": {"torch": "2.11.0", "fla-core": "0.6.0"}, "verdicts": verdicts, "repro": repro or {},
+            "curve": {"rows": curve(name, function, excess)}}
+
+
+def results(tmp_path: Path, with_failure: bool = True) -> Path:
+    """A campaign folder: gla's chunk_gla held, deltanet's chunk_delta_rule failed, one kernel killed."""
+    folder = tmp_path / "campaign-fla"
+    records, reports = [], {}
+    reports["gla.chunk_gla-bfloat16"] = report("gla", "fla.ops:chunk_gla", [
+        verdict("default", "matches_oracle", "held", 1.2, 1.5, "Case(name='gla', seed=0, B=1, T=1, H=1, K=1, V=1)"),
+        verdict("adversarial", "causality", "held", 0.0, 0.0, "Case(name='gla', seed=0, B=1, T=2, H=1, K=1, V=1)",
+                measure="output entries before the cut that changed")], excess=1.4)
+    records.append({"formulation": "gla", "op": "chunk_gla", "dtype": "bfloat16", "folder": "gla.chunk_gla-bfloat16",
+                    "status": "held", "rc": 0})
+    if with_failure:
+        reports["deltanet.chunk_delta_rule-bfloat16"] = report("deltanet", "fla.ops:chunk_delta_rule", [
+            verdict("default", "matches_oracle", "failed", 45.0, 1.5, CASE,
+                    detail="rel_err 7.7e-02, max_err 1.0e-01, floor_round 1.7e-03"),
+            verdict("adversarial", "matches_oracle", "skipped", None, 1.5)], excess=2.81,
+            repro={"default/bfloat16/matches_oracle": "print('reproduced')\n"})
+        records.append({"formulation": "deltanet", "op": "chunk_delta_rule", "dtype": "bfloat16",
+                        "folder": "deltanet.chunk_delta_rule-bfloat16", "status": "failed", "rc": 1})
+        records.append({"formulation": "kda", "op": "chunk_kda", "dtype": "float16", "folder": "kda.chunk_kda-float16",
+                        "status": "timed out", "rc": None, "detail": "killed after 140 s (its slot)"})
+    for key, data in reports.items():
+        (folder / key).mkdir(parents=True)
+        (folder / key / "report.json").write_text(json.dumps(data))
+    (folder / "kda.chunk_kda-float16").mkdir(parents=True, exist_ok=True)
+    (folder / "campaign.json").write_text(json.dumps({
+        "target": "fla", "version": "0.6.0", "command": "attnlab campaign fla --budget 400.0 --jobs 10 --examples 6",
+        "budget_s": 400.0, "jobs": 10, "examples": 6, "lengths": "64,256", "curve_shape": "1,2,64,64",
+        "started": "2026-11-25T10:00:00+0000", "records": records}))
+    return folder
+
+
+def test_rendering_a_results_folder(tmp_path: Path) -> None:
+    folder = results(tmp_path)
+    code, stdout, stderr = run("--render", str(folder))
+    assert code == 1, stdout + stderr  # a property failed and a job was killed
+    text = (folder / "campaign.md").read_text()
+    assert text.startswith("# flash-linear-attention 0.6.0 under `attnlab validate`\n")
+    assert "- Device: NVIDIA H100" in text
+    assert "- Campaign: `attnlab campaign fla --budget 400.0 --jobs 10 --examples 6` (budget 400.0 s, 10 parallel jobs)" in text
+    # The summary table: one row per job, in the campaign's order.
+    summary = text.split("## Summary\n\n")[1].split("\n\n")[0].splitlines()
+    assert summary == [
+        "| formulation | fla kernel | dtype | default | adversarial | worst curve excess (fla) | worst curve excess (attnlab) | failed properties |",
+        "|---|---|---|---|---|---|---|---|",
+        "| gla | `chunk_gla` | bfloat16 | held | held | 1.4 | chunkwise 1 |  |",
+        "| deltanet | `chunk_delta_rule` | bfloat16 | 1 failed | 1 not run | 2.81 | chunkwise 1 | matches_oracle |",
+        "| kda | `chunk_kda` | float16 | timed out |  |  |  | killed after 140 s (its slot) |",
+    ]
+    # Sections in the registry's order, the failed property with its Case and its classification.
+    assert text.index("## gla: `chunk_gla`") < text.index("## deltanet: `chunk_delta_rule`") < text.index("## kda: `chunk_kda`")
+    assert "- float16: timed out killed after 140 s (its slot)" in text
+    assert f"| default | bfloat16 | matches_oracle | **FAILED** | 6 | 45 / 1.5 (excess) | `{CASE}` |" in text
+    assert (f"- **matches_oracle** (default, bfloat16): 45 / 1.5 (excess); minimal counterexample `{CASE}`. "
+            "Bug: 30x the bound (45 > 1.5).") in text
+    assert "## Reproducing the bugs" in text and "### chunk_delta_rule: matches_oracle (default, bfloat16)" in text
+    assert "```python\nprint('reproduced')\n```" in text
+    assert "| gla | `fla.ops:chunk_gla` | bfloat16 | 1.40 | 1.40 |" in text  # the excess-by-length table
+
+
+def test_rendering_where_every_job_held_exits_0_and_report_goes_where_asked(tmp_path: Path) -> None:
+    folder = results(tmp_path, with_failure=False)
+    code, stdout, stderr = run("fla", "--render", str(folder), "--report", str(tmp_path / "fla-0.6.0.md"))
+    assert code == 0, stdout + stderr
+    text = (tmp_path / "fla-0.6.0.md").read_text()
+    assert "| gla | `chunk_gla` | bfloat16 | held | held | 1.4 | chunkwise 1 |  |" in text
+    assert "### Failures" not in text and "Reproducing" not in text
+    assert not (folder / "campaign.md").exists()
+
+
+def test_rendering_without_campaign_json_reads_the_reports(tmp_path: Path) -> None:
+    folder = results(tmp_path)
+    (folder / "campaign.json").unlink()
+    code, stdout, stderr = run("--render", str(folder))
+    assert code == 1, stdout + stderr
+    text = (folder / "campaign.md").read_text()
+    assert "| deltanet | `chunk_delta_rule` | bfloat16 | 1 failed | 1 not run | 2.81 |" in text
+    assert "| gla | `chunk_gla` | bfloat16 | held | held |" in text
