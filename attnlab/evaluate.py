@@ -1,6 +1,6 @@
 """Measure an implementation against the float64 oracle on the registry's inputs.
 
-The GPU shape checks (.ci/gpu_shapes.py) measure each kernel this way, and the reports share its steps:
+The GPU shape checks (tools/gpu/shapes.py) measure each kernel this way, and the reports share its steps:
 draw the registry's default inputs, round them to the implementation's
 dtype, evaluate the float64 chunkwise oracle on exactly those rounded inputs
 (on the same device), and return the :class:`attnlab.metrics.Measurement`.

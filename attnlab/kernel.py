@@ -51,7 +51,7 @@ def speed_options(name: str, form: str) -> dict[str, Any]:
 
 def auto_chunk_sizes(name: str, form: str) -> tuple[int, ...]:
     """The chunk sizes ``name``'s kernel in ``form`` may pick by shape where its chunk_size defaults to "auto"
-    (the GPU tests and .ci/gpu_shapes.py walk each, since small test shapes meet only one); () otherwise."""
+    (the GPU tests and tools/gpu/shapes.py walk each, since small test shapes meet only one); () otherwise."""
     default, choices = kernel_options(name, form).get("chunk_size", (None, ()))
     return tuple(c for c in choices or () if c != "auto") if default == "auto" else ()
 

@@ -21,11 +21,11 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
         # state pass) left o_14 one bf16 ulp off (found on the H100, session 10; a known failure in
         # bf16, see tests/kernels/test_deltanet.py); "bf16x3" and "tf32x3" are exact.
         Case(name="deltanet", seed=0, B=1, T=15, H=1, K=1, V=1, beta_low=0.999, beta_high=1.0),
-        # The same for the gated rule at T = 2 (found on the CPU with .ci/bf16_on_cpu.py): o_1 = -0.0146 is
+        # The same for the gated rule at T = 2 (found on the CPU with tools/bf16_on_cpu.py): o_1 = -0.0146 is
         # A_qk[1, 0] U_0 + U_1 with |U| about 1.5-1.9, and the bf16 default's fp16 Delta moves it by 4.6%.
         Case(name="gated_deltanet", seed=4, B=1, T=2, H=2, K=1, V=1, beta_low=0.999, beta_high=1.0),
         # kda, K = V = 1, no decay, nearly parallel keys, two chunks (the second of one row): the bf16 default
-        # ("fp16") reached excess 1.59 (found on the CPU with .ci/bf16_on_cpu.py, session 10; a known failure
+        # ("fp16") reached excess 1.59 (found on the CPU with tools/bf16_on_cpu.py, session 10; a known failure
         # in bf16, see tests/kernels/test_kda.py); "bf16x3" and "ieee" are at 1.00.
         Case(name="kda", seed=217, B=1, T=65, H=1, K=1, V=1, gate_low=0.0, key_coherence=0.99),
         # One token, K = 7: elu+1 features rounded to fp16 before the dots (then linear_attn's
