@@ -1,6 +1,6 @@
 """Compile Triton kernels for sm_90 on a machine without a GPU and report ptxas's registers and spills.
 
-    from sm90_compile import compile_kernel   (in a fresh process: it sets TRITON_INTERPRET=0)
+    from sm90_compile import compile_kernel   (tools/gpu on sys.path; in a fresh process: it sets TRITON_INTERPRET=0)
     compile_kernel(kernel_fn, {"q": "*bf16", "T": "i32", ...}, {"BT": 64, ...}, num_warps=4, num_stages=2)
 
 returns ("Used N registers, S bytes spill stores, L bytes spill loads", wgmma count, tt.dot count, shared bytes);
