@@ -2,123 +2,59 @@
 
 A third-party kernel computes one of attnlab's formulations but may be called
 differently: other keyword names, positional arguments, gates as decay
-factors instead of logs, its own default scale, the state transposed
-(``[V, K]``), a tuple ``(o, state)`` returned, RWKV-4's decay as ``log w``.
-A :class:`Convention` states those differences declaratively;
-:func:`adapt` turns ``(kernel, convention)`` into a callable in attnlab's own
+factors instead of logs, its own default scale, head-first tensors
+(``[B, H, T, D]``), the state transposed (``[V, K]``) or stacked, a tuple
+``(o, state)`` returned, a decay rate passed as its log, some arguments in
+another dtype. A :class:`Convention` (attnlab.spec; every registry entry's
+``Peer`` holds one) states those differences declaratively; :func:`adapt`
+turns ``(kernel, convention, formulation)`` into a callable in attnlab's own
 convention (FORMULATIONS.md keyword names, returns ``o`` or ``(o, state)``),
-so every oracle, property and report applies unchanged.
+so every oracle, property and report applies unchanged. The adapter acts on
+argument roles (``Arg.role``) and the state's declaration, never on a
+formulation's name.
 
-``FLA`` holds the conventions of flash-linear-attention 0.6.0's kernels;
-:func:`detect` tries the plausible conventions on small inputs when a user
-does not know them.
+``FLA`` holds the conventions of flash-linear-attention 0.6.0's kernels, read
+from the registry's peers of library "fla"; :func:`detect` tries the
+plausible conventions on small inputs when a user does not know them.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
-from attnlab.registry import formulation
-from attnlab.spec import Formulation
+from attnlab.oracle import as_formulation
+from attnlab.registry import REGISTRY
+from attnlab.spec import Convention, Formulation, Peer
+
+__all__ = ["Convention", "ATTNLAB", "Adapted", "BoundCall", "adapt", "peer_adapter", "load_function", "fixed_scale",
+           "FLA", "FLA_NUMERICS_ENV", "fla_convention", "candidates", "Detection", "detect"]
 
 # Environment variables that change flash-linear-attention's numerics; reports record them.
 FLA_NUMERICS_ENV = ("FLA_DISABLE_BACKEND_DISPATCH", "FLA_TRIL_PRECISION", "FLA_USE_FAST_OPS")
 
-
-@dataclass(frozen=True)
-class Convention:
-    """How a kernel is called, relative to attnlab's convention (whose values are the defaults).
-
-    - ``names``: attnlab argument -> the kernel's keyword (e.g. ``{"g": "g_gamma"}``).
-    - ``positional``: attnlab arguments passed positionally, in this order.
-    - ``derived``: attnlab arguments the kernel does not take because it computes
-      them itself (fla's chunk_retention fixes retnet's g); validation must use
-      the registry's default for them.
-    - ``implied``: options the kernel does not take because it always computes
-      with these values (``{"causal": True}``); another value is refused.
-    - ``gates``: "log" (attnlab: ``g <= 0``) or "linear" (the decay factor ``exp(g)``).
-    - ``scale``: "pass" passes attnlab's scale (resolved, never None); a number
-      means the kernel takes none and always uses that one (``"rsqrt_K"``: ``K ** -0.5``).
-    - ``state``: "KV" (attnlab's ``[B, H, K, V]``) or "VK" (transposed).
-    - ``state_keyword``: the kernel's keyword for the initial state (None: it has none).
-    - ``final_state_flag``: keyword asking for the final state (fla: output_final_state).
-    - ``returns``: "attnlab" (o, or (o, state) when asked), "o" (always o) or
-      "o_state" (always a tuple whose first item is o and second the state).
-    - ``fixed``: keywords always passed.
-    - ``feature_map_outside``: linear_attn only: the kernel applies no feature map,
-      so the adapter applies phi to q and k first (in fp32, rounded back to their dtype).
-    - ``rwkv_decay``: "w" (decay exp(-w)) or "log_w" (fla: decay exp(-exp(w'))).
-    - ``rwkv_state``: "tuple" (a, b, p) or "stacked" ``[B, 3, 1, C]`` (fla).
-    - ``state_dtype``: the dtype the kernel wants its initial state in (fla: fp32);
-      None passes it as given.
-    - ``carries``: which of attnlab's state parts the kernel's state holds, as
-      rules ``(condition, parts)``; the condition is ``""`` (always) or
-      ``"option=value"`` (e.g. fla's linear attention carries only ``S`` when
-      ``normalize=False``, ``(S, z)`` when normalized); the first rule that
-      applies wins, none: every part. Parts a kernel does not carry come back
-      as ``None`` and are not passed in (the properties compare only the parts
-      carried, and say so when a run needs one that is not).
-    - ``part_unsqueeze``: part -> dimension where the kernel's tensor has an
-      extra singleton dimension (fla's normalizer z is ``[B, 1, H, K]``).
-    """
-
-    name: str = "attnlab"
-    names: Mapping[str, str] = field(default_factory=dict)
-    positional: tuple[str, ...] = ()
-    derived: tuple[str, ...] = ()
-    implied: Mapping[str, Any] = field(default_factory=dict)
-    gates: Literal["log", "linear"] = "log"
-    scale: Any = "pass"
-    state: Literal["KV", "VK"] = "KV"
-    state_keyword: str | None = "initial_state"
-    final_state_flag: str | None = "return_state"
-    returns: Literal["attnlab", "o", "o_state"] = "attnlab"
-    fixed: Mapping[str, Any] = field(default_factory=dict)
-    feature_map_outside: bool = False
-    rwkv_decay: Literal["w", "log_w"] = "w"
-    rwkv_state: Literal["tuple", "stacked"] = "tuple"
-    state_dtype: torch.dtype | None = None
-    carries: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    part_unsqueeze: Mapping[str, int] = field(default_factory=dict)
-
-    def carried(self, f: Formulation, options: Mapping[str, Any]) -> tuple[str, ...]:
-        """The names of ``f``'s state parts this kernel's state holds under ``options``."""
-        assert f.state is not None
-        for condition, parts in self.carries:
-            if not condition:
-                return tuple(parts)
-            option, _, value = condition.partition("=")
-            default = next((o.default for o in f.options if o.name == option), None)
-            if str(options.get(option, default)) == value:
-                return tuple(parts)
-        return f.state.names
-
-    def describe(self) -> str:
-        """One line saying how this convention differs from attnlab's."""
-        default = Convention()
-        parts = [f"{k}={getattr(self, k)!r}" for k in self.__dataclass_fields__
-                 if k != "name" and getattr(self, k) != getattr(default, k)]
-        return f"{self.name}: " + (", ".join(parts) if parts else "attnlab's own")
-
-
 ATTNLAB = Convention()
+# The stacked state's stand-in for a log-scale part's log of zero (-inf): fla's RWKV-4 takes -1e38.
+STACKED_LOG_ZERO = -1e38
 
 
-def _is_log_gate(f: Formulation, name: str) -> bool:
-    arg = f.arg(name)
-    return arg.high == 0.0 and arg.low is None
-
-
-def _in_fp32_at_least(fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
-    """``fn(t)`` evaluated in fp32 (or t's dtype when wider), rounded back to t's dtype."""
-    return fn(t.to(torch.promote_types(t.dtype, torch.float32))).to(t.dtype)
+def _converted(t: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor] | None, dtype: torch.dtype | None) -> torch.Tensor:
+    """``fn(t)`` evaluated in fp32 at least (or the wider of t's and ``dtype``), returned in ``dtype``
+    (default: t's own); with no ``fn``, ``t`` cast to ``dtype``. Where that changes nothing (an identity
+    feature map), ``t`` itself, so that the kernel reads the caller's tensor as it would unadapted."""
+    dtype = dtype or t.dtype
+    if fn is None:
+        return t.to(dtype)
+    working = torch.promote_types(torch.promote_types(t.dtype, torch.float32), dtype)
+    out = fn(t.to(working)).to(dtype)
+    return t if dtype == t.dtype and torch.equal(out, t) else out
 
 
 def fixed_scale(convention: Convention, K: int) -> float | None:
@@ -126,6 +62,48 @@ def fixed_scale(convention: Convention, K: int) -> float | None:
     if convention.scale == "pass":
         return None
     return K**-0.5 if convention.scale == "rsqrt_K" else float(convention.scale)
+
+
+def _feature_map(f: Formulation, feature_map: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """phi of ``f``'s ``feature_map`` option, as its oracle module computes it (its ``feature(xp, x, name)``)."""
+    from attnlab.oracles._backend import Float64
+
+    feature = getattr(importlib.import_module(f.oracle_module), "feature", None)
+    if feature is None:
+        raise ValueError(f"{f.oracle_module} has no feature(xp, x, feature_map): a convention with "
+                         "feature_map_outside needs one")
+    return lambda t: feature(Float64(t.device, t.dtype), t, feature_map)
+
+
+def _heads_first(dims: tuple[str, ...]) -> tuple[int, int] | None:
+    """The axes swapped between [..., T, H, ...] and [..., H, T, ...], or None when dims lack T or H."""
+    return (dims.index("T"), dims.index("H")) if "T" in dims and "H" in dims else None
+
+
+def _state_dims(f: Formulation, inputs: Mapping[str, Any]) -> dict[str, int]:
+    """The sizes of the symbolic dims, read off the tensors given."""
+    return {d: size for a in f.args if isinstance(inputs.get(a.name), torch.Tensor)
+            for d, size in zip(a.dims, inputs[a.name].shape)}
+
+
+@dataclass(frozen=True)
+class BoundCall:
+    """One call of a kernel with every conversion already done: ``bound()`` is exactly
+    ``kernel(*args, **kwargs)`` (what a benchmark times), and ``bound.result(raw)`` turns what it returned
+    into attnlab's convention."""
+
+    kernel: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    adapted: Adapted
+    want_state: bool
+    carried: tuple[str, ...]
+
+    def __call__(self) -> Any:
+        return self.kernel(*self.args, **self.kwargs)
+
+    def result(self, raw: Any) -> Any:
+        return self.adapted._result(raw, self.want_state, self.carried)
 
 
 @dataclass
@@ -138,26 +116,31 @@ class Adapted:
     supports_state: bool
 
     def __call__(self, **inputs: Any) -> Any:
+        bound = self.bind(**inputs)
+        return bound.result(bound())
+
+    def bind(self, **inputs: Any) -> BoundCall:
+        """The kernel's call on attnlab's ``inputs``, every conversion done now (see :class:`BoundCall`)."""
         c = self.convention
         inputs = dict(inputs)
         initial_state = inputs.pop("initial_state", None)
-        want_state = inputs.pop("return_state", False)
+        want_state = bool(inputs.pop("return_state", False))
         if (initial_state is not None or want_state) and not self.supports_state:
             raise ValueError(f"{c.name} takes no state: initial_state and return_state are not supported")
         carried = self.carried(inputs)
         named = self._arguments(inputs)
         kwargs: dict[str, Any] = dict(c.fixed)
-        if self.formulation.name == "rwkv4" and c.rwkv_state == "stacked":
-            initial_state = self._rwkv_stacked(initial_state, inputs["k"])
+        if c.stacked_state and self.supports_state:
+            initial_state = self._stacked(initial_state, inputs)
         elif initial_state is not None:
             initial_state = self._state_in(initial_state, carried)
         if initial_state is not None:
             kwargs[c.state_keyword] = initial_state
         if want_state and c.final_state_flag is not None:
             kwargs[c.final_state_flag] = True
-        args = [named.pop(n) for n in c.positional]
+        args = tuple(named.pop(n) for n in c.positional)
         kwargs.update({c.names.get(n, n): value for n, value in named.items()})
-        return self._result(self.kernel(*args, **kwargs), want_state, carried)
+        return BoundCall(self.kernel, args, kwargs, self, want_state, carried)
 
     def carried(self, inputs: Mapping[str, Any]) -> tuple[str, ...]:
         """attnlab's state parts the kernel carries for these inputs (all of them for a kernel with no state)."""
@@ -168,20 +151,23 @@ class Adapted:
         return self.convention.carried(f, options)
 
     def _arguments(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """attnlab's tensors and resolved options, translated value by value."""
-        from attnlab.oracles._backend import Float64
-        from attnlab.oracles.linear_attn import feature
-
+        """attnlab's tensors and resolved options, translated value by value (by the arguments' roles)."""
         f, c = self.formulation, self.convention
         out = {n: t for n, t in inputs.items() if n in f.arg_names and t is not None and n not in c.derived}
-        for name in list(out):
-            if _is_log_gate(f, name) and c.gates == "linear":
-                out[name] = _in_fp32_at_least(torch.exp, out[name])
-        if f.name == "rwkv4" and c.rwkv_decay == "log_w":
-            out["w"] = _in_fp32_at_least(torch.log, out["w"])
         options = {o.name: inputs.get(o.name, o.default) for o in f.options}
+        conversions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+        if c.gates == "linear":
+            conversions.update({a.name: torch.exp for a in f.args_with_role("log_gate")})
+        if c.decay_rate_as_log:
+            conversions.update({a.name: torch.log for a in f.args_with_role("decay_rate")})
+        if c.feature_map_outside:
+            phi = _feature_map(f, options.pop("feature_map"))
+            conversions.update({a.name: phi for a in f.args_with_role("query", "key")})
+        for name in list(out):
+            if name in conversions or name in c.arg_dtypes:
+                out[name] = _converted(out[name], conversions.get(name), c.arg_dtypes.get(name))
         if "scale" in options:
-            K = inputs["q"].shape[-1]
+            K = inputs[f.args_with_role("query")[0].name].shape[-1]
             scale = f.default_scale({"K": K}) if options["scale"] is None else float(options["scale"])
             if c.scale == "pass":
                 options["scale"] = scale
@@ -192,12 +178,10 @@ class Adapted:
         for name, value in c.implied.items():
             if options.pop(name) != value:
                 raise ValueError(f"{c.name} always computes with {name}={value!r}")
-        if f.name == "linear_attn" and c.feature_map_outside:
-            feature_map = options.pop("feature_map")
-            for name in ("q", "k"):
-                t = out[name]
-                backend = Float64(t.device, torch.promote_types(t.dtype, torch.float32))
-                out[name] = feature(backend, backend.asarray(t), feature_map).to(t.dtype)
+        if c.layout == "BHTD":
+            for name in list(out):
+                axes = _heads_first(f.arg(name).dims)
+                out[name] = out[name] if axes is None else out[name].transpose(*axes)
         return {**out, **options}
 
     def _state_in(self, state: Any, carried: tuple[str, ...] | None = None) -> Any:
@@ -219,26 +203,37 @@ class Adapted:
             parts.append(s.contiguous())
         return parts[0] if len(parts) == 1 else tuple(parts)
 
-    def _rwkv_stacked(self, state: Any, k: torch.Tensor) -> torch.Tensor:
-        """(a, b, p) -> fla's [B, 3, 1, C]; the empty state's p = -inf becomes -1e38 (fla's log zero)."""
+    def _stacked(self, state: Any, inputs: Mapping[str, Any]) -> torch.Tensor:
+        """attnlab's state parts (each [B, C]; the empty state when None) stacked as [B, parts, 1, C], always
+        passed; a log-scale part's -inf (log of zero) becomes STACKED_LOG_ZERO."""
+        spec = self.formulation.state
         dtype = self.convention.state_dtype or torch.float64
         if state is None:
-            B, _, C = k.shape
-            zeros = torch.zeros(B, C, device=k.device, dtype=dtype)
-            state = (zeros, zeros, torch.full_like(zeros, -math.inf))
-        a, b, p = (s.to(dtype) for s in state)
-        return torch.stack([a, b, torch.clamp(p, min=-1e38)], dim=1)[:, :, None, :].contiguous()
+            device = next(t.device for t in inputs.values() if isinstance(t, torch.Tensor))
+            state = spec.zeros(_state_dims(self.formulation, inputs), device)
+        parts = [s.to(dtype) for s in spec.split(state)]
+        parts = [torch.clamp(s, min=STACKED_LOG_ZERO) if spec.is_log_scale(i) else s for i, s in enumerate(parts)]
+        return torch.stack(parts, dim=1)[:, :, None].contiguous()
+
+    def _output(self, o: Any) -> Any:
+        """The kernel's ``o`` in attnlab's layout (its dims are the values')."""
+        if self.convention.layout != "BHTD" or not isinstance(o, torch.Tensor):
+            return o
+        axes = _heads_first(self.formulation.args_with_role("value")[0].dims)
+        return o if axes is None else o.transpose(*axes)
 
     def _result(self, result: Any, want_state: bool, carried: tuple[str, ...] | None = None) -> Any:
         """The kernel's result in attnlab's convention; state parts it does not carry come back as None."""
         f, c = self.formulation, self.convention
-        if c.returns != "o_state":
-            return result
-        o, state = result[0], result[1]
+        if c.returns == "o":
+            return self._output(result)
+        if c.returns == "attnlab":
+            return (self._output(result[0]), result[1]) if want_state else self._output(result)
+        o, state = self._output(result[0]), result[1]
         if not want_state:
             return o
-        if f.name == "rwkv4" and c.rwkv_state == "stacked":
-            return o, tuple(state[:, i, -1, :] for i in range(3))
+        if c.stacked_state:
+            return o, f.state.join(tuple(state[:, i, -1] for i in range(len(f.state.parts))))
         carried = f.state.names if carried is None else carried
         if state is None:
             return o, state
@@ -255,9 +250,10 @@ class Adapted:
         return o, f.state.join(tuple(parts))
 
 
-def adapt(kernel: Callable[..., Any], convention: Convention, name: str) -> Adapted:
-    """``kernel`` (called in ``convention``) as a callable in attnlab's convention for formulation ``name``."""
-    f = formulation(name)
+def adapt(kernel: Callable[..., Any], convention: Convention, name: str | Formulation) -> Adapted:
+    """``kernel`` (called in ``convention``) as a callable in attnlab's convention for formulation ``name``
+    (a name or a registry entry)."""
+    f = as_formulation(name)
     supports_state = f.state is not None and convention.state_keyword is not None and _accepts(kernel, convention.state_keyword)
     return Adapted(kernel, convention, f, supports_state)
 
@@ -270,68 +266,42 @@ def _accepts(kernel: Callable[..., Any], keyword: str) -> bool:
     return keyword in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
 
 
+def load_function(function: str) -> Callable[..., Any]:
+    """The callable named ``module:attribute`` (a peer's ``function``), imported now."""
+    module, _, attribute = function.rpartition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def peer_adapter(peer: Peer, f: Formulation | str) -> Adapted:
+    """The registry peer ``peer`` of ``f``, imported and adapted to attnlab's convention."""
+    return adapt(load_function(peer.function), peer.convention, f)
+
+
 # ----------------------------------------------------------------------------- flash-linear-attention 0.6.0
 
-_FLA_STATE = dict(state_keyword="initial_state", final_state_flag="output_final_state", returns="o_state", state_dtype=torch.float32)
-# fla 0.6.0's linear attention (fla/ops/linear_attn/{chunk,fused_recurrent}.py): the state is S alone when
-# normalize=False; when normalized, the tuple (S, z) with the normalizer z (running key sum) as [B, 1, H, K].
-_FLA_LINEAR_STATE = dict(carries=(("normalize=False", ("S",)),), part_unsqueeze={"z": 1})
-
+# formulation name -> fla function -> its convention, read from the registry's peers of library "fla".
 FLA: dict[str, dict[str, Convention]] = {
-    "softmax": {"parallel_attn": Convention("fla:parallel_attn", implied={"causal": True}, state_keyword=None,
-                                            final_state_flag=None, returns="o")},
-    "linear_attn": {
-        "chunk_linear_attn": Convention("fla:chunk_linear_attn", feature_map_outside=True, **_FLA_STATE,
-                                        **_FLA_LINEAR_STATE),
-        "fused_recurrent_linear_attn": Convention("fla:fused_recurrent_linear_attn", feature_map_outside=True,
-                                                  **_FLA_STATE, **_FLA_LINEAR_STATE),
-    },
-    "retnet": {
-        "chunk_simple_gla": Convention("fla:chunk_simple_gla", names={"g": "g_gamma"}, **_FLA_STATE),
-        "chunk_retention": Convention("fla:chunk_retention", derived=("g",), **_FLA_STATE),
-    },
-    "gla": {
-        "chunk_gla": Convention("fla:chunk_gla", **_FLA_STATE),
-        "fused_recurrent_gla": Convention("fla:fused_recurrent_gla", names={"g": "gk"}, **_FLA_STATE),
-    },
-    "general": {"fused_recurrent_gla": Convention("fla:fused_recurrent_gla", **_FLA_STATE)},
-    "deltanet": {
-        "chunk_delta_rule": Convention("fla:chunk_delta_rule", **_FLA_STATE),
-        "fused_recurrent_delta_rule": Convention("fla:fused_recurrent_delta_rule", **_FLA_STATE),
-    },
-    "gated_deltanet": {
-        "chunk_gated_delta_rule": Convention("fla:chunk_gated_delta_rule", **_FLA_STATE),
-        "fused_recurrent_gated_delta_rule": Convention("fla:fused_recurrent_gated_delta_rule", **_FLA_STATE),
-    },
-    "kda": {
-        "chunk_kda": Convention("fla:chunk_kda", **_FLA_STATE),
-        "fused_recurrent_kda": Convention("fla:fused_recurrent_kda", **_FLA_STATE),
-    },
-    "rwkv4": {
-        "fused_recurrent_rwkv4": Convention(
-            "fla:fused_recurrent_rwkv4", positional=("w", "u", "k", "v"), rwkv_decay="log_w", rwkv_state="stacked",
-            state_keyword="state", final_state_flag=None, returns="o_state", state_dtype=torch.float32,
-        )
-    },
+    f.name: {p.attribute: p.convention for p in f.peers if p.library == "fla"}
+    for f in REGISTRY if any(p.library == "fla" for p in f.peers)
 }
 
 
-def fla_convention(name: str, function: str) -> Convention:
-    """The convention of fla 0.6.0's ``function`` for formulation ``name``."""
+def fla_convention(name: str | Formulation, function: str) -> Convention:
+    """The convention of fla 0.6.0's ``function`` for formulation ``name`` (a name or a registry entry)."""
     try:
-        return FLA[name][function]
+        return FLA[as_formulation(name).name][function]
     except KeyError:
         known = ", ".join(f"{n}:{fn}" for n, fns in FLA.items() for fn in fns)
-        raise ValueError(f"no fla convention for {name}:{function}; known: {known}") from None
+        raise ValueError(f"no fla convention for {as_formulation(name).name}:{function}; known: {known}") from None
 
 
 # ----------------------------------------------------------------------------- detection
 
 
-def candidates(name: str) -> Iterator[Convention]:
+def candidates(name: str | Formulation) -> Iterator[Convention]:
     """The plausible output conventions of a kernel for ``name`` (state layout aside), attnlab's first."""
-    f = formulation(name)
-    has_gates = any(_is_log_gate(f, a.name) for a in f.args)
+    f = as_formulation(name)
+    has_gates = bool(f.args_with_role("log_gate"))
     has_scale = "scale" in f.option_names
     required = tuple(a.name for a in f.args if not a.optional)
     for gates, scale, returns, positional in itertools.product(
@@ -353,55 +323,58 @@ class Detection:
     errors: dict[str, float]  # candidate name -> relative error against the oracle (inf when it raised)
 
 
-def _error(kernel: Callable[..., Any], convention: Convention, name: str, inputs: Mapping[str, Any]) -> float:
+def _error(kernel: Callable[..., Any], convention: Convention, f: Formulation, inputs: Mapping[str, Any]) -> float:
     from attnlab.metrics import rel_err
     from attnlab.oracle import oracle
 
-    scale = fixed_scale(convention, inputs["q"].shape[-1]) if "q" in inputs else None
+    query = next((a.name for a in f.args_with_role("query") if a.name in inputs), None)
+    scale = fixed_scale(convention, inputs[query].shape[-1]) if query is not None else None
     inputs = dict(inputs) if scale is None else {**inputs, "scale": scale}
-    reference = oracle(name, "chunkwise", "float64")
+    reference = oracle(f, "chunkwise", "float64")
     try:
-        adapted = adapt(kernel, convention, name)
+        adapted = adapt(kernel, convention, f)
         o = adapted(**inputs)  # with an initial state, only the output is compared: the final state comes later
         return rel_err(o, reference(**inputs)) if isinstance(o, torch.Tensor) else math.inf
     except Exception:
         return math.inf
 
 
-def detect(kernel: Callable[..., Any], name: str, inputs: Mapping[str, torch.Tensor], tolerance: float) -> Detection:
-    """Find the convention under which ``kernel`` computes formulation ``name``.
+def detect(kernel: Callable[..., Any], name: str | Formulation, inputs: Mapping[str, torch.Tensor],
+           tolerance: float) -> Detection:
+    """Find the convention under which ``kernel`` computes formulation ``name`` (a name or a registry entry).
 
     First the output conventions (gates log or linear, scale passed or the
     kernel's own K**-0.5 or 1, what it returns, keywords or FORMULATIONS.md's
     positional order) on ``inputs`` without a state; then, for a kernel that
-    takes an initial state (under one of STATE_KEYWORDS), its layout ([K, V]
-    or [V, K]) with a random one.
+    takes an initial state (under one of STATE_KEYWORDS) and whose state holds
+    a [K, V] matrix, its layout ([K, V] or [V, K]) with a random one.
     A candidate matches when its output is within ``tolerance`` (relative) of
     the float64 oracle on the same inputs.
     """
-    f = formulation(name)
+    f = as_formulation(name)
     errors: dict[str, float] = {}
-    for convention in candidates(name):
-        errors[convention.name] = _error(kernel, convention, name, inputs)
+    for convention in candidates(f):
+        errors[convention.name] = _error(kernel, convention, f, inputs)
         if errors[convention.name] <= tolerance:
             break
     else:
         return Detection(None, errors)
-    if f.state is None or name == "rwkv4":
-        return Detection(convention, errors)
+    if f.state is None or not any({"K", "V"} <= set(dims) for _, dims in f.state.parts):
+        return Detection(convention, errors)  # no [K, V] matrix in the state: no layout to find
     keyword = next((k for k in STATE_KEYWORDS if _named_parameter(kernel, k)), convention.state_keyword)
     convention = replace(convention, state_keyword=keyword)
-    if not adapt(kernel, convention, name).supports_state:
+    if not adapt(kernel, convention, f).supports_state:
         return Detection(convention, errors)
-    dims = {d: size for a in f.args if inputs.get(a.name) is not None for d, size in zip(a.dims, inputs[a.name].shape)}
+    dims = _state_dims(f, inputs)
+    device = next(t.device for t in inputs.values() if isinstance(t, torch.Tensor))
     generator = torch.Generator().manual_seed(0)
-    state = tuple(torch.randn(shape, generator=generator, dtype=torch.float64).to(inputs["q"].device)
+    state = tuple(torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
                   for shape in f.state.shapes(dims))
     for layout in ("KV", "VK"):
         with_layout = replace(convention, name=f"{convention.name[:-1]}, state={layout})", state=layout)
-        errors[with_layout.name] = _error(kernel, with_layout, name, {**inputs, "initial_state": f.state.join(state)})
+        errors[with_layout.name] = _error(kernel, with_layout, f, {**inputs, "initial_state": f.state.join(state)})
         if errors[with_layout.name] <= tolerance:
-            return Detection(_final_state_flag(kernel, with_layout, name, inputs, tolerance, errors), errors)
+            return Detection(_final_state_flag(kernel, with_layout, f, inputs, tolerance, errors), errors)
     return Detection(None, errors)
 
 
@@ -420,22 +393,21 @@ def _named_parameter(kernel: Callable[..., Any], keyword: str) -> bool:
 FINAL_STATE_FLAGS = ("output_final_state", "return_final_state", "return_state", "output_state")
 
 
-def _state_error(kernel: Callable[..., Any], convention: Convention, name: str, inputs: Mapping[str, Any]) -> float:
+def _state_error(kernel: Callable[..., Any], convention: Convention, f: Formulation, inputs: Mapping[str, Any]) -> float:
     """Relative error of the final state returned under ``convention`` against the float64 oracle's."""
     from attnlab.metrics import rel_err
     from attnlab.oracle import oracle
 
-    f = formulation(name)
     try:
-        _, state = adapt(kernel, convention, name)(**inputs, return_state=True)
-        _, reference = oracle(name, "chunkwise", "float64")(**inputs, return_state=True)
+        _, state = adapt(kernel, convention, f)(**inputs, return_state=True)
+        _, reference = oracle(f, "chunkwise", "float64")(**inputs, return_state=True)
         mine = [p.to(torch.float64) for p in f.state.split(state)]
         return rel_err(mine, [p.to(torch.float64) for p in f.state.split(reference)])
     except Exception:
         return math.inf
 
 
-def _final_state_flag(kernel: Callable[..., Any], convention: Convention, name: str, inputs: Mapping[str, Any],
+def _final_state_flag(kernel: Callable[..., Any], convention: Convention, f: Formulation, inputs: Mapping[str, Any],
                       tolerance: float, errors: dict[str, float]) -> Convention:
     """``convention`` with the keyword that makes the kernel return its final state, where it needs one.
 
@@ -447,14 +419,14 @@ def _final_state_flag(kernel: Callable[..., Any], convention: Convention, name: 
     """
     if convention.returns != "o_state" or convention.final_state_flag is not None:
         return convention
-    errors[f"{convention.name[:-1]}, final state without a flag)"] = _state_error(kernel, convention, name, inputs)
+    errors[f"{convention.name[:-1]}, final state without a flag)"] = _state_error(kernel, convention, f, inputs)
     if errors[f"{convention.name[:-1]}, final state without a flag)"] <= tolerance:
         return convention
     for flag in FINAL_STATE_FLAGS:
         if not _named(kernel, flag):  # only flags the signature names: a **kwargs kernel would swallow any
             continue
         flagged = replace(convention, name=f"{convention.name[:-1]}, final_state_flag={flag})", final_state_flag=flag)
-        errors[flagged.name] = _state_error(kernel, flagged, name, inputs)
+        errors[flagged.name] = _state_error(kernel, flagged, f, inputs)
         if errors[flagged.name] <= tolerance:
             return flagged
     return convention

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from attnlab.metrics import Measurement, conditioning_floor, measure
-from attnlab.oracle import oracle
-from attnlab.registry import formulation
+from attnlab.oracle import as_formulation, oracle
+from attnlab.spec import Formulation
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -28,18 +28,19 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def rounded_inputs(
-    name: str, dtype: torch.dtype, device: str | torch.device, *, B: int, T: int, H: int, K: int, V: int, seed: int = 0,
+    name: str | Formulation, dtype: torch.dtype, device: str | torch.device, *, B: int, T: int, H: int, K: int, V: int, seed: int = 0,
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The registry's default inputs (optionally transformed in float64), rounded to ``dtype`` on ``device``."""
-    x = formulation(name).sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
+    """The registry's default inputs of ``name`` (a name or a registry entry), optionally transformed in
+    float64, rounded to ``dtype`` on ``device``."""
+    x = as_formulation(name).sample(B=B, T=T, H=H, K=K, V=V, seed=seed)
     if transform is not None:
         x = transform(x)
     return {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
 
 
 def measure_against_oracle(
-    name: str,
+    name: str | Formulation,
     implementation: Callable[..., torch.Tensor],
     inputs: Mapping[str, Any],
     *,

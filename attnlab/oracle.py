@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from attnlab.registry import formulation
-from attnlab.spec import FORMS
+from attnlab.registry import REGISTRY, formulation
+from attnlab.spec import FORMS, Formulation, Option
 from attnlab.validation import check_positive_int, validate
 
 PRECISIONS = ("float64", "mpmath")
@@ -29,11 +29,34 @@ PRECISIONS = ("float64", "mpmath")
 BASELINE_PRECISIONS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def as_formulation(f: Formulation | str) -> Formulation:
+    """The registry entry ``f`` names, or ``f`` itself when it is one: the spine passes entries, users names."""
+    return f if isinstance(f, Formulation) else formulation(f)
+
+
+def _check_form_option(option: Option, value: Any) -> Any:
+    """A form-only option's value (``Formulation.form_options``), checked against its kind and choices."""
+    if option.kind is bool and not isinstance(value, bool):
+        raise ValueError(f"{option.name} must be True or False; got {value!r}")
+    if option.choices is not None and value not in option.choices:
+        raise ValueError(f"{option.name} must be one of {', '.join(map(repr, option.choices))}; got {value!r}")
+    if option.kind is not bool and option.choices is None and not isinstance(value, option.kind):
+        raise ValueError(f"{option.name} must be a {option.kind.__name__}; got {value!r}")
+    return value
+
+
+def _form_options_text() -> str:
+    """Which formulation's form each form-only option belongs to ("stable for rwkv4's recurrent form, ")."""
+    return "".join(f"{option.name} for {f.name}'s {form} form, "
+                   for f in REGISTRY for form, options in f.form_options.items() for option in options)
+
+
 class Oracle:
     """A configured oracle; call it with the formulation's inputs."""
 
-    def __init__(self, name: str, form: str, precision: str, **opts: Any) -> None:
-        self.formulation = formulation(name)
+    def __init__(self, name: str | Formulation, form: str, precision: str, **opts: Any) -> None:
+        self.formulation = as_formulation(name)
+        name = self.formulation.name
         if form not in self.formulation.forms:
             raise ValueError(f"form must be one of {', '.join(self.formulation.forms)}; got {form!r}")
         if precision not in PRECISIONS and precision not in BASELINE_PRECISIONS:
@@ -48,15 +71,12 @@ class Oracle:
         self.form_opts: dict[str, Any] = {}
         if form == "chunkwise":
             self.form_opts["chunk_size"] = check_positive_int("chunk_size", opts.pop("chunk_size", 64))
-        if name == "rwkv4" and form == "recurrent":
-            stable = opts.pop("stable", True)
-            if not isinstance(stable, bool):
-                raise ValueError(f"stable must be True or False; got {stable!r}")
-            self.form_opts["stable"] = stable
+        for option in self.formulation.form_options.get(form, ()):
+            self.form_opts[option.name] = _check_form_option(option, opts.pop(option.name, option.default))
         if opts:
             raise TypeError(
                 f"oracle({name!r}, form={form!r}) got unexpected option(s) {', '.join(sorted(opts))}; "
-                "chunk_size is for the chunkwise form, stable for rwkv4's recurrent form, dps for mpmath"
+                f"chunk_size is for the chunkwise form, {_form_options_text()}dps for mpmath"
             )
         module = importlib.import_module(self.formulation.oracle_module)
         self._fn: Callable[..., tuple[Any, Any]] = getattr(module, form)
@@ -105,18 +125,20 @@ class Oracle:
         return o, final
 
 
-def oracle(name: str, form: str = "recurrent", precision: str = "float64", **opts: Any) -> Oracle:
-    """The oracle of formulation ``name`` in ``form`` at ``precision`` ("float64" or "mpmath").
+def oracle(name: str | Formulation, form: str = "recurrent", precision: str = "float64", **opts: Any) -> Oracle:
+    """The oracle of formulation ``name`` (a name or a registry entry) in ``form`` at ``precision``
+    ("float64" or "mpmath").
 
     precision="float32", "float16" or "bfloat16" runs the same code in that
     torch dtype (inputs rounded to it, output in it): a naive baseline for
     reports, not a reference.
 
     Options: ``chunk_size`` (chunkwise, default 64; the last chunk may be
-    partial), ``dps`` (mpmath, default 50), ``stable`` (rwkv4 recurrent,
+    partial), ``dps`` (mpmath, default 50), and the formulation's form-only
+    options (``Formulation.form_options``: rwkv4's recurrent ``stable``,
     default True; False is the naive exp(k) accumulation that overflows).
     """
     return Oracle(name, form, precision, **opts)
 
 
-__all__ = ["oracle", "Oracle", "PRECISIONS", "FORMS"]
+__all__ = ["oracle", "Oracle", "as_formulation", "PRECISIONS", "FORMS"]

@@ -469,7 +469,7 @@ def shift_pair(case: Case, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str
     the same function of exactly the same numbers.
     """
     x = case.with_(key_shift=0.0).inputs()
-    shifted_args = traits.ADDITIVE_LOGITS[case.name]
+    shifted_args = traits.shift_invariant_args(case.name)
     largest = max(x[a].abs().max().item() for a in shifted_args) + abs(case.key_shift)
     spacing = 2.0 ** (math.floor(math.log2(largest)) - _MANTISSA_BITS[dtype])
     shift = round(case.key_shift / spacing) * spacing

@@ -35,8 +35,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from attnlab.oracle import as_formulation
 from attnlab.properties import traits
-from attnlab.registry import formulation
+from attnlab.spec import Formulation
 
 __all__ = ["Case", "Sizes", "CPU_SIZES", "CPU_THOROUGH_SIZES", "GPU_SIZES", "GPU_LONG_SIZES", "cases"]
 
@@ -93,6 +94,11 @@ class Case:
                  if f.name in ("name", "seed", "B", "T", "H", "K", "V") or getattr(self, f.name) != f.default]
         return f"Case({', '.join(shown)})"
 
+    @property
+    def entry(self) -> Formulation:
+        """The registry entry of ``name``."""
+        return as_formulation(self.name)
+
     def with_(self, **changes: Any) -> Case:
         return replace(self, **changes)
 
@@ -106,7 +112,7 @@ class Case:
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """The tensors, float64 on the CPU (optional arguments in ``absent`` left out)."""
-        f = formulation(self.name)
+        f = self.entry
         x = f.sample(B=self.B, T=self.T, H=self.H, K=self.K, V=self.V, seed=self.seed)
         for position, arg in enumerate(f.args):
             gen = torch.Generator().manual_seed(self.seed * 7919 + 101 + position)
@@ -119,7 +125,7 @@ class Case:
                 high = self.beta_high if self.beta_high is not None else self.beta_low
                 t = self.beta_low + (high - self.beta_low) * torch.rand(t.shape, generator=gen, dtype=torch.float64)
                 t = t.clamp(self.beta_low, high)
-            elif arg.name in traits.ADDITIVE_LOGITS.get(self.name, ()):
+            elif arg.name in f.shift_invariant:
                 t = t * self.spread + self.key_shift
             x[arg.name] = t
         if traits.has_query(f):
@@ -133,9 +139,10 @@ class Case:
             return torch.zeros_like(like)
         return self.gate_low * torch.rand(like.shape, generator=gen, dtype=torch.float64)
 
-    def _shape_queries_and_keys(self, x: dict[str, torch.Tensor], f: Any) -> None:
+    def _shape_queries_and_keys(self, x: dict[str, torch.Tensor], f: Formulation) -> None:
         gen = torch.Generator().manual_seed(self.seed * 7919 + 97)
-        q, k = x["q"], x["k"]
+        query, key = f.args_with_role("query")[0].name, f.args_with_role("key")[0].name
+        q, k = x[query], x[key]
         if self.key_coherence > 0:
             base = torch.randn((k.shape[0], 1, *k.shape[2:]), generator=gen, dtype=torch.float64)
             base = base / base.norm(dim=-1, keepdim=True) * k.norm(dim=-1, keepdim=True)
@@ -145,13 +152,13 @@ class Case:
             k = k / k.norm(dim=-1, keepdim=True) * self.key_norm
         else:
             q, k = q * self.spread, k * self.spread
-        if self.logit_max is not None and self.name in traits.BILINEAR_LOGITS:
+        if self.logit_max is not None and f.bilinear_logits:
             scale = self.scale if self.scale is not None else f.default_scale({"K": self.K})
             logits = scale * torch.einsum("bthk,bshk->bhts", q, k)
             if dict(self.options).get("causal", True):
                 logits = logits.tril()
             q = q * (self.logit_max / logits.abs().max().clamp_min(1e-300))
-        x["q"], x["k"] = q, k
+        x[query], x[key] = q, k
 
     def call(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> dict[str, Any]:
         """The keyword arguments of one kernel call: the inputs rounded to ``dtype`` on ``device``, and the options."""
@@ -185,7 +192,7 @@ _BETA_RANGES = st.one_of(
 @st.composite
 def cases(
     draw: st.DrawFn,
-    name: str,
+    name: str | Formulation,
     dtype: torch.dtype,
     sizes: Sizes = CPU_SIZES,
     *,
@@ -196,7 +203,7 @@ def cases(
     shifted: bool = False,
     options: tuple[tuple[str, Any], ...] = (),
 ) -> Case:
-    """Cases of formulation ``name`` for a kernel running in ``dtype``.
+    """Cases of formulation ``name`` (a name or a registry entry) for a kernel running in ``dtype``.
 
     ``overflow`` pushes every exponential a naive implementation would take
     past the dtype's overflow (or underflow) threshold; ``with_cut`` draws a
@@ -205,7 +212,8 @@ def cases(
     ``shifted`` draws a non-zero key shift (RWKV-4, AFT); ``options`` are
     forced as given.
     """
-    f = formulation(name)
+    f = as_formulation(name)
+    name = f.name
     threshold = traits.EXP_OVERFLOW[dtype]
     forced = dict(options)
     T = draw(_lengths(sizes).filter(lambda t: t >= 2) if with_cut else _lengths(sizes))
@@ -228,10 +236,10 @@ def cases(
         changes["key_coherence"] = draw(st.one_of(st.just(0.0), st.sampled_from([0.99, 0.999, 0.99999]), st.floats(0.0, 0.9999)))
         if not traits.is_delta_rule(f):
             changes["spread"] = draw(st.sampled_from([1.0, 0.25, 2.0, 4.0]))
-    if name in traits.BILINEAR_LOGITS:
+    if f.bilinear_logits:
         low, high = (threshold + 0.5, 3 * threshold) if overflow else (1.0, 3 * threshold)
         changes["logit_max"] = draw(st.floats(low, high) if overflow else st.one_of(st.none(), st.floats(low, high)))
-    if name in traits.ADDITIVE_LOGITS:
+    if f.shift_invariant:
         changes["spread"] = draw(st.one_of(st.just(1.0), st.floats(0.1, 10.0)))
         past = st.floats(threshold + 0.5, threshold + 60.0)
         if overflow:
@@ -251,8 +259,8 @@ def cases(
             forced[option.name] = draw(st.booleans())
         elif option.choices is not None:
             forced[option.name] = draw(st.sampled_from(option.choices))
-    if convex and not traits.is_convex(name, forced):
-        forced.update(feature_map="elu1", normalize=True)
+    if convex and not f.is_convex(forced):
+        forced.update(f.convex_when or ())
     optional = [a.name for a in f.args if a.optional]
     if optional:
         changes["absent"] = tuple(n for n in optional if draw(st.booleans()))

@@ -82,7 +82,7 @@ KERNEL_PROPERTIES: tuple[KernelProperty, ...] = (
         checks.check_convexity),
     KernelProperty(
         "shift_invariance", "one constant added to every key changes nothing",
-        lambda t: t.formulation in traits.ADDITIVE_LOGITS,
+        lambda t: bool(traits.shift_invariant_args(t.formulation)),
         lambda t, d, s: cases(t.formulation, d, s, shifted=True), checks.check_shift_invariance),
     KernelProperty(
         "reduces_to_special_case", "on reducing inputs, matches the special formulation's oracle",

@@ -31,7 +31,9 @@ import torch
 # Importing attnlab.kernel sets TRITON_INTERPRET (no GPU) before any kernel module is imported.
 from attnlab.kernel import Kernel, interpreter_active
 from attnlab.kernel import kernel as attnlab_kernel
-from attnlab.registry import formulation
+from attnlab.oracle import as_formulation
+from attnlab.registry import REGISTRY
+from attnlab.spec import Formulation
 
 __all__ = ["Target", "own_kernel_target", "own_kernel_targets", "function_target", "resolve", "rounded_oracle_target"]
 
@@ -43,6 +45,7 @@ PREFERRED_CHUNK_SIZES = (16, 32, 64)
 class Target:
     """One implementation under test.
 
+    ``formulation`` is the formulation's name (``entry`` its registry entry);
     ``function(**inputs)`` follows the attnlab convention; ``chunk_sizes``
     are the values it accepts as ``chunk_size=`` (empty when it takes none);
     ``dtypes`` are the dtypes it can run here (attnlab's kernels cannot run
@@ -64,10 +67,15 @@ class Target:
     def __repr__(self) -> str:
         return f"Target({self.label})"
 
+    @property
+    def entry(self) -> Formulation:
+        return as_formulation(self.formulation)
 
-def own_kernel_target(name: str, form: str) -> Target:
-    """attnlab's Triton kernel of ``name`` in ``form``, validated by ``attnlab.kernel``."""
-    f = formulation(name)
+
+def own_kernel_target(name: str | Formulation, form: str) -> Target:
+    """attnlab's Triton kernel of ``name`` (a name or a registry entry) in ``form``, validated by ``attnlab.kernel``."""
+    f = as_formulation(name)
+    name = f.name
     module = importlib.import_module(f.kernel_module)
     choices = getattr(module, "OPTIONS", {}).get(form, {}).get("chunk_size", (None, ()))[1] or ()
     chunk_sizes = tuple(c for c in PREFERRED_CHUNK_SIZES if c in choices)
@@ -85,8 +93,6 @@ def own_kernel_target(name: str, form: str) -> Target:
 
 def own_kernel_targets(names: list[str] | None = None) -> list[Target]:
     """Every attnlab kernel that exists (module importable, form present), in registry order."""
-    from attnlab.registry import REGISTRY
-
     targets = []
     for f in REGISTRY:
         if names is not None and f.name not in names:
@@ -94,17 +100,17 @@ def own_kernel_targets(names: list[str] | None = None) -> list[Target]:
         if importlib.util.find_spec(f.kernel_module) is None:
             continue
         module = importlib.import_module(f.kernel_module)
-        targets += [own_kernel_target(f.name, form) for form in f.kernel_forms if hasattr(module, form)]
+        targets += [own_kernel_target(f, form) for form in f.kernel_forms if hasattr(module, form)]
     return targets
 
 
-def function_target(function: Callable[..., Any], name: str, label: str) -> Target:
-    """A function following the attnlab convention, for formulation ``name``."""
-    formulation(name)
+def function_target(function: Callable[..., Any], name: str | Formulation, label: str) -> Target:
+    """A function following the attnlab convention, for formulation ``name`` (a name or a registry entry)."""
+    f = as_formulation(name)
     parameters = inspect.signature(function).parameters
     accepts_state = "initial_state" in parameters and "return_state" in parameters
     chunk_sizes = PREFERRED_CHUNK_SIZES if "chunk_size" in parameters else ()
-    return Target(label, name, function, accepts_state and formulation(name).state is not None, chunk_sizes)
+    return Target(label, f.name, function, accepts_state and f.state is not None, chunk_sizes)
 
 
 def load_callable(spec: str, flag: str) -> Callable[..., Any]:
@@ -148,19 +154,20 @@ def load_callable(spec: str, flag: str) -> Callable[..., Any]:
     return obj
 
 
-def resolve(spec: str, name: str) -> Target:
+def resolve(spec: str, name: str | Formulation) -> Target:
     """The target named ``MODULE:FUNCTION`` (load_callable), checked against formulation ``name``."""
     return function_target(load_callable(spec, "--attnlab-kernel"), name, spec)
 
 
-def rounded_oracle_target(name: str) -> Target:
+def rounded_oracle_target(name: str | Formulation) -> Target:
     """The ideal kernel: the float64 recurrent oracle, rounded once to the input dtype (excess exactly 1).
 
     A control for the checks: every property must hold on it.
     """
     from attnlab.oracle import oracle
 
-    reference = oracle(name, "recurrent")
+    f = as_formulation(name)
+    reference = oracle(f, "recurrent")
 
     def ideal(**inputs: Any) -> Any:
         dtype = next(t.dtype for t in inputs.values() if isinstance(t, torch.Tensor))
@@ -169,4 +176,4 @@ def rounded_oracle_target(name: str) -> Target:
             return result[0].to(dtype), result[1]
         return result.to(dtype)
 
-    return Target(f"oracle:{name}/recurrent rounded", name, ideal, formulation(name).state is not None)
+    return Target(f"oracle:{f.name}/recurrent rounded", f.name, ideal, f.state is not None)

@@ -19,6 +19,10 @@ from attnlab.properties.strategies import Case
 from attnlab.properties.targets import Target, function_target, rounded_oracle_target
 
 DTYPE = torch.float16
+DELTA_RULES = [f.name for f in attnlab.REGISTRY if traits.is_delta_rule(f)]
+SINGLE_MATRIX_STATE = [f.name for f in attnlab.REGISTRY if checks.single_matrix_state(f.name)]
+# A scale other than every special case's default, so that a general kernel ignoring it is caught.
+SPECIAL_CASE_SCALE = 0.4
 
 
 @pytest.fixture(autouse=True)
@@ -110,10 +114,9 @@ def test_shift_invariance_uses_exact_shifts() -> None:
     assert not checks.check_shift_invariance(naive, Case("rwkv4", seed=8, T=10, V=4, key_shift=40.3), DTYPE).held
 
 
-@pytest.mark.parametrize("reduction", traits.REDUCTIONS, ids=lambda r: r.label)
+@pytest.mark.parametrize("reduction", traits.reductions(), ids=lambda r: r.label)
 def test_reductions(reduction: traits.Reduction) -> None:
-    case = Case(reduction.special, seed=9, T=12, K=6, V=5, scale=0.7 if reduction.special != "linear_attn" else 0.4,
-                options=reduction.special_options)
+    case = Case(reduction.special, seed=9, T=12, K=6, V=5, scale=SPECIAL_CASE_SCALE, options=reduction.special_options)
     assert checks.check_reduces_to_special_case(rounded_oracle_target(reduction.general), case, DTYPE).held
     assert checks.check_oracle_reduction(reduction, case).held
     ignores_scale = mutated(reduction.general, lambda x, o: o * (1.0 / x.get("scale", 1.0)))
@@ -125,7 +128,7 @@ def test_forms_agree(name: str) -> None:
     assert checks.check_forms_agree(Case(name, seed=10, T=19, K=5, V=3, gate_low=-20.0, key_shift=100.0), 6).held
 
 
-@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+@pytest.mark.parametrize("name", DELTA_RULES)
 def test_ut_inverse_bound_holds_for_contracting_keys_only(name: str) -> None:
     case = Case(name, seed=11, T=32, K=8, V=4, beta_low=1.9, beta_high=2.0, key_coherence=0.999, gate_low=-0.5)
     result = checks.check_ut_inverse_bounded(case)
@@ -133,7 +136,7 @@ def test_ut_inverse_bound_holds_for_contracting_keys_only(name: str) -> None:
     assert not checks.check_ut_inverse_bounded(case.with_(key_norm=2.0)).held  # beta |k|^2 = 8 > 2
 
 
-@pytest.mark.parametrize("name", ["retnet", "gla", "general", "deltanet", "gated_deltanet", "kda"])
+@pytest.mark.parametrize("name", SINGLE_MATRIX_STATE)
 def test_decay_products_contract_for_contracting_keys_only(name: str) -> None:
     case = Case(name, seed=12, T=24, K=6, V=6, beta_low=0.0, beta_high=2.0, gate_low=-0.3)
     assert checks.check_decay_products_contract(case).held

@@ -1,23 +1,16 @@
-"""What the generic properties need to know about a formulation, derived from the registry.
+"""What the generic properties need to know about a formulation, read off its registry entry.
 
-Most of it is read off the registry entry (attnlab.registry):
+Every function takes a registry entry (attnlab.spec.Formulation) or a name, and derives its answer from the
+entry alone, never from the name:
 
-- an argument with ``high == 0`` and no ``low`` is a log gate (decay ``exp(g)``);
-- an argument with ``low == 0`` and no ``high`` is a decay rate (RWKV-4's ``w``,
-  decay ``exp(-w)``);
-- an argument bounded to ``[0, 2]`` is a delta-rule write strength (``beta``);
-  a formulation with one is a delta rule, whose keys are unit vectors;
-- an argument whose dims hold ``T`` is indexed by time (on the axis where ``T`` is).
-
-Three facts of FORMULATIONS.md are not in the registry yet and are listed
-here, in one table each (a registry proposal: ``Formulation.exp_inputs``,
-``Formulation.convex`` and ``Formulation.reductions``; see the report of
-issue 4):
-
-- ``ADDITIVE_LOGITS``: inputs that enter an exponential additively, so that
-  one constant added to all of them changes nothing (RWKV-4 and AFT keys);
-- ``BILINEAR_LOGITS``: formulations whose exponent is ``scale q.k`` (softmax);
-- ``is_convex``: outputs that are convex combinations of the values.
+- arguments by role (``Arg.role``): log gates (decay ``exp(g)``), decay rates (RWKV-4's ``w``, decay
+  ``exp(-w)``), write strengths (the delta rules' ``beta``; a formulation with one is a delta rule, whose keys
+  are unit vectors), queries;
+- an argument whose dims hold ``T`` is indexed by time (on the axis where ``T`` is);
+- the facts of FORMULATIONS.md the properties rest on: ``Formulation.shift_invariant`` (inputs to which one
+  constant added everywhere changes nothing: RWKV-4's and AFT's keys), ``Formulation.bilinear_logits``
+  (softmax's exponent ``scale q.k``), ``Formulation.is_convex`` and ``Formulation.reductions`` (special cases,
+  declared on the general entry).
 """
 
 from __future__ import annotations
@@ -28,38 +21,49 @@ from typing import Any
 
 import torch
 
-from attnlab.registry import formulation
-from attnlab.spec import Arg, Formulation
+from attnlab.oracle import as_formulation
+from attnlab.registry import REGISTRY
+from attnlab.spec import Arg, Formulation, Tensors
 
 # exp overflows above these inputs (numerics.md 4.5); the kernels' exps run in fp32.
 EXP_OVERFLOW = {torch.float16: 11.09, torch.bfloat16: 88.72, torch.float32: 88.72}
 
-ADDITIVE_LOGITS: dict[str, tuple[str, ...]] = {"rwkv4": ("k",), "aft": ("k",)}
-BILINEAR_LOGITS: frozenset[str] = frozenset({"softmax"})
+Entry = Formulation | str
 
 
 def is_log_gate(arg: Arg) -> bool:
-    return arg.high == 0.0 and arg.low is None
+    return arg.role == "log_gate"
 
 
 def is_decay_rate(arg: Arg) -> bool:
-    return arg.low == 0.0 and arg.high is None
+    return arg.role == "decay_rate"
 
 
 def is_write_strength(arg: Arg) -> bool:
-    return arg.low == 0.0 and arg.high == 2.0
+    return arg.role == "write_strength"
 
 
-def log_gate_args(f: Formulation) -> tuple[Arg, ...]:
-    return tuple(a for a in f.args if is_log_gate(a) or is_decay_rate(a))
+def log_gate_args(f: Entry) -> tuple[Arg, ...]:
+    """The arguments that set a decay: log gates and decay rates."""
+    return as_formulation(f).args_with_role("log_gate", "decay_rate")
 
 
-def is_delta_rule(f: Formulation) -> bool:
-    return any(is_write_strength(a) for a in f.args)
+def is_delta_rule(f: Entry) -> bool:
+    return bool(as_formulation(f).args_with_role("write_strength"))
 
 
-def has_query(f: Formulation) -> bool:
-    return "q" in f.arg_names
+def has_query(f: Entry) -> bool:
+    return bool(as_formulation(f).args_with_role("query"))
+
+
+def shift_invariant_args(f: Entry) -> tuple[str, ...]:
+    """The inputs to which one constant added everywhere leaves ``o`` unchanged (the exponent is additive)."""
+    return as_formulation(f).shift_invariant
+
+
+def bilinear_logits(f: Entry) -> bool:
+    """Whether the exponent is ``scale q.k``, so that large logits reach exp's overflow threshold."""
+    return as_formulation(f).bilinear_logits
 
 
 def time_axes(arg: Arg) -> tuple[int, ...]:
@@ -67,65 +71,22 @@ def time_axes(arg: Arg) -> tuple[int, ...]:
     return tuple(i for i, d in enumerate(arg.dims) if d == "T")
 
 
-def exp_overflow_applies(name: str) -> bool:
-    """Whether some input of ``name`` can push an exponential of a naive implementation past overflow."""
-    f = formulation(name)
-    return name in ADDITIVE_LOGITS or name in BILINEAR_LOGITS or bool(log_gate_args(f))
+def exp_overflow_applies(f: Entry) -> bool:
+    """Whether some input of ``f`` can push an exponential of a naive implementation past overflow."""
+    f = as_formulation(f)
+    return bool(f.shift_invariant) or f.bilinear_logits or bool(log_gate_args(f))
 
 
-def is_convex(name: str, options: Mapping[str, Any]) -> bool:
-    """Whether each output is a convex combination of the values at the positions it reads.
-
-    True for softmax, AFT, RWKV-4, and linear attention with the positive
-    elu+1 feature map, normalized.
-    """
-    if name in ("softmax", "aft", "rwkv4"):
-        return True
-    if name == "linear_attn":
-        f = formulation(name)
-        feature_map = options.get("feature_map", f.option("feature_map").default)
-        normalize = options.get("normalize", f.option("normalize").default)
-        return feature_map == "elu1" and bool(normalize)
-    return False
-
-
-Tensors = dict[str, Any]
-
-
-def _query_key_value(x: Tensors) -> Tensors:
-    return {n: x[n] for n in ("q", "k", "v", "scale") if n in x}
-
-
-def _gla_as_general(x: Tensors) -> Tensors:
-    return {**_query_key_value(x), "gk": x["g"]}
-
-
-def _retnet_as_general(x: Tensors) -> Tensors:
-    gk = x["g"][None, None, :, None].expand_as(x["q"]).contiguous()
-    return {**_query_key_value(x), "gk": gk, "gv": torch.zeros_like(x["v"])}
-
-
-def _linear_as_general(x: Tensors) -> Tensors:
-    # linear_attn's default scale is 1.0, general's K ** -0.5: pass it explicitly.
-    scale = x.get("scale", formulation("linear_attn").option("scale").default)
-    return {"q": x["q"], "k": x["k"], "v": x["v"], "scale": scale}
-
-
-def _deltanet_as_gated(x: Tensors) -> Tensors:
-    return {**x, "g": torch.zeros_like(x["beta"])}
-
-
-def _deltanet_as_kda(x: Tensors) -> Tensors:
-    return {**x, "g": torch.zeros_like(x["q"])}
-
-
-def _gated_deltanet_as_kda(x: Tensors) -> Tensors:
-    return {**x, "g": x["g"][..., None].expand_as(x["q"]).contiguous()}
+def is_convex(f: Entry, options: Mapping[str, Any]) -> bool:
+    """Whether each output is a convex combination of the values at the positions it reads (``options``
+    fill in the defaults): softmax, AFT, RWKV-4, and linear attention with the elu+1 map, normalized."""
+    return as_formulation(f).is_convex(options)
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """``special`` is ``general`` on the inputs ``to_general`` builds (FORMULATIONS.md, test_oracles.py).
+    """``special`` is ``general`` on the inputs ``to_general`` builds: a view of the registry's
+    ``Formulation.reductions`` (declared on the general entry) that names both sides.
 
     ``to_general`` maps the special case's call (tensors and options, any
     dtype) to the general formulation's; ``special_options`` are the options
@@ -142,15 +103,11 @@ class Reduction:
         return f"{self.general}->{self.special}"
 
 
-REDUCTIONS: tuple[Reduction, ...] = (
-    Reduction("general", "gla", _gla_as_general),
-    Reduction("general", "retnet", _retnet_as_general),
-    Reduction("general", "linear_attn", _linear_as_general, (("feature_map", "identity"), ("normalize", False))),
-    Reduction("gated_deltanet", "deltanet", _deltanet_as_gated),
-    Reduction("kda", "deltanet", _deltanet_as_kda),
-    Reduction("kda", "gated_deltanet", _gated_deltanet_as_kda),
-)
+def reductions() -> tuple[Reduction, ...]:
+    """Every special case the registry declares, in registry order of the general formulations."""
+    return tuple(r for f in REGISTRY for r in reductions_of(f))
 
 
-def reductions_of(general: str) -> tuple[Reduction, ...]:
-    return tuple(r for r in REDUCTIONS if r.general == general)
+def reductions_of(general: Entry) -> tuple[Reduction, ...]:
+    f = as_formulation(general)
+    return tuple(Reduction(f.name, r.special, r.to_general, r.special_options) for r in f.reductions)

@@ -60,9 +60,19 @@ def test_fla_convention_adapter_matches_the_oracle_with_state():
 
 def test_fla_rwkv4_convention_translates_decay_and_stacked_state():
     x = sample("rwkv4")
-    adapted = adapt(fla_style_rwkv4, fla_convention("rwkv4", "fused_recurrent_rwkv4"), "rwkv4")
+    seen = {}
+
+    def recording(w, u, k, v, state):
+        seen.update(w=w.dtype, u=u.dtype, state=(state.dtype, tuple(state.shape), state[:, 2].max().item()))
+        return fla_style_rwkv4(w, u, k, v, state)
+
+    adapted = adapt(recording, fla_convention("rwkv4", "fused_recurrent_rwkv4"), "rwkv4")
     o, (a, b, p) = adapted(**x, return_state=True)
-    ref, (ra, rb, rp) = _oracle("rwkv4")(**x, return_state=True)
+    # fla takes log w and u in fp32 (arg_dtypes), and the empty state stacked [B, 3, 1, C] with p = -1e38.
+    log_zero = torch.tensor(-1e38, dtype=torch.float32).item()
+    assert seen == {"w": torch.float32, "u": torch.float32, "state": (torch.float32, (1, 3, 1, 6), log_zero)}
+    used = {**x, "w": torch.exp(torch.log(x["w"]).float()).double(), "u": x["u"].float().double()}  # what fla saw
+    ref, (ra, rb, rp) = _oracle("rwkv4")(**used, return_state=True)
     assert rel_err(o, ref) <= TOL
     assert rel_err(torch.exp(p) * a, torch.exp(rp) * ra) <= TOL and rel_err(torch.exp(p) * b, torch.exp(rp) * rb) <= TOL
 
@@ -97,3 +107,62 @@ def test_detect_says_plainly_when_nothing_matches():
     found = detect(wrong, "kda", sample("kda"), tolerance=1e-3)
     assert found.convention is None and len(found.errors) == 36
     assert all(e >= 1e-3 for e in found.errors.values())
+
+
+def test_bind_does_every_conversion_up_front_and_its_call_is_the_kernel_call():
+    """retnet's fla chunk_simple_gla: g renamed g_gamma and passed in fp32 (arg_dtypes), the scale resolved."""
+    f = attnlab.formulation("retnet")
+    x = {n: t.half() for n, t in sample("retnet").items()}
+    calls = []
+
+    def chunk_simple_gla(q, k, v, g_gamma, scale=None, initial_state=None, output_final_state=False):
+        calls.append((q, k, v, g_gamma, scale))
+        o = _oracle("retnet")(q=q, k=k, v=v, g=g_gamma, scale=scale)
+        return o.half(), None
+
+    bound = adapt(chunk_simple_gla, f.peer("fla", "chunk_simple_gla").convention, f).bind(**x)
+    assert bound.args == () and set(bound.kwargs) == {"q", "k", "v", "g_gamma", "scale"}
+    assert bound.kwargs["g_gamma"].dtype == torch.float32 and bound.kwargs["q"] is x["q"]
+    assert bound.kwargs["scale"] == 4**-0.5 and not calls
+    o = bound.result(bound())
+    assert len(calls) == 1 and o.dtype == torch.float16
+    assert rel_err(o, _oracle("retnet")(**x)) <= 1e-3
+
+
+def _sdpa_peer():
+    return attnlab.formulation("softmax").peer("torch", "scaled_dot_product_attention")
+
+
+def test_head_first_layout_transposes_every_time_and_head_tensor_and_the_output():
+    seen = {}
+
+    def head_first(q, k, v, scale=None, is_causal=False):
+        seen.update(shape=tuple(q.shape), is_causal=is_causal)
+        o = _oracle("softmax")(q=q.transpose(1, 2), k=k.transpose(1, 2), v=v.transpose(1, 2), scale=scale,
+                               causal=is_causal)
+        return o.transpose(1, 2)
+
+    x = sample("softmax")
+    adapted = adapt(head_first, _sdpa_peer().convention, "softmax")
+    assert rel_err(adapted(**x), _oracle("softmax")(**x)) <= TOL
+    assert seen == {"shape": (1, 2, 12, 4), "is_causal": True}  # [B, H, T, K]; causal renamed is_causal
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "registry: the torch SDPA peer's Convention passes q, k, v as keywords, but "
+    "scaled_dot_product_attention names them query, key, value; it needs positional=('q', 'k', 'v')"))
+def test_the_sdpa_peer_through_its_declared_convention_is_softmax():
+    from attnlab.conventions import peer_adapter
+
+    x = sample("softmax")
+    assert rel_err(peer_adapter(_sdpa_peer(), "softmax")(**x), _oracle("softmax")(**x)) <= TOL
+
+
+def test_fla_conventions_are_the_registry_peers():
+    from attnlab.conventions import FLA
+
+    for f in attnlab.REGISTRY:
+        fla = {p.attribute: p.convention for p in f.peers if p.library == "fla"}
+        assert FLA.get(f.name, {}) == fla
+        for function, convention in fla.items():
+            assert fla_convention(f, function) is convention

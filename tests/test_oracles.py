@@ -16,9 +16,15 @@ import torch
 
 import attnlab
 from attnlab.metrics import rel_err
+from attnlab.properties import traits
 
 NAMES = attnlab.names()
 STATEFUL = [f.name for f in attnlab.REGISTRY if f.state is not None]
+# Outputs that are convex combinations of the values under the default options, with each causal setting.
+CONVEX = [(f.name, causal) for f in attnlab.REGISTRY if f.is_convex({})
+          for causal in ((True, False) if "causal" in f.option_names else (True,))]
+SHIFT_INVARIANT = [f.name for f in attnlab.REGISTRY if f.shift_invariant]
+WITH_OPTIONAL = [f.name for f in attnlab.REGISTRY if any(a.optional for a in f.args)]
 FLOAT64_TOL = 1e-12
 
 
@@ -47,11 +53,13 @@ def test_final_states_agree_float64(name, form):
 
 
 def _comparable_state(name, state):
-    """RWKV-4's (a, b, p) is unique only up to the shared log-scale: compare e^p a and e^p b."""
-    if name != "rwkv4":
+    """A state with a log-scale part (RWKV-4's (a, b, p)) is unique only up to it: compare e^p a and e^p b."""
+    spec = attnlab.formulation(name).state
+    parts = spec.split(state)
+    logs = [p for i, p in enumerate(parts) if spec.is_log_scale(i)]
+    if not logs:
         return state
-    a, b, p = state
-    return torch.exp(p) * a, torch.exp(p) * b
+    return tuple(torch.exp(logs[0]) * p for i, p in enumerate(parts) if not spec.is_log_scale(i))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -111,41 +119,26 @@ def _assert_reduces(special_name, special_inputs, general_name, general_inputs):
         assert rel_err(o_general, o_special) <= FLOAT64_TOL
 
 
-def test_general_without_value_gate_is_gla():
-    x = sample("gla")
-    general = {"q": x["q"], "k": x["k"], "v": x["v"], "gk": x["g"]}
-    _assert_reduces("gla", x, "general", {**general, "gv": torch.zeros_like(x["v"])})
-    _assert_reduces("gla", x, "general", general)
+@pytest.mark.parametrize("reduction", traits.reductions(), ids=lambda r: r.label)
+def test_general_formulation_on_reducing_inputs_is_the_special_case(reduction):
+    """Each special case the registry declares (Formulation.reductions), in every form, with a scale of its own."""
+    special = attnlab.formulation(reduction.special)
+    x = {**sample(special.name), **dict(reduction.special_options)}
+    if "scale" in special.option_names:
+        x["scale"] = 0.3
+    _assert_reduces(special.name, x, reduction.general, reduction.to_general(x))
 
 
-def test_general_with_constant_gates_is_retnet():
-    x = sample("retnet")
-    gk = x["g"][None, None, :, None].expand_as(x["q"]).contiguous()
-    _assert_reduces("retnet", x, "general", {"q": x["q"], "k": x["k"], "v": x["v"], "gk": gk, "gv": torch.zeros_like(x["v"])})
+@pytest.mark.parametrize("name", WITH_OPTIONAL)
+def test_an_optional_argument_left_out_is_zero(name):
+    f = attnlab.formulation(name)
+    x = sample(name)
+    zeros = {**x, **{a.name: torch.zeros_like(x[a.name]) for a in f.args if a.optional}}
+    without = {n: t for n, t in x.items() if not f.arg(n).optional}
+    _assert_reduces(name, zeros, name, without)
 
 
-def test_general_without_gates_is_unnormalized_linear_attention():
-    x = sample("linear_attn")
-    linear = {**x, "feature_map": "identity", "normalize": False, "scale": 0.3}
-    _assert_reduces("linear_attn", linear, "general", {**x, "scale": 0.3})
-
-
-def test_gated_deltanet_with_zero_gate_is_deltanet():
-    x = sample("deltanet")
-    _assert_reduces("deltanet", x, "gated_deltanet", {**x, "g": torch.zeros_like(x["beta"])})
-
-
-def test_kda_with_zero_gate_is_deltanet():
-    x = sample("deltanet")
-    _assert_reduces("deltanet", x, "kda", {**x, "g": torch.zeros_like(x["q"])})
-
-
-def test_kda_with_gate_constant_across_keys_is_gated_deltanet():
-    x = sample("gated_deltanet")
-    _assert_reduces("gated_deltanet", x, "kda", {**x, "g": x["g"][..., None].expand_as(x["q"]).contiguous()})
-
-
-# ----------------------------------------------------------------------------- RWKV-4 and AFT
+# ----------------------------------------------------------------------------- convexity and shift invariance (RWKV-4, AFT)
 
 
 def _running_range(v, causal=True):
@@ -155,24 +148,25 @@ def _running_range(v, causal=True):
     return torch.cummin(v, dim=1).values, torch.cummax(v, dim=1).values
 
 
-@pytest.mark.parametrize("name,causal", [("rwkv4", True), ("aft", True), ("aft", False)])
+@pytest.mark.parametrize("name,causal", CONVEX)
 @pytest.mark.parametrize("form", attnlab.FORMS)
 def test_outputs_are_convex_combinations_of_values(name, causal, form):
     x = sample(name, T=40)
-    extra = {} if name == "rwkv4" else {"causal": causal}
+    extra = {"causal": causal} if "causal" in attnlab.formulation(name).option_names else {}
     o = attnlab.oracle(name, form, **({"chunk_size": 16} if form == "chunkwise" else {}))(**x, **extra)
     low, high = _running_range(x["v"], causal)
     slack = 1e-14 * x["v"].abs().max()
     assert bool((o >= low - slack).all()) and bool((o <= high + slack).all())
 
 
-@pytest.mark.parametrize("name", ["rwkv4", "aft"])
+@pytest.mark.parametrize("name", SHIFT_INVARIANT)
 @pytest.mark.parametrize("form", attnlab.FORMS)
 @pytest.mark.parametrize("shift", [-300.0, 30.0, 650.0])
 def test_adding_a_constant_to_every_key_changes_nothing(name, form, shift):
     x = sample(name, T=40)
+    shifted = {**x, **{n: x[n] + shift for n in attnlab.formulation(name).shift_invariant}}
     run = attnlab.oracle(name, form, **({"chunk_size": 16} if form == "chunkwise" else {}))
-    assert rel_err(run(**{**x, "k": x["k"] + shift}), run(**x)) <= FLOAT64_TOL
+    assert rel_err(run(**shifted), run(**x)) <= FLOAT64_TOL
 
 
 def test_naive_rwkv4_overflows_in_float64_where_the_stable_form_does_not():
@@ -205,52 +199,65 @@ b1, b2, g1, g2, s = 0.6, 1.5, -0.2, -0.9, 0.5
 
 
 def _hand_worked():
+    """One example per formulation: (name, inputs over T = 2, options, the expected output), a row each."""
     e = math.exp
     elu1 = lambda x: x + 1 if x > 0 else e(x)  # noqa: E731
     qkv = {"q": [q1, q2], "k": [k1, k2], "v": [v1, v2]}
     S1_delta = b1 * k1 * v1
-    return {
-        "softmax": (qkv, {"scale": s}, [v1, (e(s * q2 * k1) * v1 + e(s * q2 * k2) * v2) / (e(s * q2 * k1) + e(s * q2 * k2))]),
-        "linear_attn": (qkv, {}, [v1, (elu1(k1) * v1 + elu1(k2) * v2) / (elu1(k1) + elu1(k2))]),
-        "retnet": ({**qkv, "g": "head"}, {"scale": s}, [s * q1 * k1 * v1, s * q2 * (e(g1) * k1 * v1 + k2 * v2)]),
-        "gla": ({**qkv, "g": [g1, g2]}, {"scale": s}, [s * q1 * k1 * v1, s * q2 * (e(g2) * k1 * v1 + k2 * v2)]),
-        "general": (
+    return [
+        ("softmax", qkv, {"scale": s}, [v1, (e(s * q2 * k1) * v1 + e(s * q2 * k2) * v2) / (e(s * q2 * k1) + e(s * q2 * k2))]),
+        ("linear_attn", qkv, {}, [v1, (elu1(k1) * v1 + elu1(k2) * v2) / (elu1(k1) + elu1(k2))]),
+        ("retnet", {**qkv, "g": "head"}, {"scale": s}, [s * q1 * k1 * v1, s * q2 * (e(g1) * k1 * v1 + k2 * v2)]),
+        ("gla", {**qkv, "g": [g1, g2]}, {"scale": s}, [s * q1 * k1 * v1, s * q2 * (e(g2) * k1 * v1 + k2 * v2)]),
+        (
+            "general",
             {**qkv, "gk": [g1, g2], "gv": [g2, g1]},
             {"scale": s},
             [s * q1 * k1 * v1, s * q2 * (e(g2) * e(g1) * k1 * v1 + k2 * v2)],
         ),
-        "aft": (
+        (
+            "aft",
             {"w": [[0.3, 0.0], [-0.8, 0.25]], "k": [k1, k2], "v": [v1, v2]},
             {},
             [v1, (e(-0.8 + k1) * v1 + e(0.25 + k2) * v2) / (e(-0.8 + k1) + e(0.25 + k2))],
         ),
-        "rwkv4": (
+        (
+            "rwkv4",
             {"w": [0.7], "u": [0.3], "k": [k1, k2], "v": [v1, v2]},
             {},
             [v1, (e(k1) * v1 + e(0.3 + k2) * v2) / (e(k1) + e(0.3 + k2))],
         ),
-        "deltanet": (
+        (
+            "deltanet",
             {**qkv, "beta": [b1, b2]},
             {"scale": s},
             [s * q1 * S1_delta, s * q2 * ((1 - b2 * k2 * k2) * S1_delta + b2 * k2 * v2)],
         ),
-        "gated_deltanet": (
+        (
+            "gated_deltanet",
             {**qkv, "g": [g1, g2], "beta": [b1, b2]},
             {"scale": s},
             [s * q1 * S1_delta, s * q2 * (e(g2) * (1 - b2 * k2 * k2) * S1_delta + b2 * k2 * v2)],
         ),
-        "kda": (
+        (
+            "kda",
             {**qkv, "g": [g1, g2], "beta": [b1, b2]},
             {"scale": s},
             [s * q1 * S1_delta, s * q2 * ((1 - b2 * k2 * k2) * e(g2) * S1_delta + b2 * k2 * v2)],
         ),
-    }
+    ]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_recurrent_form_matches_a_hand_worked_example(name):
+HAND_WORKED = _hand_worked()
+
+
+def test_every_formulation_has_a_hand_worked_example():
+    assert [row[0] for row in HAND_WORKED] == NAMES
+
+
+@pytest.mark.parametrize("name,values,options,expected", HAND_WORKED, ids=[row[0] for row in HAND_WORKED])
+def test_recurrent_form_matches_a_hand_worked_example(name, values, options, expected):
     """T = 2 and every head dimension 1: the recurrence unrolled by hand."""
-    values, options, expected = _hand_worked()[name]
     f = attnlab.formulation(name)
     x = {}
     for arg in f.args:

@@ -1,87 +1,51 @@
 """``attnlab bench``: each kernel timed side by side with its peer, in one run.
 
-Peers: flash-linear-attention's kernel of the same formulation where it has
-one, torch's scaled_dot_product_attention for softmax. Times are medians of
-``triton.testing.do_bench`` after a warm-up call (compilation stays out of
-the numbers); the ratio ours / peer is the figure to read, since absolute
-times depend on the GPU. The memory floor is the time to read every input
-and write the output once at the measured device-to-device bandwidth.
+The peer is the registry entry's ``bench_peer`` (attnlab.spec.Peer): flash-linear-attention's kernel of the
+same formulation where it has one, torch's scaled_dot_product_attention for softmax. It is called through its
+declared convention (attnlab.conventions): every conversion (names, dtypes, layout, log decay, stacked state)
+is done once, before the timing, so the timed call is exactly the peer's own. attnlab's kernel runs with the
+peer's ``our_options`` (the options under which it computes the same function). Times are medians of
+``triton.testing.do_bench`` after a warm-up call (compilation stays out of the numbers); the ratio ours / peer
+is the figure to read, since absolute times depend on the GPU. The memory floor is the time to read every
+input and write the output once at the measured device-to-device bandwidth.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from attnlab.registry import REGISTRY, formulation
+from attnlab.conventions import BoundCall, peer_adapter
+from attnlab.oracle import as_formulation
+from attnlab.spec import Formulation
 
 Inputs = dict[str, torch.Tensor]
 
 
-def _first(result: Any) -> torch.Tensor:
-    return result[0] if isinstance(result, tuple) else result
+def peer_inputs(f: Formulation | str, x: Inputs) -> dict[str, Any]:
+    """``x`` with the bench peer's ``our_options``: the call under which attnlab's kernel and the peer compute
+    the same function (``x`` itself when ``f`` has no bench peer)."""
+    peer = as_formulation(f).bench_peer
+    return {**x, **dict(peer.our_options)} if peer else dict(x)
 
 
-@dataclass(frozen=True)
-class Peer:
-    """A third-party implementation of a formulation, called on attnlab's inputs."""
-
-    label: str
-    make: Callable[[Inputs], Callable[[], Any]]
-    our_options: dict[str, Any] | None = None  # options attnlab must use to compute the same function
-    to_output: Callable[[Any], torch.Tensor] = _first  # the peer's result -> o in attnlab's layout
-
-    def output(self, x: Inputs) -> torch.Tensor:
-        return self.to_output(self.make(x)())
+def peer_call(f: Formulation | str, x: Inputs) -> BoundCall:
+    """The bench peer's call on ``x`` (attnlab's inputs, with the peer's our_options), every conversion done
+    now: ``call()`` is exactly the peer function's call, ``call.result(call())`` its output in attnlab's
+    convention. Imports the peer's module (fla, torch)."""
+    f = as_formulation(f)
+    if f.bench_peer is None:
+        raise ValueError(f"{f.name} has no bench peer")
+    return peer_adapter(f.bench_peer, f).bind(**peer_inputs(f, x))
 
 
-def _sdpa(x: Inputs) -> Callable[[], Any]:
-    q, k, v = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def _fla(op: str, build: Callable[[Inputs], dict[str, Any]]) -> Callable[[Inputs], Callable[[], Any]]:
-    """A peer from fla.ops; ``op`` is a function of fla.ops, or ``submodule.function`` for one it doesn't export."""
-
-    def make(x: Inputs) -> Callable[[], Any]:
-        import importlib
-
-        module, _, function = f"fla.ops.{op}".rpartition(".")
-        fn = getattr(importlib.import_module(module), function)
-        kwargs = build(x)
-        return lambda: fn(**kwargs)
-
-    return make
-
-
-def _qkv(x: Inputs) -> dict[str, Any]:
-    return {"q": x["q"], "k": x["k"], "v": x["v"]}
-
-
-def _rwkv4_fla(x: Inputs) -> dict[str, Any]:
-    B, _, C = x["k"].shape
-    # fla takes log(w) (decay exp(-exp(w_fla))) and a state [B, 3, 1, C].
-    state = torch.zeros(B, 3, 1, C, device=x["k"].device, dtype=torch.float32)
-    state[:, 2] = -1e38
-    return {"w": torch.log(x["w"].float()), "u": x["u"].float(), "k": x["k"], "v": x["v"], "state": state}
-
-
-PEERS: dict[str, Peer] = {
-    "softmax": Peer("torch SDPA causal", _sdpa, to_output=lambda o: o.transpose(1, 2)),
-    "linear_attn": Peer("fla chunk_linear_attn", _fla("chunk_linear_attn", lambda x: {**_qkv(x), "normalize": False, "scale": 1.0}),
-                        {"feature_map": "identity", "normalize": False}),
-    "retnet": Peer("fla chunk_simple_gla(g_gamma)", _fla("chunk_simple_gla", lambda x: {**_qkv(x), "g_gamma": x["g"].float()})),
-    "gla": Peer("fla chunk_gla", _fla("chunk_gla", lambda x: {**_qkv(x), "g": x["g"]})),
-    "general": Peer("fla fused_recurrent_gla(gk, gv)", _fla("fused_recurrent_gla", lambda x: {**_qkv(x), "gk": x["gk"], "gv": x["gv"]})),
-    "rwkv4": Peer("fla fused_recurrent_rwkv4", _fla("rwkv4.fused_recurrent_rwkv4", _rwkv4_fla)),
-    "deltanet": Peer("fla chunk_delta_rule", _fla("chunk_delta_rule", lambda x: {**_qkv(x), "beta": x["beta"]})),
-    "gated_deltanet": Peer("fla chunk_gated_delta_rule", _fla("chunk_gated_delta_rule", lambda x: {**_qkv(x), "g": x["g"], "beta": x["beta"]})),
-    "kda": Peer("fla chunk_kda", _fla("chunk_kda", lambda x: {**_qkv(x), "g": x["g"], "beta": x["beta"]})),
-}
+def peer_output(f: Formulation | str, x: Inputs) -> torch.Tensor:
+    """The bench peer's ``o`` on ``x``, converted back to attnlab's convention (layout, returns)."""
+    call = peer_call(f, x)
+    return call.result(call())
 
 
 def _bytes_moved(x: Inputs, out: torch.Tensor) -> int:
@@ -106,10 +70,24 @@ def _timed(call: Callable[[], Any]) -> tuple[float, Any, str | None]:
         out = call()
         return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median"), out, None
     except Exception as error:  # one implementation's failure is recorded, the run goes on
-        return math.nan, None, f"{type(error).__name__}: {error}"[:300]
+        return math.nan, None, _error_text(error)
 
 
-def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, form: str = "chunkwise",
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:300]
+
+
+def _timed_peer(f: Formulation, x: Inputs) -> tuple[float, str | None]:
+    """(median ms, None) of the bench peer's call, bound before the timing, or (nan, the error)."""
+    try:
+        call = peer_call(f, x)
+    except Exception as error:  # the peer's module is missing, or its convention refuses the inputs
+        return math.nan, _error_text(error)
+    ms, _, error = _timed(call)
+    return ms, error
+
+
+def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, form: str = "chunkwise",
         progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
     setting) and its peer at one shape; one result row per kernel setting."""
@@ -117,12 +95,11 @@ def run(names: list[str], *, B: int, T: int, H: int, K: int, V: int, dtype: torc
 
     bandwidth = measured_bandwidth()
     rows = []
-    for name in names:
-        f = formulation(name)
-        peer = PEERS.get(name)
+    for f in map(as_formulation, names):
+        name, peer = f.name, f.bench_peer
         x = {n: t.to(device="cuda", dtype=dtype) for n, t in f.sample(B=B, T=T, H=H, K=K, V=V, seed=0).items()}
-        inputs = {**x, **(peer.our_options or {})} if peer else x
-        peer_ms, _, peer_error = _timed(peer.make(x)) if peer else (math.nan, None, None)
+        inputs = peer_inputs(f, x)
+        peer_ms, peer_error = _timed_peer(f, x) if peer else (math.nan, None)
         chosen = form if form in f.kernel_forms else f.kernel_forms[0]
         speed = speed_options(name, chosen)
         for setting, opts in (("default", {}), ("speed", speed)):
@@ -160,5 +137,3 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
                      f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} |")
     return "\n".join(lines) + "\n"
 
-
-ALL = [f.name for f in REGISTRY]

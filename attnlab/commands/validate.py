@@ -90,8 +90,6 @@ CURVE_DEFAULTS = {
 }
 MINIMIZE_TRIES = 24
 MINIMIZE_SECONDS = 60.0
-# fla 0.6.0 exports every kernel of attnlab.conventions.FLA from fla.ops, except these.
-FLA_MODULES = {"fused_recurrent_rwkv4": "fla.ops.rwkv4"}
 # The distribution parameters of a Case and their defaults (the registry's default distributions).
 DISTRIBUTION = {"gate_low": None, "beta_low": None, "beta_high": None, "key_norm": 1.0, "key_coherence": 0.0,
                 "spread": 1.0, "logit_max": None, "key_shift": 0.0}
@@ -124,7 +122,7 @@ def fla_kernel(op: str, name: str | None = None) -> tuple[str, str]:
         name = owners[0]  # fused_recurrent_gla: gla first (general is the same function with gv)
     elif name not in owners:
         raise UsageError(f"--fla-op {op} computes {' or '.join(owners)}, not {name}")
-    return name, f"{FLA_MODULES.get(op, 'fla.ops')}:{op}"
+    return name, formulation(name).peer("fla", op).function
 
 
 def _parameter_names(kernel: Callable[..., Any]) -> set[str] | None:
