@@ -167,7 +167,8 @@ def _fla(function: str, label: str = "", bench: bool = False, our_options: tuple
 _FLA_LINEAR_STATE = dict(feature_map_outside=True, carries=(("normalize=False", ("S",)),), part_unsqueeze={"z": 1})
 
 SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention",
-            Convention("torch:sdpa", layout="BHTD", names={"causal": "is_causal"}, state_keyword=None,
+            Convention("torch:sdpa", layout="BHTD", positional=("q", "k", "v"), names={"causal": "is_causal"},
+                       state_keyword=None,
                        final_state_flag=None, returns="o"),
             label="torch SDPA", bench=True)
 

@@ -148,9 +148,6 @@ def test_head_first_layout_transposes_every_time_and_head_tensor_and_the_output(
     assert seen == {"shape": (1, 2, 12, 4), "is_causal": True}  # [B, H, T, K]; causal renamed is_causal
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "registry: the torch SDPA peer's Convention passes q, k, v as keywords, but "
-    "scaled_dot_product_attention names them query, key, value; it needs positional=('q', 'k', 'v')"))
 def test_the_sdpa_peer_through_its_declared_convention_is_softmax():
     from attnlab.conventions import peer_adapter
 
