@@ -16,7 +16,8 @@ import torch
 import triton.testing
 
 import attnlab
-from attnlab.commands.bench import PEERS
+import attnlab
+from attnlab.commands.bench import peer_call
 from attnlab.kernel import kernel_options
 
 SHAPES = [(8, 4096, 16, 128), (4, 4096, 16, 128), (8, 4096, 16, 64), (2, 4096, 16, 128), (2, 8192, 8, 128),
@@ -32,9 +33,9 @@ def main(name: str = "kda") -> None:
         for size in sizes:
             kernel = attnlab.kernel(name, "chunkwise", chunk_size=size)
             times.append(triton.testing.do_bench(lambda: kernel(**x), rep=100))
-        peer = triton.testing.do_bench(PEERS[name].make(x), rep=100)
+        peer = triton.testing.do_bench(peer_call(name, x), rep=100)
         mine = " ".join(f"C{size} {ms:.3f}" for size, ms in zip(sizes, times))
-        print(f"B={B} T={T} H={H} K=V={K}: {mine} {PEERS[name].label} {peer:.3f}", flush=True)
+        print(f"B={B} T={T} H={H} K=V={K}: {mine} {attnlab.formulation(name).bench_peer.label} {peer:.3f}", flush=True)
 
 
 if __name__ == "__main__":

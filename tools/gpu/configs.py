@@ -30,7 +30,7 @@ import triton.testing
 from profile_launches import kernel_times
 
 import attnlab
-from attnlab.commands.bench import PEERS
+from attnlab.commands.bench import peer_call
 from attnlab.metrics import measure
 
 LOCK = "/tmp/attnlab-gpu-timing.lock"
@@ -92,8 +92,8 @@ def main() -> None:
     f = attnlab.formulation(name)
     x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
     small = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=1, T=1024, H=4, K=128, V=128, seed=1).items()}
-    peer = PEERS.get(name)
-    extra = peer.our_options or {} if peer else {}
+    peer = f.bench_peer
+    extra = dict(peer.our_options) if peer else {}
     ref = attnlab.oracle(name, "chunkwise", "float64")(**small, **extra)
     module = importlib.import_module(f.kernel_module)
     ready = []
@@ -107,11 +107,11 @@ def main() -> None:
         except Exception as error:  # record and go on
             print(f"{name} {json.dumps(opts)}: {type(error).__name__}: {str(error)[:150]}", flush=True)
     if peer:
-        peer.make(x)()
+        peer_call(name, x)()
     wait_for_the_others(name)
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        peer_ms = triton.testing.do_bench(peer.make(x), warmup=25, rep=100, return_mode="median") if peer else float("nan")
+        peer_ms = triton.testing.do_bench(peer_call(name, x), warmup=25, rep=100, return_mode="median") if peer else float("nan")
         print(f"{name}: peer {peer.label if peer else None} {peer_ms:.3f} ms", flush=True)
         for opts, kernel, excess in ready:
             call = lambda: kernel(**x, **extra)  # noqa: E731, B023

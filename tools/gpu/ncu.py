@@ -31,12 +31,11 @@ def call(name: str, side: str) -> None:
     import torch
 
     import attnlab
-    from attnlab.commands.bench import PEERS
+    from attnlab.commands.bench import peer_call, peer_inputs
 
     f = attnlab.formulation(name)
     x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-    peer = PEERS[name]
-    run = peer.make(x) if side == "peer" else lambda: attnlab.kernel(name, "chunkwise")(**x, **(peer.our_options or {}))
+    run = peer_call(name, x) if side == "peer" else lambda: attnlab.kernel(name, "chunkwise")(**peer_inputs(name, x))
     for _ in range(2):
         run()
     torch.cuda.synchronize()

@@ -30,7 +30,7 @@ import torch
 import triton
 
 import attnlab
-from attnlab.commands.bench import ALL, PEERS
+from attnlab.commands.bench import peer_call, peer_inputs
 from attnlab.kernels._util import Launch
 from attnlab.validation import ValueScan
 
@@ -80,7 +80,7 @@ def host_timeline(call, calls: int = 50) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ALL
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else attnlab.names()
     init, wait = ValueScan.__init__, ValueScan.wait
 
     def eager_init(self, checks):
@@ -103,8 +103,8 @@ def main() -> None:
     for name in names:
         f = attnlab.formulation(name)
         x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-        peer = PEERS.get(name)
-        inputs = {**x, **(peer.our_options or {})} if peer else x
+        peer = attnlab.formulation(name).bench_peer
+        inputs = peer_inputs(name, x)
         ours = attnlab.kernel(name, "chunkwise")
         times = []
         for methods in variants.values():
@@ -114,7 +114,7 @@ def main() -> None:
         ranged = [x[a.name] for a in f.args if (a.low is not None or a.high is not None) and a.name in x]
         times.append(triton.testing.do_bench(lambda: [torch.aminmax(t) for t in ranged], warmup=25, rep=200, return_mode="median")  # noqa: B023
                      if ranged else float("nan"))
-        times.append(triton.testing.do_bench(peer.make(x), warmup=25, rep=200, return_mode="median") if peer else float("nan"))
+        times.append(triton.testing.do_bench(peer_call(name, x), warmup=25, rep=200, return_mode="median") if peer else float("nan"))
         blocked, to_launch, launching = host_timeline(lambda: ours(**inputs))  # noqa: B023
         print(f"{name:16s} " + " ".join(f"{t:8.3f}" for t in times)
               + f"   host us: sync {blocked:.0f}, to launch {to_launch:.0f}, launch {launching:.0f}", flush=True)

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attnlab
-from attnlab.commands.bench import ALL, PEERS
+from attnlab.commands.bench import peer_call, peer_inputs
 from attnlab.kernel import speed_options
 
 CALLS = 5
@@ -37,12 +37,12 @@ def kernel_times(call) -> list[tuple[str, float]]:
 
 
 def main() -> None:
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else ALL
+    names = sys.argv[1].split(",") if len(sys.argv) > 1 else attnlab.names()
     for name in names:
         f = attnlab.formulation(name)
         x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-        peer = PEERS.get(name)
-        inputs = {**x, **(peer.our_options or {})} if peer else x
+        peer = attnlab.formulation(name).bench_peer
+        inputs = peer_inputs(name, x)
         speed = speed_options(name, "chunkwise")
         runs = [("attnlab default", attnlab.kernel(name, "chunkwise")), ("attnlab speed", attnlab.kernel(name, "chunkwise", **speed) if speed else None)]
         for label, ours in runs:
@@ -58,7 +58,7 @@ def main() -> None:
                 print(f"    {ms:8.3f} ms  {kname}")
         if peer:
             try:
-                times = kernel_times(peer.make(x))
+                times = kernel_times(peer_call(name, x))
                 print(f"{name} peer {peer.label}: total {sum(t for _, t in times):.3f} ms")
                 for kname, ms in times:
                     print(f"    {ms:8.3f} ms  {kname}")
