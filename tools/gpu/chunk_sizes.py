@@ -16,7 +16,6 @@ import torch
 import triton.testing
 
 import attnlab
-import attnlab
 from attnlab.commands.bench import peer_call
 from attnlab.kernel import kernel_options
 
