@@ -18,90 +18,76 @@ exp(G_t - G_j) for t >= j, and M the causal mask:
     O     = Qg S + A_qk Delta
     S'    = exp(G_C) S + Kd^T Delta
 
-This is kda's chunk algebra (kernels/kda.py) with one gate per head instead
-of one per key channel: exp(g_t) is a scalar, so it commutes with
-(I - beta k k^T) and the two recurrences agree with g_tc = g_t. The delta
-rules therefore run kda's state pass (``kda.bind_state_pass``: the output
-fused into the sequential pass, the fp32 state in 64-channel blocks, the
-fp16 scales of its operands from per-chunk bounds) in its SCALAR_GATE mode:
-Qg and Kd are never stored. The state pass reads q and k themselves and puts
-the per-row factors scale exp(G_t) on the rows of Q S and exp(G_C - G_t) on
-the rows of Delta (a scalar gate per row factors out of the channel sum).
-For the same reason A_kk and A_qk are one K K^T and one Q K^T dot each, and G
-is one scan per chunk. Two launches:
+This is kda's chunk algebra with one gate per head instead of one per key
+channel: exp(g_t) is a scalar, so it commutes with (I - beta k k^T) and the
+two recurrences agree with g_tc = g_t. The delta rules therefore run the
+state pass kda runs (kernels/_state_pass.py: the output fused into the
+sequential pass, the fp32 state in 64-channel blocks, the fp16 scales of its
+operands from per-chunk bounds) in its SCALAR_GATE mode: Qg and Kd are never
+stored; the state pass reads q and k themselves and puts the per-row factors
+scale exp(G_t) on the rows of Q S and exp(G_C - G_t) on the rows of Delta (a
+scalar gate per row factors out of the channel sum). For the same reason
+A_kk and A_qk are one K K^T and one Q K^T dot each, and G is one scan per
+chunk. Two launches:
 
 - ``_delta_prepare_kernel`` (grid (chunks, B*H), all parallel): K K^T and
-  Q K^T over the key channels, Gamma, A_qk, L, T by ``_unit_lower_inverse``,
-  W, U, the row factors, exp(G_C) and the per-chunk bounds.
-- kda's state pass (grid (V blocks, B*H), the chunks in order).
-
-Until 2026-11-25 the delta rules ran three launches of their own: a prepare
-pass (T, W, U), a state pass that wrote each chunk's state S and Delta, and
-an output pass over them. On the H100 at B=8, T=4096, H=16, K=V=128 (bf16)
-that took 1.29 ms (deltanet) and 1.42 ms (gated) against fla's 1.22 and
-1.03; now 0.92 and 1.00 against 1.20 and 1.01 (prepare 0.46 / 0.53 ms,
-state pass 0.42, with U in fp16 and split merges; reports/bench.md, sessions
-8-10). A first version stored Qg and
-Kd as kda does: 1.33 / 1.37-1.42 ms, its prepare kernel writing 270 MB more.
+  Q K^T over the key channels, Gamma, A_qk, L, T by
+  ``_numerics.unit_lower_inverse``, W, U, the row factors, exp(G_C) and the
+  per-chunk bounds.
+- the state pass (grid (V blocks, B*H), the chunks in order).
 
 Every exponent is <= 0: pairwise differences are masked to -inf above the
 diagonal before the exponential, and the others clamped to <= 0. G is kept
 as an fp32 pair (a compensated scan), so that G_t - G_j and G_C - G_t are
 accurate to their own size even when |G| reaches C * 20 inside a chunk.
 
-Precision (the ``precision`` option, kda's choices and meanings: "auto" is
-"fp16" for bf16 inputs, "bf16x3" for fp16, "ieee" for fp32) decides the state
-pass's dots and how W, A_qk and U are stored (fp16 pre-scaled for "fp16": W
-and A_qk by per-chunk bounds, U by its per-chunk column peaks, so that each
-entry of U keeps fp16's 2^-11, the size of W S's own rounding, which
-Delta = U - W S subtracts from it). Measured on the H100 (bench shape, bf16):
-excess 1.034 (deltanet) and 1.016 (gated) at T = 1024 with "fp16" (1.025 and
-1.015 with U in fp32, which cost 0.06 ms a call more: reports/bench.md,
-session 10); "bf16" (fla's rounding of every operand) 2.28 / 1.73, and slower
-(1.84 / 2.00 ms in the first version), so the delta rules offer no speed
-setting. On the ill-conditioned regression (beta = 2, nearly parallel keys,
-fp16 inputs, tests) "fp16" costs about 12x the fp16 floor (Delta's fp16
-rounding is amplified by T's conditioning), 1.3x the bf16 floor it is the
-default for; "bf16x3", the fp16 inputs' default, sits at the fp16 floor.
-Known defect of "fp16" (session 10): where the chunk algebra cancels, an
-output that is exactly representable in bf16 can come out an ulp off (K = 1,
-beta = 1: o_t = sum_j A_qk[t, j] U_j = +-v_t with |U_j| up to 2.4 for
-|o_t| = 0.1, Delta rounded to fp16; gated, T = 2: 4.6% of o_1 = -0.0146,
-an absolute error of 2^-12 of |U|), which the bf16 property suite counts as
-a failure (properties/regressions.py; tests/kernels/test_deltanet.py, strict
-xfails). "bf16x3" and "tf32x3" are exact there.
+Precision (the ``precision`` option, with kda's choices and meanings: "auto"
+is "fp16" for bf16 inputs, "bf16x3" for fp16, "ieee" for fp32) decides the
+state pass's dots and how W, A_qk and U are stored (fp16 pre-scaled for
+"fp16": W and A_qk by per-chunk bounds, U by its per-chunk column peaks, so
+that each entry of U keeps fp16's 2^-11, the size of W S's own rounding,
+which Delta = U - W S subtracts from it). "bf16" (fla's rounding of every
+operand) is less accurate and no faster, so the delta rules offer no speed
+setting. With fp16 inputs, "fp16" rounds Delta to fp16, and T's
+conditioning amplifies that rounding on ill-conditioned chunks (beta = 2,
+nearly parallel keys) far above the fp16 floor, though not above the bf16
+floor it is the default for: fp16 inputs default to "bf16x3", which sits at
+the fp16 floor there.
+Known defect of "fp16": where the chunk algebra cancels, an output that is
+exactly representable in bf16 can come out an ulp off (K = 1, beta = 1:
+o_t = sum_j A_qk[t, j] U_j = +-v_t with |U_j| far above |o_t|, Delta
+rounded to fp16, an absolute error of 2^-12 of |U|), which the bf16 property
+suite counts as a failure (properties/regressions.py;
+tests/kernels/test_deltanet.py, strict xfails). "bf16x3" and "tf32x3" are
+exact there.
 The prepare kernel keeps its own products more exact than the state pass's,
 since their errors are amplified by T's conditioning: T's inverse merges
 multiply bf16 hi/lo parts ("split", three bf16 products, ~2^-16) under
 "fp16" and "bf16", tf32x3 (~2^-22) under "bf16x3" (the fp16 inputs'
 default, whose own products are ~2^-16), and W = T K, U = T V multiply bf16
 hi/lo parts of T with the exact 16-bit K and V ("split"); under "ieee",
-"tf32" and "tf32x3" both follow the state pass's precision. The split
-merges took gated_deltanet's prepare kernel from 0.598 to 0.524 ms against
-tf32x3 (H100, bench shape) at the same excess (1.016 at T = 1024); on the
-ill-conditioned regression below, "fp16" stays at 12.4x the fp16 floor
-(12.3x with tf32x3 merges and U in fp32).
-K K^T and Q K^T of 16-bit inputs are exact on the tensor cores.
+"tf32" and "tf32x3" both follow the state pass's precision. K K^T and Q K^T
+of 16-bit inputs are exact on the tensor cores.
 
-The inverse (``_unit_lower_inverse``): its diagonal SUB x SUB blocks (16)
-are inverted by substitution on one [C/16, 16, 16] tile, the K K^T
-accumulator reshaped, so that each step's reductions stay inside a warp
-(masked [C, C] tiles cost ~4x the instructions per step and 3 barriers);
-then log2(C/16) merge levels of two dots each on the full tile, tf32x3
-written out (``_mm_into``: tl.dot's split, but accumulated on the tensor
-cores and without its NaN clean-up of the small products). On the H200
-(bench shape, bf16) this took the former prepare pass from 0.66 to 0.42 ms
-(deltanet) and 0.71 to 0.47 ms (gated); 8-blocks with 3 levels took 0.46 /
-0.51, at the same accuracy.
+The inverse (``_numerics.unit_lower_inverse``): its diagonal SUB x SUB blocks
+(16) are inverted by substitution on one [C/16, 16, 16] tile, the K K^T
+accumulator reshaped, so that each step's reductions stay inside a warp (on
+masked [C, C] tiles every step reduces across warps, with barriers); then
+log2(C/16) merge levels of two dots each on the full tile, tf32x3 written
+out (``_numerics.split_dot_into``: tl.dot's split, but accumulated on the
+tensor cores and without its NaN clean-up of the small products).
 
 Under the Triton interpreter bf16 arithmetic is broken, so "split" rounds to
 bf16 by integer RTNE on the fp32 bit pattern and multiplies the parts as fp32
 (exact, like the tensor cores' bf16 products); tf32 precisions are exact fp32
-there, and kda emulates its "fp16" and "bf16" dots.
+there, and "fp16" and "bf16" dots are emulated (_numerics.dot_precision).
 
 Recurrent form: one program per (head, block of V columns), the literal
 recurrence token by token on the fp32 state (the read k^T S spans the whole
 K column, so only V is split).
+
+Measurements behind these choices (timings, the designs tried, instruction
+counts): reports/bench.md, "Design history moved from the kernel docstrings".
 """
 
 from __future__ import annotations
@@ -113,27 +99,23 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernel import interpreter_active
-
-from . import kda
-from ._util import Launch, block_size, launch_after_checks, no_pending_checks
-from .kda import _store_u, _to_scratch
+from attnlab.kernels import _state_pass
+from attnlab.kernels._numerics import peak, split_dot, split_dot_into, to_scratch, unit_lower_inverse
+from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u
+from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
+from attnlab.runtime import interpreter_active
 
 BLOCK_VS = (None, 16, 32, 64, 128)
 NUM_WARPS = (1, 2, 4, 8)
-# Diagonal blocks of T are inverted by substitution at this size, then merged by dots. On
-# [C/SUB, SUB, SUB] tiles a step costs under a tenth of a merge level in instructions; at C = 64 the sm_90
-# build (ptxas) has 3750 instructions and 18 barriers with 16 steps + 2 levels, 3940 and 22 with 8 + 3,
-# 6260 and 110 with 32 + 1 (its reductions cross warps). The masked [C, C] substitution with Triton's
-# tf32x3 merges it replaces had ~7800 (8 steps + 3 levels) and ~41. Timed on the H200: 16 beat 8 (module
-# docstring).
+# Diagonal blocks of T are inverted by substitution at this size, then merged by dots: a substitution step on
+# [C/SUB, SUB, SUB] tiles costs a fraction of a merge level, and at 16 rows its reductions stay inside a warp
+# (at 32 they cross warps); 16 also ran faster than 8.
 SUB = tl.constexpr(16)
-# The prepare kernel at 4 warps, sm_90 build (bf16, K = V = 128, C = 64, "fp16"): 255 registers, no spills;
-# 8 warps spill. K K^T and Q K^T sum PREPARE_CHANNEL_SLICE key channels a step (H100, bench shape, gated:
-# 0.58 ms at 128, 0.61 at 64). W and U are made PREPARE_OUTPUT_BLOCK channels at a time, whatever K and V:
-# where T, an inverse's result in registers, met [C, 32] or [C, 16] tiles in a dot (blocks of 32, or
-# K, V <= 16 with blocks of min(64, K)), the H100 build gave wrong outputs and illegal memory accesses that
-# the interpreter does not show (.ci/gpu_shapes.py); at 64 and 128 it is right, and 128 was no faster.
+# The prepare kernel runs at 4 warps (8 spill). K K^T and Q K^T sum PREPARE_CHANNEL_SLICE key channels a step
+# (faster than 64). W and U are made PREPARE_OUTPUT_BLOCK channels at a time, whatever K and V: where T, an
+# inverse's result in registers, meets [C, 32] or [C, 16] tiles in a dot, the GPU build gives wrong outputs and
+# illegal memory accesses that the interpreter does not show (tools/gpu/shapes.py); at 64 and 128 it is right,
+# and 128 is no faster.
 PREPARE_CHANNEL_SLICE = 128
 PREPARE_OUTPUT_BLOCK = 64
 PREPARE_NUM_WARPS = 4
@@ -141,79 +123,12 @@ PREPARE_NUM_WARPS = 4
 
 def options(chunkwise: bool) -> dict[str, tuple]:
     """The kernel options of one form, as kernels/__init__.py's OPTIONS entry: the chunkwise form's are
-    kda's (its state pass does the sequential work), with V blocks of 64 or 128 only and a fixed chunk
+    the state pass's (it does the sequential work), with V blocks of 64 or 128 only and a fixed chunk
     size (kda's "auto" choice was measured for kda's own parallel kernels, not for the prepare kernel)."""
     if chunkwise:
-        # V blocks of 16 and 32 are not offered: see kda.bind_state_pass.
-        return {**kda.OPTIONS["chunkwise"], "chunk_size": (64, (16, 32, 64)), "block_v": (64, (64, 128))}
+        # V blocks of 16 and 32 are not offered: see _state_pass.bind_state_pass.
+        return {"chunk_size": (64, (16, 32, 64)), **_state_pass.OPTIONS, "block_v": (64, (64, 128))}
     return {"block_v": (None, BLOCK_VS), "num_warps": (4, NUM_WARPS)}
-
-
-# --------------------------------------------------------------------------- dots
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), kept in fp32: integer RTNE on the bit pattern."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_parts(x, EMULATE_BF16: tl.constexpr):
-    """x (fp32) = hi + lo + O(2^-17 |x|) with hi, lo bf16 values (fp32 carriers when emulating)."""
-    if EMULATE_BF16:
-        hi = _round_to_bf16(x)
-        lo = _round_to_bf16(x - hi)
-    else:
-        hi = x.to(tl.bfloat16)
-        lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
-    return hi, lo
-
-
-@triton.jit
-def _mm_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """acc + a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
-
-    Two 16-bit tiles of one dtype go straight to the tensor cores (exact
-    products). Otherwise PRECISION decides: "split" multiplies bf16 hi/lo
-    parts (a bf16 b, the prepare kernel's K or V against T, is its own hi
-    part); "tf32x3" is tl.dot's written out (the same split: hi rounded to
-    tf32, lo the exact rest, truncated to tf32 by the tensor cores; without
-    its NaN clean-up of the small products, which only an infinite input
-    needs); anything else is tl.dot's input_precision. Every product
-    accumulates into acc on the tensor cores (one fp32 tile of registers,
-    where a sum of separate products would hold one per product).
-    """
-    if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
-        acc = tl.dot(a, b, acc)
-    elif PRECISION == "tf32x3":
-        a_hi, a_lo = _tf32_parts(a.to(tl.float32))
-        b_hi, b_lo = _tf32_parts(b.to(tl.float32))
-        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
-    elif PRECISION == "split":
-        if tl.constexpr(b.dtype == tl.bfloat16):
-            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a_lo, b, acc)
-            acc = tl.dot(a_hi, b, acc)
-        else:
-            a_hi, a_lo = _bf16_parts(a.to(tl.float32), EMULATE_BF16)
-            b_hi, b_lo = _bf16_parts(b.to(tl.float32), EMULATE_BF16)
-            acc = tl.dot(a_hi, b_lo, acc)
-            acc = tl.dot(a_lo, b_hi, acc)
-            acc = tl.dot(a_hi, b_hi, acc)
-    else:
-        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def _mm(a, b, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """a @ b with fp32 accumulation, at PRECISION (see _mm_into)."""
-    return _mm_into(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=tl.float32), PRECISION, EMULATE_BF16)
 
 
 # --------------------------------------------------------------------------- gates
@@ -264,56 +179,6 @@ def _pairwise_decay(G_hi, G_lo, BC: tl.constexpr):
     return tl.exp(tl.where(rows >= cols, pairwise, float("-inf")))
 
 
-# --------------------------------------------------------------------------- UT transform
-
-
-@triton.jit
-def _tf32_parts(x):
-    """x = hi + lo with hi = x rounded to tf32 (to nearest, ties away: cvt.rna's rounding, by integer ops)."""
-    hi = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, x - hi
-
-
-@triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
-                        EMULATE_BF16: tl.constexpr):
-    """(I + L)^-1 for strictly lower-triangular L [BC, BC], in fp32.
-
-    The diagonal blocks of size BC >> LEVELS are inverted by column-oriented
-    forward substitution, all at once as one [blocks, size, size] tile (step r
-    subtracts column r of each block of L times row r of its block of X; the
-    reductions run along one block's row or column, inside a warp), then
-    merged pairwise LEVELS times on the full tile: for a block [[A, 0], [B, D]]
-    whose halves are already inverted, X <- X + X (-B X) fills in -D^-1 B A^-1
-    (-B X is nonzero only where X is 0, so the accumulation into X is exact).
-    """
-    SIZE: tl.constexpr = BC >> LEVELS
-    BLOCKS: tl.constexpr = BC // SIZE
-    # blocks[n, i, m, j] = L[n * SIZE + i, m * SIZE + j]; the diagonal blocks are m == n.
-    block_row = tl.arange(0, BLOCKS)[:, None, None, None]
-    block_col = tl.arange(0, BLOCKS)[None, None, :, None]
-    L_blocks = tl.sum(tl.where(block_row == block_col, tl.reshape(L, [BLOCKS, SIZE, BLOCKS, SIZE]), 0.0), axis=2)
-    i = tl.arange(0, SIZE)[None, :, None]
-    j = tl.arange(0, SIZE)[None, None, :]
-    X_blocks = tl.where(i == j, 1.0, 0.0) + tl.zeros([BLOCKS, SIZE, SIZE], dtype=tl.float32)
-    for r in tl.static_range(SIZE):
-        # Row r of each block of X is final after r steps; column r of L does not depend on X.
-        l = tl.sum(tl.where(j == r, L_blocks, 0.0), axis=2)
-        x = tl.sum(tl.where(i == r, X_blocks, 0.0), axis=1)
-        X_blocks = X_blocks - l[:, :, None] * x[:, None, :]
-    X = tl.reshape(tl.where(block_row == block_col, X_blocks[:, :, None, :], 0.0), [BC, BC])
-
-    rows = tl.arange(0, BC)[:, None]
-    cols = tl.arange(0, BC)[None, :]
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    for level in tl.static_range(LEVELS):
-        half = SIZE << level
-        lower_left = ((rows // (2 * half)) == (cols // (2 * half))) & ((rows // half) % 2 == 1) & ((cols // half) % 2 == 0)
-        X = _mm_into(X, _mm_into(tl.where(lower_left, -L, 0.0), X, zero, PRECISION, EMULATE_BF16), X,
-                     PRECISION, EMULATE_BF16)
-    return X
-
-
 # --------------------------------------------------------------------------- the state pass's operands
 
 
@@ -325,7 +190,7 @@ def _delta_prepare_kernel(
     BV: tl.constexpr, LEVELS: tl.constexpr, INVERSE_PRECISION: tl.constexpr, PRODUCT_PRECISION: tl.constexpr,
     STATE_PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
-    """One chunk of one head: the operands of kda's state pass in its SCALAR_GATE mode (by scratch row).
+    """One chunk of one head: the operands of the state pass in its SCALAR_GATE mode (by scratch row).
 
       A_qk = scale (Q K^T * Gamma * M)                         (stored first: no registers held after)
       L    = tril(Diag(beta) (K K^T * Gamma), -1),   T = (I + L)^-1 Diag(beta)   (INVERSE_PRECISION)
@@ -335,11 +200,11 @@ def _delta_prepare_kernel(
     (Qg = q_factor * Q and Kd = k_factor * K: the state pass applies the factors to the rows of
     Q S and of Delta.) K K^T and Q K^T sum BKC key channels at a time; W takes BKW key channels and
     U BV value channels at a time, exp(G) going into T's columns so that K stays an exact input tile
-    of W's product; U is stored as kda's _store_u makes it at U_PRECISION (with its column peaks).
-    Then the bounds the state pass takes its fp16 scales from: |W| <= max_t sum_j |T_tj exp(G_j)|
-    peak|k|, peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and A_qk are stored as kda's
-    _to_scratch makes them at STATE_PRECISION. gC, one value a chunk, is
-    stored for each of the K channels (the state pass decays each row of S by its channel's gC).
+    of W's product; U is stored as _state_pass.store_u makes it at U_PRECISION (with its column
+    peaks). Then the bounds the state pass takes its fp16 scales from: |W| <= max_t sum_j |T_tj
+    exp(G_j)| peak|k|, peak|q|, peak|k|, |A_qk| <= |scale| K peak|q| peak|k|; W and A_qk are stored as
+    _numerics.to_scratch makes them at STATE_PRECISION. gC, one value a chunk, is stored for each of
+    the K channels (the state pass decays each row of S by its channel's gC).
     Every scratch row is written: rows past the sequence end load q = k = v = beta = g = 0, so
     their W, U and A_qk are 0 (their row factors are not, but meet q = k = 0 there).
     """
@@ -362,10 +227,10 @@ def _delta_prepare_kernel(
         mask = valid[:, None] & (channels < K)[None, :]
         k = tl.load(k_ptr + token[:, None] * K + channels[None, :], mask=mask, other=0.0)
         q = tl.load(q_ptr + token[:, None] * K + channels[None, :], mask=mask, other=0.0)
-        kk = _mm_into(k, tl.trans(k), kk, INVERSE_PRECISION, EMULATE_BF16)
-        qk = _mm_into(q, tl.trans(k), qk, INVERSE_PRECISION, EMULATE_BF16)
-        q_peak = tl.maximum(q_peak, tl.max(tl.abs(q.to(tl.float32))))
-        k_peak = tl.maximum(k_peak, tl.max(tl.abs(k.to(tl.float32))))
+        kk = split_dot_into(k, tl.trans(k), kk, INVERSE_PRECISION, EMULATE_BF16)
+        qk = split_dot_into(q, tl.trans(k), qk, INVERSE_PRECISION, EMULATE_BF16)
+        q_peak = tl.maximum(q_peak, peak(q.to(tl.float32)))
+        k_peak = tl.maximum(k_peak, peak(k.to(tl.float32)))
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         decay = _pairwise_decay(G_hi, G_lo, C)  # Gamma * M
@@ -374,18 +239,18 @@ def _delta_prepare_kernel(
     else:
         qk = tl.where(rows[:, None] >= rows[None, :], qk, 0.0)
     aqk_bound = tl.abs(scale) * K * q_peak * k_peak
-    tl.store(aqk_ptr + scratch_row[:, None] * C + rows[None, :], _to_scratch(scale * qk, aqk_bound, STATE_PRECISION))
+    tl.store(aqk_ptr + scratch_row[:, None] * C + rows[None, :], to_scratch(scale * qk, aqk_bound, STATE_PRECISION))
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(tl.float32)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
-    ut = _unit_lower_inverse(L, C, LEVELS, INVERSE_PRECISION, EMULATE_BF16) * beta[None, :]
+    ut = unit_lower_inverse(L, C, LEVELS, INVERSE_PRECISION, EMULATE_BF16) * beta[None, :]
 
     # U is made before W so that T and T exp(G)^T are never live together.
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
-        u = _mm(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
-        _store_u(u_ptr, u_peak_ptr, u, scratch_row, chunk_index * V, values, value_ok, V, U_PRECISION)
+        u = split_dot(ut, v, PRODUCT_PRECISION, EMULATE_BF16)
+        store_u(u_ptr, u_peak_ptr, u, scratch_row, chunk_index * V, values, value_ok, V, U_PRECISION)
     if GATED:
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))  # exp(G_t)
@@ -405,8 +270,8 @@ def _delta_prepare_kernel(
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
         k = tl.load(k_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & channel_ok[None, :], other=0.0)
-        w = _mm(ut_w, k, PRODUCT_PRECISION, EMULATE_BF16)
-        tl.store(w_ptr + scratch_row[:, None] * K + channels[None, :], _to_scratch(w, w_bound, STATE_PRECISION),
+        w = split_dot(ut_w, k, PRODUCT_PRECISION, EMULATE_BF16)
+        tl.store(w_ptr + scratch_row[:, None] * K + channels[None, :], to_scratch(w, w_bound, STATE_PRECISION),
                  mask=channel_ok[None, :])
         tl.store(gc_ptr + chunk_index * K + channels, tl.full([BKW], chunk_decay, tl.float32), mask=channel_ok)
     which = tl.arange(0, 4)
@@ -483,7 +348,7 @@ def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torc
 
 
 def _bind_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
-                  scale: float, operands: kda.StateOperands, C: int, dot_precision: str) -> Launch:
+                  scale: float, operands: StateOperands, C: int, dot_precision: str) -> Launch:
     """``_delta_prepare_kernel`` over every chunk and head, into ``operands`` (allocated with scalar_gate), bound."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -506,7 +371,7 @@ def chunkwise(
     chunk_size: int = 64, precision: str = "auto", block_v: int = 64, num_warps: int = 4,
     num_stages: int | str = "auto", await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
-    """The prepare kernel, then kda's state pass; g None is DeltaNet. Returns (o, (S,) or None)."""
+    """The prepare kernel, then the state pass; g None is DeltaNet. Returns (o, (S,) or None)."""
     choices = options(chunkwise=True)
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
@@ -514,14 +379,14 @@ def chunkwise(
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    dot_precision, num_stages = kda.resolve_state_pass(precision, num_stages, q.dtype, K)
-    operands = kda.StateOperands.allocate(B, H, triton.cdiv(T, C), C, K, V, q.device, dot_precision, scalar_gate=True)
+    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
+    operands = StateOperands.allocate(B, H, triton.cdiv(T, C), C, K, V, q.device, dot_precision, scalar_gate=True)
     o, final = _outputs(q, v, return_state)
     initial = state[0] if state is not None else None
     launch_after_checks(
         await_checks,
         _bind_prepare(q, k, v, beta, g, scale, operands, C, dot_precision),
-        kda.bind_state_pass(operands, o, initial, final, T, C, block_v, dot_precision, num_warps, num_stages,
+        bind_state_pass(operands, o, initial, final, T, C, block_v, dot_precision, num_warps, num_stages,
                             scalar_gate_inputs=(q, k)),
     )
     return o, ((final,) if return_state else None)

@@ -23,13 +23,13 @@ fp32), the intra-chunk scores A, the outputs (parallel over chunks).
 
 Every log decay is a direct sum of the gates it spans, never a difference of
 two cumulative sums: a difference G_t - G_j of chunk-level sums carries the
-rounding of |G_t| (up to BT * |g|), which alone costs fp32 inputs 4-6x their
-rounding floor, while a direct sum's error scales with the decay exponent
-itself. The sums are tensor-core dots of a 0/1 row-selection matrix with the
-gate tile (``_segment_sums``): the gates are values of the input dtype, so
-each product is exact and the dot accumulates in fp32 (an exact fp32 dot for
-fp32 inputs); one dot replaces a scan. Sums of gates <= 0 are <= 0, so no
-positive exponent is evaluated.
+rounding of |G_t| (up to BT * |g|), several times fp32 inputs' rounding
+floor on strong gates, while a direct sum's error scales with the decay
+exponent itself. The sums are tensor-core dots of a 0/1 row-selection matrix
+with the gate tile (``_numerics.span_sums``): the gates are values of the
+input dtype, so each product is exact and the dot accumulates in fp32 (an
+exact fp32 dot for fp32 inputs); one dot replaces a scan. Sums of gates <= 0
+are <= 0, so no positive exponent is evaluated.
 
 A per-channel decay cannot be factored out of a dot as a whole, and the
 ``q * exp(G)`` / ``k * exp(-G)`` split overflows on strong gates. The intra
@@ -57,19 +57,19 @@ of the input dtype, so a dot on them is done as
 
 - "auto" (default): "fp16" for bf16 inputs, "split" for fp16, "ieee" for fp32.
 - "fp16": both operands through fp16 in one tensor-core dot. Each operand
-  tile is scaled by a power of two to a peak in [2^13, 2^14) (``_pow2_scale``),
-  so bf16 values convert exactly (8 of fp16's 11 bits), fp32 ones carry 2^-11
-  relative error (4x below bf16's output rounding), nothing overflows and
-  values down to 2^-27 of the tile's peak stay normal; the scales come out of
-  the fp32 product exactly. One scale per tile, not per row or column, and
-  taken from a bound where one is known (a decay <= 1 only lowers a tile; q
-  and k, or k and v, share one): a reduction across warps costs more than the
-  dot it feeds. h and A are stored in fp16, already scaled, with one fp32
-  inverse scale per tile (h's from a running bound on |S|, A's from
-  |A| <= sum_K |q| |k|): half the bytes of fp32 and no scaling pass in the
-  output kernel. bf16 excess emulated at 1.01 (T = 64..4096, K = V = 128)
-  against 1.52-1.57 for "input" (with per-row scales; per tile they round the
-  same values to the same 11 bits).
+  tile is scaled by a power of two to a peak in [2^13, 2^14)
+  (``_numerics.pow2_scale``), so bf16 values convert exactly (8 of fp16's 11
+  bits), fp32 ones carry 2^-11 relative error (4x below bf16's output
+  rounding), nothing overflows and values down to 2^-27 of the tile's peak
+  stay normal; the scales come out of the fp32 product exactly. One scale per
+  tile, not per row or column (per row they round the same values to the
+  same 11 bits), and taken from a bound where one is known (a decay <= 1 only
+  lowers a tile; q and k, or k and v, share one): a reduction across warps
+  costs more than the dot it feeds. h and A are stored in fp16, already
+  scaled, with one fp32 inverse scale per tile (h's from a running bound on
+  |S|, A's from |A| <= sum_K |q| |k|): half the bytes of fp32 and no scaling
+  pass in the output kernel. Its bf16 excess is near 1, where "input" is
+  about 1.5.
 - "split": x = hi + lo with hi, lo in the input dtype, three
   tensor-core dots (hi.hi + hi.lo + lo.hi; two when the other operand is an
   input-dtype tensor). About 16 bits (bf16) or 22 bits (fp16) per operand.
@@ -89,6 +89,9 @@ The per-chunk states h and the scores A are stored in fp32, except with "fp16"
 (scaled fp16, above) and with "input" on bf16 (bf16: every dot reading them
 rounds them to bf16 anyway); both halve the dominant memory traffic
 (h: B H T K V / BT).
+
+Measurements behind these choices (timings, emulated excess): reports/bench.md,
+"Design history moved from the kernel docstrings".
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.kernels._numerics import peak, pow2_scale, span_sums
 from attnlab.kernels._util import (
     Launch, block_size, gpu_shape_known_bad, launch_after_checks, no_pending_checks, triton_dtype,
 )
@@ -115,10 +119,7 @@ SPEED_OPTIONS = {"precision": "input"}
 # them before a launch. chunk_size is the largest chunk (short sequences use one chunk of
 # next_pow2(T), at least 16); block_k / block_v are the K and V tiles (head dimensions above
 # them are looped over or split across programs); num_warps / num_stages go to every launch.
-# Defaults measured on an H200 at B=8, T=4096, H=16, K=V=128, bf16 (.ci/gpu_configs.py, per launch):
-# block_k 64 with 4 warps takes gla from 2.88 ms (block_k 32, block_v 64, 8 warps) to 1.63 ms (scores
-# 1.31 -> 0.66, states 0.87 -> 0.51, output 0.54 -> 0.29), and block_v 128 to 1.43 ms (states 0.33,
-# output 0.25), at the same accuracy (excess 1.010 at T=1024).
+# The defaults are the fastest measured at the bench shape, at the same accuracy (reports/bench.md).
 CHUNKWISE_OPTIONS = {
     "chunk_size": (64, CHUNK_SIZES),
     "precision": ("auto", PRECISIONS),
@@ -140,42 +141,14 @@ def _normalise(x, AXIS: tl.constexpr):
 
     A power of two makes the rescaling exact, so each y rounds to fp16 exactly as x would at its
     own magnitude: an entry's rounding does not depend on the other entries of its line (apart
-    from fp16 subnormals, 2^14 below the line's peak). Dividing by the peak itself made every
+    from fp16 subnormals, 2^14 below the line's peak). Dividing by the peak itself would make every
     entry's rounding depend on the line's largest entry, which for a chunk's key rows includes
-    future positions: the property suite caught general's chunkwise kernel breaking bitwise
-    causality that way (fp16, T=38).
+    future positions, and break bitwise causality.
     """
-    peak = tl.max(tl.abs(x), axis=AXIS, keep_dims=True)
-    power = (peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    scale = tl.where(peak >= 1.1754943508222875e-38, power, 1.0)
+    line_peak = tl.max(tl.abs(x), axis=AXIS, keep_dims=True)
+    power = (line_peak.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    scale = tl.where(line_peak >= 1.1754943508222875e-38, power, 1.0)
     return x / scale, scale
-
-
-@triton.jit
-def _pow2_scale(x):
-    """Powers of two (scale, 1 / scale) with max |x * scale| over the whole tile in [2^13, 2^14):
-    bf16 values then convert to fp16 exactly (8 of its 11 bits), nothing overflows, and values
-    down to 2^-27 of the peak stay normal (smaller ones only matter below the output's rounding).
-    Built from the exponent field of the peak, so both are exact; an all-zero (or tiny) tile gets
-    the largest scale, 2^126. One scalar per tile: a reduction per row or column costs more than
-    the dot it feeds.
-    """
-    return _pow2_scale_of(_peak(x))
-
-
-@triton.jit
-def _peak(x):
-    """max |x| over a 2-D tile (a scalar)."""
-    return tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-
-
-@triton.jit
-def _pow2_scale_of(peak):
-    """_pow2_scale for any tile (or row, as a vector) whose max |x| is at most ``peak``."""
-    biased = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    # peak = m 2^(biased - 127), m in [1, 2): scale 2^(140 - biased) puts it at m 2^13.
-    field = tl.minimum(tl.maximum(267 - biased, 1), 253)
-    return (field << 23).to(tl.float32, bitcast=True), ((254 - field) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -186,8 +159,8 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DT: tl.constexpr):
     which the driver always uses for fp32 inputs. DT operands are exact in every mode.
     """
     if PRECISION == "fp16":
-        a_scale, a_inverse = _pow2_scale(a.to(tl.float32))
-        b_scale, b_inverse = _pow2_scale(b.to(tl.float32))
+        a_scale, a_inverse = pow2_scale(peak(a.to(tl.float32)), 13)
+        b_scale, b_inverse = pow2_scale(peak(b.to(tl.float32)), 13)
         product = tl.dot((a * a_scale).to(tl.float16), (b * b_scale).to(tl.float16), out_dtype=tl.float32)
         # One inverse at a time: their product alone may leave fp32's range.
         return acc + (product * a_inverse) * b_inverse
@@ -232,20 +205,6 @@ def _dot_narrow(a, b, acc, SPLIT: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
-def _segment_sums(g, select, DT: tl.constexpr):
-    """select @ g in fp32: row x gets the direct sum of the gate rows s with select[x, s] = 1.
-
-    The gates are values of the input dtype and select is 0/1, so every product is exact and one
-    tensor-core dot gives fp32 sums (for fp32 gates an exact fp32 dot): the error scales with
-    the sum itself, as for a sequential sum, with no scan and no layout change.
-    """
-    if DT == tl.float32:
-        return tl.dot(select.to(tl.float32), g.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(select.to(DT), g.to(DT), out_dtype=tl.float32)
-
-
-@triton.jit
 def _level_select(local, LEVEL: tl.constexpr):
     """The masks of level HALF = 2^LEVEL over chunk rows (module docstring), each from row indices.
 
@@ -268,8 +227,8 @@ def _level_select(local, LEVEL: tl.constexpr):
     return upper, lower, same_block, select
 
 
-# NT is not specialized: with NT == 1 (one chunk) the H200 build returned a wrong final state for
-# general (value gate present) at T = 64 while every longer sequence was right; a generic trip count
+# NT is not specialized: specialized to NT == 1 (one chunk), the GPU build returns a wrong final state for
+# general with a value gate while every longer sequence is right (reports/bench.md); a generic trip count
 # keeps the single-chunk case on the code path the longer ones take.
 @triton.jit(do_not_specialize=["NT"])
 def _chunk_states_kernel(
@@ -314,7 +273,7 @@ def _chunk_states_kernel(
 
     if HAS_INITIAL:
         S = tl.load(initial_ptr + bh64 * K * V + state_offsets, mask=state_mask, other=0.0)
-        bound = _peak(S)
+        bound = peak(S)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
         bound = tl.full([], 0.0, tl.float32)
@@ -322,7 +281,7 @@ def _chunk_states_kernel(
     for c in range(0, NT):
         h_offsets = (bh64 * NT + c) * K * V + state_offsets
         if PRECISION == "fp16":
-            S_scale, S_inverse = _pow2_scale_of(bound)
+            S_scale, S_inverse = pow2_scale(bound, 13)
             tl.store(h_ptr + h_offsets, (S * S_scale).to(tl.float16), mask=state_mask)
             tl.store(h_scale_ptr + ((bh64 * NT + c) * NK + kb) * NV + vb, S_inverse)
         else:
@@ -337,18 +296,18 @@ def _chunk_states_kernel(
         v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
         if PRECISION == "fp16":
             # One scale for k and v: one reduction across warps instead of two.
-            peak = tl.max(tl.maximum(tl.max(tl.abs(k.to(tl.float32)), axis=1),
-                                     tl.max(tl.abs(v.to(tl.float32)), axis=1)), axis=0)
-            kv_scale, kv_inverse = _pow2_scale_of(peak)
+            kv_peak = tl.max(tl.maximum(tl.max(tl.abs(k.to(tl.float32)), axis=1),
+                                        tl.max(tl.abs(v.to(tl.float32)), axis=1)), axis=0)
+            kv_scale, kv_inverse = pow2_scale(kv_peak, 13)
             tl.store(v_scale_ptr + (bh64 * NT + c) * NV + vb, kv_inverse, mask=kb == 0)
-            bound += BT * peak * peak
+            bound += BT * kv_peak * kv_peak
         if HAS_GK:
             gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
-            k = k.to(tl.float32) * tl.exp(_segment_sums(gk, after, DT))
+            k = k.to(tl.float32) * tl.exp(span_sums(after, gk, DT != tl.float32))
             S = S * tl.exp(tl.sum(gk.to(tl.float32), axis=0))[:, None]
         if HAS_GV:
             gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
-            v = v.to(tl.float32) * tl.exp(_segment_sums(gv, after, DT))
+            v = v.to(tl.float32) * tl.exp(span_sums(after, gv, DT != tl.float32))
             S = S * tl.exp(tl.sum(gv.to(tl.float32), axis=0))[None, :]
         if PRECISION == "fp16":
             update = tl.dot(tl.trans((k * kv_scale).to(tl.float16)), (v * kv_scale).to(tl.float16),
@@ -412,9 +371,9 @@ def _chunk_scores_kernel(
             q = q.to(tl.float32)
             k = k.to(tl.float32)
             if PRECISION == "fp16":
-                peak = _peak(tl.maximum(tl.abs(q), tl.abs(k)))
-                bound += BK * peak * peak
-                qk_scale, qk_inverse = _pow2_scale_of(peak)
+                qk_peak = peak(tl.maximum(tl.abs(q), tl.abs(k)))
+                bound += BK * qk_peak * qk_peak
+                qk_scale, qk_inverse = pow2_scale(qk_peak, 13)
             if BT > BC:
                 if PRECISION == "fp16":
                     q = q * qk_scale
@@ -457,8 +416,8 @@ def _chunk_scores_kernel(
 
     if PRECISION == "fp16":
         if not HAS_GK:
-            bound = _peak(scores)
-        A_scale, A_inverse = _pow2_scale_of(bound)
+            bound = peak(scores)
+        A_scale, A_inverse = pow2_scale(bound, 13)
         tl.store(A_scale_ptr + bh.to(tl.int64) * NT + c, A_inverse)
     else:
         A_scale = 1.0
@@ -485,7 +444,7 @@ def _level_scores(q, k, g, upper, select, zero, PRECISION: tl.constexpr, DT: tl.
     """One level of the hierarchy: (upper * q * E) @ (lower * k * E)^T with E = exp(select @ g),
     over the last two dimensions (2-D tiles, or batches of them); zero has the result's shape.
     With "fp16", q and k are already scaled to fp16's range."""
-    decay = tl.exp(_segment_sums(g, select, DT))
+    decay = tl.exp(span_sums(select, g, DT != tl.float32))
     q_decayed = tl.where(upper, q * decay, 0.0)
     k_decayed = tl.where(upper, 0.0, k * decay)
     if len(q.shape) == 3:
@@ -542,12 +501,12 @@ def _chunk_output_kernel(
         q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
         if HAS_GK:
             gk = tl.load(gk_ptr + q_offsets, mask=q_mask, other=0.0)
-            q = q.to(tl.float32) * tl.exp(_segment_sums(gk, upto, DT))
+            q = q.to(tl.float32) * tl.exp(span_sums(upto, gk, DT != tl.float32))
         state_offsets = (bh64 * NT + c) * K * V + keys[:, None] * V + values[None, :]
         S = tl.load(h_ptr + state_offsets, mask=key_mask[:, None] & value_mask[None, :], other=0.0)
         if PRECISION == "fp16":
             q = q.to(tl.float32)
-            q_scale, q_inverse = _pow2_scale_of(tl.max(tl.abs(q), axis=1, keep_dims=True))
+            q_scale, q_inverse = pow2_scale(tl.max(tl.abs(q), axis=1, keep_dims=True), 13)
             S_inverse = tl.load(h_scale_ptr + ((bh64 * NT + c) * NK + k0 // BK) * NV + vb)
             product = tl.dot((q * q_scale).to(tl.float16), S, out_dtype=tl.float32)
             inter += (product * q_inverse) * S_inverse
@@ -573,12 +532,12 @@ def _chunk_output_kernel(
         gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
         v = v.to(tl.float32)
         diagonal = tl.sum(tl.where(local[:, None] == local[None, :], A, 0.0), axis=1)
-        o = inter * tl.exp(_segment_sums(gv, upto, DT)) + diagonal[:, None] * v
+        o = inter * tl.exp(span_sums(upto, gv, DT != tl.float32)) + diagonal[:, None] * v
         if PRECISION == "fp16":
             v_scaled = v * v_scale
         for level in tl.static_range(LEVELS):
             upper, _, same_block, select = _level_select(local, level)
-            decay = tl.exp(_segment_sums(gv, select, DT))
+            decay = tl.exp(span_sums(select, gv, DT != tl.float32))
             if PRECISION == "fp16":
                 level_o = tl.dot(tl.where(same_block, A_scaled, 0.0).to(tl.float16),
                                  tl.where(upper, 0.0, v_scaled * decay).to(tl.float16), out_dtype=tl.float32)

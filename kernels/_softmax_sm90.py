@@ -4,8 +4,8 @@
 
 The same online softmax, in the same arithmetic, as softmax.py's Triton kernel (_online_softmax's step:
 base-2 scores, P shifted by 2^P_EXP2_SHIFT; P @ V in V's dtype with fp32 accumulation, V optionally
-column-scaled fp16): with V in fp16 the two kernels agree bit for bit. What differs is the schedule. One program owns 128 queries of one (batch,
-head) and runs three partitions:
+column-scaled fp16): with V in fp16 the two kernels agree bit for bit. What differs is the schedule. One
+program owns 128 queries of one (batch, head) and runs three partitions:
 
 - a loader warp streams K and V blocks of BLOCK_N keys through STAGES shared-memory slots with TMA, each slot
   guarded by a "ready" barrier (the copy landed) and an "empty" barrier (both consumers are done with it);
@@ -16,9 +16,9 @@ head) and runs three partitions:
   still running; the accumulator is rescaled by exp2(m_{j-1} - m_j) once it has.
 
 Why two consumer partitions: Gluon puts a barrier of the whole partition before every mbarrier wait and
-arrive, so one partition of 8 warps moved both warpgroups in lockstep and ran no faster than the Triton
-kernel (precision "input", bench shape, H100: 1.28 ms against 1.25); as two partitions, 1.11 ms
-(reports/bench.md, session 12).
+arrive, so one partition of 8 warps would move both warpgroups in lockstep, and it runs no faster than the
+Triton kernel; as two partitions they overlap (the timings: reports/bench.md, "Design history moved from the
+kernel docstrings").
 """
 
 from __future__ import annotations

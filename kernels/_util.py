@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from attnlab.runtime import interpreter_active
+
 
 def no_pending_checks() -> None:
     """``await_checks`` of a kernel function called directly, not through attnlab.kernel: nothing to wait for.
@@ -25,12 +27,12 @@ class Launch:
     """``kernel[grid](*args, **kwargs)``, bound now and run by calling it.
 
     The value checks' wait is a call's one sync, and the GPU idles from its end until the next kernel
-    starts. Triton's launch path (binding and specialising the arguments, the cache lookup) took 59 us
-    (retnet) and 87 us (the delta rules' prepare kernel) of host time on the H100 machine, a bound launch
-    17 us (.ci/gpu_overhead.py; reports/bench.md, session 9), so on the GPU binding compiles the
-    kernel, or finds it in the cache (``JITFunction.warmup``), and lays out its arguments ahead of the
-    wait; calling it is then the driver's launch alone (the compiled kernel's own launcher, as in
-    Triton's fused-softmax tutorial). Under the interpreter calling it is the plain launch.
+    starts. Triton's launch path (binding and specialising the arguments, the cache lookup) costs
+    several times a bound launch in host time (tools/gpu/overhead.py; reports/bench.md), so on the GPU
+    binding compiles the kernel, or finds it in the cache (``JITFunction.warmup``), and lays out its
+    arguments ahead of the wait; calling it is then the driver's launch alone (the compiled kernel's
+    own launcher, as in Triton's fused-softmax tutorial). Under the interpreter calling it is the
+    plain launch.
     """
 
     def __init__(self, kernel: Any, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
@@ -68,6 +70,13 @@ def block_size(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(n))
 
 
+def default_block_v(V: int, BK: int, block_v: int | None) -> int:
+    """The V tile: the caller's, else at most 64 (32 when K > 128, to bound the fp32 state's registers)."""
+    if block_v is not None:
+        return block_v
+    return min(block_size(V), 64 if BK <= 128 else 32)
+
+
 def triton_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
 
@@ -79,15 +88,10 @@ def zero_state(shape: tuple[int, ...], device: torch.device, fill: float = 0.0) 
 def gpu_shape_known_bad(K: int, V: int, max_K: int = 128) -> bool:
     """Shapes at which chunkwise kernels fail on the GPU: K or V not a multiple of 16, or K > max_K.
 
-    Measured on an H200 (triton 3.6): the fused linear_attn and retnet kernels gave wrong outputs at
-    K=44, V=12 (T=2627) and, for linear_attn, K=V=256; illegal memory accesses at K=V=1. Every
-    shape with K and V multiples of 16 up to 128 was right. On an H100 (2026-11-25) gla's and
-    general's chunkwise kernels (kernels/_gated.py, right at K = V = 256) gave wrong outputs at
-    K=44, V=12 (T=300) and general's an illegal memory access; K=1, V=44 and K=V=12 were right.
-    Until the causes are found, those modules route such shapes to their recurrent kernels, which
-    are right everywhere; the interpreter (CPU) keeps testing the chunkwise kernels.
+    The fused linear_attn and retnet kernels (max_K 128) and gla's and general's chunkwise kernels
+    (kernels/_gated.py, max_K 256) give wrong outputs or illegal memory accesses at such shapes on
+    the GPU (triton 3.6; the shapes measured: reports/bench.md). Until the causes are found, those
+    modules route such shapes to their recurrent kernels, which are right everywhere; the
+    interpreter (CPU) keeps testing the chunkwise kernels.
     """
-    import os
-
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    return not interpreting and (K % 16 != 0 or V % 16 != 0 or K > max_K)
+    return not interpreter_active() and (K % 16 != 0 or V % 16 != 0 or K > max_K)

@@ -1,4 +1,4 @@
-"""aft (AFT-full): the chunkwise form as an online reduction over key blocks (no state).
+"""aft (AFT-full, FORMULATIONS.md 6): the chunkwise form as an online reduction over key blocks (no state).
 
     o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)   (elementwise over D; all i when causal=False)
 
@@ -50,20 +50,23 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
 - 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in
   [0, 1] and are scaled by 2^15, E * v is scaled per channel and block by a
-  power of two to a maximum in [2^14, 2^15) (exact; divided out after the
-  dot), so fp16's range holds them and its 11-bit mantissa is 8x finer than
-  bf16's (bf16 values convert to fp16 exactly once scaled).
+  power of two to a maximum in [2^14, 2^15) (``_numerics.pow2_scale``: exact;
+  divided out after the dot), so fp16's range holds them and its 11-bit
+  mantissa is 8x finer than bf16's (bf16 values convert to fp16 exactly once
+  scaled).
 - "single": one fp16 rounding per operand, two dots per block.
 - "split": each operand is hi + lo (lo the remainder, scaled by 2^11 before
   rounding so it stays normal), three dots per product (hi.hi, hi.lo, lo.hi),
   six per block; operands are then exact to about 2^-22.
-- "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs.
-  Emulated in float64 on the registry's inputs (T = 64 to 512): single gives
-  excess 1.01 in bf16 and 1.54 to 1.71 in fp16; split gives 1.00 in both
-  (bf16 operands rounded once would give 1.5 to 1.64 in bf16). Under the
-  interpreter (fp16, T = 150, D = 100): single 1.47 to 1.52, split 1.00.
+- "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs: one
+  fp16 rounding per operand is already 8x below bf16's output rounding
+  (excess near 1), but as large as fp16's own, so fp16 inputs need the split
+  to reach their floor (bf16 operands rounded once would not reach bf16's).
 - fp32 inputs use fp32 operands with input_precision="ieee" (exact
   products); precision has no effect there.
+
+Measurements behind these choices (emulated excess): reports/bench.md,
+"Design history moved from the kernel docstrings".
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
@@ -102,16 +106,6 @@ def _to_operand(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr):
     else:
         lo = hi
     return hi, lo
-
-
-@triton.jit
-def _power_of_two_scale(x):
-    """2^j with x * 2^j in [2^14, 2^15) for x >= 2^-86, capped at 2^100 (so 2^-j stays normal): an exact rescale.
-
-    Built from x's exponent bits rather than log2/exp2, whose GPU approximations could miss by one binade.
-    """
-    exponent = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    return (tl.minimum(268 - exponent, 227) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -213,7 +207,7 @@ def _aft_fwd_kernel(
         if HALF_OPERANDS:
             a = a * OPERAND_MAX
             e = e * OPERAND_MAX
-            ev_scale = _power_of_two_scale(tl.max(tl.abs(ev), 0))
+            ev_scale, _ = pow2_scale(tl.max(tl.abs(ev), 0), 14)
             ev = ev * ev_scale[None, :]
             e_unscale = 1.0 / OPERAND_MAX
             a_unscale = 1.0 / OPERAND_MAX

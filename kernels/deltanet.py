@@ -1,4 +1,6 @@
-"""DeltaNet kernels: S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+"""DeltaNet kernels (FORMULATIONS.md 8).
+
+    S_t = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H] in [0, 2]; state S [B, H, K, V]
 in fp32. The Triton code (chunkwise UT transform, recurrent loop) and the
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _delta
+from attnlab.kernels import _delta
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
 

@@ -1,4 +1,6 @@
-"""Gated DeltaNet kernels: S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, o_t = S_t^T (scale q_t).
+"""Gated DeltaNet kernels (FORMULATIONS.md 9).
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (log gate <= 0), beta [B, T, H]
 in [0, 2]; state S [B, H, K, V] in fp32. The Triton code (chunkwise UT
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _delta
+from attnlab.kernels import _delta
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
 

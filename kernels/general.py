@@ -1,4 +1,6 @@
-"""general kernels: S_t = (exp(gk_t) exp(gv_t)^T) * S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+"""general kernels (FORMULATIONS.md 5).
+
+    S_t = (exp(gk_t) exp(gv_t)^T) * S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 q, k, gk [B, T, H, K], v, gv [B, T, H, V]; gk and gv are log gates <= 0 and
 either may be None (no decay on that side); the state S [B, H, K, V] is

@@ -1,4 +1,6 @@
-"""gla kernels: S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = S_t^T (scale q_t).
+"""gla kernels (FORMULATIONS.md 4).
+
+    S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
 
 q, k, g [B, T, H, K] (g: log gates <= 0 per key channel), v [B, T, H, V];
 the state S [B, H, K, V] is fp32. gla is ``general`` with a key-side gate

@@ -1,4 +1,4 @@
-"""Triton kernels for linear attention (FORMULATIONS.md #2): ``chunkwise`` and ``recurrent``.
+"""Triton kernels for linear attention (FORMULATIONS.md 2): ``chunkwise`` and ``recurrent``.
 
     S_t = S_{t-1} + phi(k_t) v_t^T,   z_t = z_{t-1} + phi(k_t)
     o_t = phi(q_t)^T S_t / phi(q_t)^T z_t    (normalize=True)
@@ -16,7 +16,8 @@ Numerics of the chunkwise kernel (the knobs are ``OPTIONS``):
 - Within a chunk the score block A = tril(phi(Q) phi(K)^T) is formed in fp32
   and kept there; the output is A V + phi(Q) S (over the denominator
   rowsum(A) + phi(Q) z when normalized). A and S are fp32 operands of
-  tensor-core dots, so ``precision`` decides how they enter them:
+  tensor-core dots, so ``precision`` decides how they enter them
+  (kernels/_numerics.py, ``dot_f32_lowp`` and its siblings):
   "split" (default) writes each as hi + lo in the input dtype and does two
   dots (the fp32 operand is carried to ~2^-16 relative in bf16, ~2^-22 in
   fp16: no intermediate is rounded to the input dtype; fp16 tiles are first
@@ -32,15 +33,14 @@ Numerics of the chunkwise kernel (the knobs are ``OPTIONS``):
   1.8x the tensor-core work). "round" rounds them once to the input dtype
   and uses those same rounded values in numerator, denominator and z, so the
   kernel computes the exact function of slightly perturbed features: over
-  many keys the perturbation averages to about u / sqrt(K) relative (float64
-  emulation: 0.15-0.2 of the bf16 or fp16 rounding floor at K=128, 0.35-0.55
-  at K=16, in quadrature: excess +2% at K=128), but with few keys and
-  features it does not average: the property suite measured fp16 excess 2.84
-  at T=1, K=7 (properties/regressions.py). The identity feature map needs
-  neither (its features are the inputs).
+  many keys the perturbation averages to about u / sqrt(K) relative, a small
+  fraction of the output's rounding floor, but with few keys and features it
+  does not average, and the excess goes well over the bound (a property-suite
+  counterexample at T=1, K=7: properties/regressions.py). The identity
+  feature map needs neither (its features are the inputs).
 
-The helpers under "fp32 operands of tensor-core dots" are shared with
-kernels/retnet.py.
+Measurements behind these choices (emulated excess): reports/bench.md,
+"Design history moved from the kernel docstrings".
 """
 
 from __future__ import annotations
@@ -51,14 +51,17 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import Launch, block_size, gpu_shape_known_bad, launch_after_checks, no_pending_checks
-
-PRECISIONS = ("split", "tf32", "ieee")
+from attnlab.kernels._numerics import (
+    INPUT_SPLIT_PRECISIONS, dot_f32_f32, dot_f32_lowp, dot_lowp_f32, input_split_config,
+)
+from attnlab.kernels._util import (
+    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks,
+)
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64, 128)),
-        "precision": ("split", PRECISIONS),
+        "precision": ("split", INPUT_SPLIT_PRECISIONS),
         "feature_precision": ("split", ("round", "split")),
         "block_v": (None, (None, 16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8)),
@@ -69,102 +72,6 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
-
-
-# --- fp32 operands of tensor-core dots (shared with retnet.py) --------------------------------
-#
-# Each helper returns acc + x @ y in fp32, accumulating into acc in place where
-# it can (a state or an output tile), so that no second fp32 tile is live.
-# PRECISION "split": an fp32 operand x becomes hi + lo in the input dtype
-# (hi = round(x), lo = round(x - hi)), carrying x to ~2^-16 (bf16) or ~2^-22
-# (fp16) relative, in two dots against an exact input-dtype operand. With
-# RESCALE (fp16 inputs) x is first scaled per row (left operand) or per column
-# (right operand) to a peak of 16384 (fp16's maximum is 65504) and the product
-# scaled back, which commutes with the dot and keeps both parts finite.
-# Otherwise PRECISION ("tf32", "ieee") is the input_precision of one fp32 dot.
-
-
-@triton.jit
-def split(x, DTYPE: tl.constexpr):
-    """fp32 x = hi + lo (to ~2^-16 relative for bf16), hi and lo in DTYPE."""
-    hi = x.to(DTYPE)
-    return hi, (x - hi.to(tl.float32)).to(DTYPE)
-
-
-@triton.jit
-def dot_f32_lowp(x, b, acc, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
-    """acc + x @ b for fp32 x [M, N] and b [N, P] in the input dtype."""
-    if PRECISION != "split":
-        return tl.dot(x, b.to(tl.float32), acc, input_precision=PRECISION)
-    elif RESCALE:
-        peak = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
-        hi, lo = split(x * (16384.0 / peak)[:, None], b.dtype)
-        return acc + tl.dot(lo, b, tl.dot(hi, b)) * (peak * (1.0 / 16384.0))[:, None]
-    else:
-        hi, lo = split(x, b.dtype)
-        return tl.dot(lo, b, tl.dot(hi, b, acc))
-
-
-@triton.jit
-def dot_lowp_f32(a, x, acc, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
-    """acc + a @ x for a [M, N] in the input dtype and fp32 x [N, P]."""
-    if PRECISION != "split":
-        return tl.dot(a.to(tl.float32), x, acc, input_precision=PRECISION)
-    elif RESCALE:
-        peak = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
-        hi, lo = split(x * (16384.0 / peak)[None, :], a.dtype)
-        return acc + tl.dot(a, lo, tl.dot(a, hi)) * (peak * (1.0 / 16384.0))[None, :]
-    else:
-        hi, lo = split(x, a.dtype)
-        return tl.dot(a, lo, tl.dot(a, hi, acc))
-
-
-@triton.jit
-def dot_f32_f32(x, y, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
-    """acc + x @ y for fp32 x [M, N], y [N, P]: x_hi y_hi + x_hi y_lo + x_lo y_hi in DTYPE (x_lo y_lo < 2^-16)."""
-    if PRECISION != "split":
-        return tl.dot(x, y, acc, input_precision=PRECISION)
-    elif RESCALE:
-        x_peak = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
-        y_peak = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-30)
-        x_hi, x_lo = split(x * (16384.0 / x_peak)[:, None], DTYPE)
-        y_hi, y_lo = split(y * (16384.0 / y_peak)[None, :], DTYPE)
-        product = tl.dot(x_lo, y_hi, tl.dot(x_hi, y_lo, tl.dot(x_hi, y_hi)))
-        return acc + product * (x_peak * (1.0 / 16384.0))[:, None] * (y_peak * (1.0 / 16384.0))[None, :]
-    else:
-        x_hi, x_lo = split(x, DTYPE)
-        y_hi, y_lo = split(y, DTYPE)
-        return tl.dot(x_lo, y_hi, tl.dot(x_hi, y_lo, tl.dot(x_hi, y_hi, acc)))
-
-@triton.jit
-def expm1(x):
-    """exp(x) - 1 in fp32 for x <= 0 without cancellation near 0 (a few ulps relative everywhere).
-
-    Taylor to x^9 for x > -0.5 (truncation below 1e-9 relative), else exp(x) - 1 (|result| > 0.39).
-    """
-    taylor = x * (1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (
-        1.0 / 720 + x * (1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880)))))))))
-    return tl.where(x > -0.5, taylor, tl.exp(tl.minimum(x, 0.0)) - 1.0)
-
-
-def dot_config(dtype: torch.dtype, precision: str) -> tuple[str | None, str, bool]:
-    """(INPUT_PRECISION, PRECISION, RESCALE) constexprs of a kernel for inputs of ``dtype``."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(map(repr, PRECISIONS))}; got {precision!r}")
-    if dtype == torch.float32:
-        fp32_precision = "tf32" if precision == "tf32" else "ieee"
-        return fp32_precision, fp32_precision, False
-    return None, precision, precision == "split" and dtype == torch.float16
-
-
-def default_block_v(V: int, BK: int, block_v: int | None) -> int:
-    """The V tile: the caller's, else at most 64 (32 when K > 128, to bound the fp32 state's registers)."""
-    if block_v is not None:
-        return block_v
-    return min(block_size(V), 64 if BK <= 128 else 32)
-
-
-# --- linear attention ---------------------------------------------------------------------------
 
 
 @triton.jit
@@ -360,7 +267,7 @@ def chunkwise(
                          return_state=return_state, await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
-    input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
+    input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)

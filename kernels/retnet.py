@@ -1,4 +1,4 @@
-"""Triton kernels for RetNet retention (FORMULATIONS.md #3): ``chunkwise`` and ``recurrent``.
+"""Triton kernels for RetNet retention (FORMULATIONS.md 3): ``chunkwise`` and ``recurrent``.
 
     S_t = exp(g) S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)
 
@@ -25,10 +25,10 @@ S + expm1(C g) S, and the recurrent kernel's as S + expm1(g) S, because
 exp(g) rounded to fp32 next to 1 (g = log(1 - 2^-20) for RetNet's last
 heads) would bias S by 2^-25 per step, 5e-4 relative after 16384 steps.
 
-``precision`` and the fp32-operand dots are those of kernels/linear_attn.py:
-"split" (default) carries the fp32 score block, state and decayed values as
-hi + lo parts in the input dtype (two dots each), "tf32" and "ieee" use one
-fp32 dot of that input_precision.
+``precision`` and the fp32-operand dots are linear_attn's (kernels/_numerics.py,
+``dot_f32_lowp`` and ``dot_lowp_f32``): "split" (default) carries the fp32 score
+block, state and decayed values as hi + lo parts in the input dtype (two dots
+each), "tf32" and "ieee" use one fp32 dot of that input_precision.
 """
 
 from __future__ import annotations
@@ -39,20 +39,15 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._util import Launch, block_size, gpu_shape_known_bad, launch_after_checks, no_pending_checks
-from attnlab.kernels.linear_attn import (
-    PRECISIONS,
-    default_block_v,
-    dot_config,
-    dot_f32_lowp,
-    dot_lowp_f32,
-    expm1,
+from attnlab.kernels._numerics import INPUT_SPLIT_PRECISIONS, dot_f32_lowp, dot_lowp_f32, input_split_config
+from attnlab.kernels._util import (
+    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks,
 )
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64, 128)),
-        "precision": ("split", PRECISIONS),
+        "precision": ("split", INPUT_SPLIT_PRECISIONS),
         "block_v": (None, (None, 16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8)),
         "num_stages": (2, (1, 2, 3, 4)),
@@ -62,6 +57,17 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
+
+
+@triton.jit
+def expm1(x):
+    """exp(x) - 1 in fp32 for x <= 0 without cancellation near 0 (a few ulps relative everywhere).
+
+    Taylor to x^9 for x > -0.5 (truncation below 1e-9 relative), else exp(x) - 1 (|result| > 0.39).
+    """
+    taylor = x * (1.0 + x * (1.0 / 2 + x * (1.0 / 6 + x * (1.0 / 24 + x * (1.0 / 120 + x * (
+        1.0 / 720 + x * (1.0 / 5040 + x * (1.0 / 40320 + x * (1.0 / 362880)))))))))
+    return tl.where(x > -0.5, taylor, tl.exp(tl.minimum(x, 0.0)) - 1.0)
 
 
 @triton.jit
@@ -205,7 +211,7 @@ def chunkwise(
                          await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
-    input_precision, fp32_precision, rescale = dot_config(q.dtype, precision)
+    input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
     grid = (triton.cdiv(V, BV), B * H)

@@ -1,4 +1,4 @@
-"""RWKV-4 WKV kernels: ``recurrent`` and ``chunkwise`` (Triton).
+"""RWKV-4 WKV kernels (FORMULATIONS.md 7): ``recurrent`` and ``chunkwise`` (Triton).
 
     o_t = (sum_{i<t} e^{-(t-1-i) w + k_i} v_i + e^{u + k_t} v_t)
         / (sum_{i<t} e^{-(t-1-i) w + k_i} + e^{u + k_t})
@@ -102,8 +102,8 @@ def _load_state(a_ptr, b_ptr, p_ptr, offs, mask, HAS_STATE: tl.constexpr, BLOCK_
 #          a = e^{p-w-top} a + e^{k_t-top} v_t,  b = e^{p-w-top} b + e^{k_t-top},  p = top
 # p is kept as anchor - steps * w (the logit it was last set to, and the tokens
 # since): p = p - w repeated in fp32 rounds once per token, and on slow decays
-# (w ~ 0.01, where p is rarely reset) that drift piled up to 25x the floor at
-# T = 512; anchored, every p is one product and one subtraction away from exact.
+# (w ~ 0.01, where p is rarely reset) that drift piles up to many times the
+# floor; anchored, every p is one product and one subtraction away from exact.
 @triton.jit
 def _rwkv4_recurrent_kernel(
     w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,

@@ -1,59 +1,50 @@
-"""softmax: a FlashAttention-2 style forward (the chunkwise form; no state).
+"""softmax (FORMULATIONS.md 1): a FlashAttention-2 style forward (the chunkwise form; no state).
 
     o_t = sum_{i<=t} exp(scale q_t.k_i) v_i / sum_{i<=t} exp(scale q_t.k_i)   (all i when causal=False)
 
 Conventions: q, k [B, T, H, K], v [B, T, H, V], o [B, T, H, V] in the input
 dtype (fp16, bf16 or fp32). One program owns BLOCK_M queries of one (batch,
 head) and walks the key blocks of ``chunk_size`` (BLOCK_N) keys with the
-online softmax: a running row maximum m and row sum l in fp32, the output
-accumulator in fp32, rescaled by exp2(m_old - m_new) whenever m grows.
-Scores are taken in base 2, s = (q.k) * scale * log2(e), so every
-exponential is one exp2 of a non-positive argument; masked scores are -inf
-before the exp2. The grid is (query blocks, B*H), query blocks in reverse
-order so the longest causal rows start first, and the blocks of one head run
-side by side and share its keys and values in L2.
+online softmax (kernels/_online_softmax.py): a running row maximum m and row
+sum l in fp32, the output accumulator in fp32, rescaled by exp2(m_old -
+m_new) whenever m grows. Scores are taken in base 2, s = (q.k) * scale *
+log2(e), so every exponential is one exp2 of a non-positive argument; masked
+scores are -inf before the exp2. The grid is (query blocks, B*H), query
+blocks in reverse order so the longest causal rows start first, and the
+blocks of one head run side by side and share its keys and values in L2.
 
-Speed (sm_90): the block sizes come from _DEFAULT_CONFIGS, checked
-with ptxas for registers, spills and shared memory; for 16-bit inputs with
-head dims <= 128, 128 queries x 128 keys on 8 warps (the smallest tile
-Triton's attention tutorial admits for 8 warps on Hopper; two warpgroups of
-64 rows, each dot one wgmma per warpgroup) with 3 stages of K/V in shared
-memory (224 KB at D = 128), which halves the per-key cost of the
-accumulator rescale and of the dot waits against 64-key blocks. Unmasked
-key blocks (all but the diagonal or the tail) load without masks when the
-head dims fill their tiles (EVEN_K, EVEN_V constexpr). Key pointers are
-rebuilt from the base each block rather than carried and incremented:
-carried pointers across the two loops made the pipeliner keep more buffers
-(196 KB and spills at 128 x 64, offline).
+Launch shape (sm_90): the block sizes come from _DEFAULT_CONFIGS, checked with
+ptxas for registers, spills and shared memory; for 16-bit inputs with head
+dims <= 128, 128 queries x 128 keys on 8 warps (the smallest tile Triton's
+attention tutorial admits for 8 warps on Hopper; two warpgroups of 64 rows,
+each dot one wgmma per warpgroup) with 3 stages of K/V in shared memory,
+which halves the per-key cost of the accumulator rescale and of the dot
+waits against 64-key blocks. Unmasked key blocks (all but the diagonal or
+the tail) load without masks when the head dims fill their tiles (EVEN_K,
+EVEN_V constexpr). Key pointers are rebuilt from the base each block rather
+than carried and incremented: carried pointers across the two loops make the
+pipeliner keep more buffers, and spill.
 
 Precision "fp16" converts V once per call, in a pre-pass of two launches
 over [128, V] tiles, parallel over T: the column peaks (an atomic maximum
 on |v|'s bit patterns), then v * scale in fp16 into a scratch copy of v's
 shape. The key loop is then that of "input" with fp16 V tiles that go
-straight to shared memory. It used to convert each V tile inside the key
-loop, shared memory -> registers -> shared memory, every query block again
-(2 V stages plus the converted tile, 8 bytes spilled). On the H200 at B=8,
-T=4096, H=16, D=128, bf16, causal (.ci/gpu_configs.py): 1.72 ms before
-(attention kernel 1.65), 1.38 ms now (attention 1.27, peaks 0.043,
-conversion 0.064), against 1.05 ms for torch's SDPA: 1.31x.
+straight to shared memory, where a conversion inside the key loop would
+take every V tile through registers again for every query block.
 
 Option warp_specialize (default True): on sm_90, where _warp_specialized_fits says so (16-bit inputs,
 precision "fp16" or "input", head dims 64 or 128, TMA-aligned rows, the launch options below at their
 defaults), the call runs _softmax_sm90's Gluon kernel instead: the same arithmetic (bit for bit with V in
 fp16) on a FlashAttention-3 schedule, a loader warp and two consumer warpgroups that synchronise only
 through shared-memory barriers, so that one's softmax overlaps the other's dots, and each warpgroup's
-softmax of block j overlaps its own P_{j-1} V_{j-1}. H100, bench shape (B=8, T=4096, H=16, D=128, bf16,
-causal; reports/bench.md, session 12): the default ("fp16") 1.243 ms against torch SDPA's 0.995 (1.25x;
-1.43x with the Triton kernel), its attention kernel 1.016 ms against the Triton kernel's 1.261; "input"
-1.127 (1.13x). The Triton kernel stays the path everywhere else (other GPUs, head dims, "split", fp32,
-explicit launch options, the interpreter).
+softmax of block j overlaps its own P_{j-1} V_{j-1}. The Triton kernel stays the path everywhere else
+(other GPUs, head dims, "split", fp32, explicit launch options, the interpreter).
 
 Option tma (default True) loads Q, K and V through tensor descriptors built
 on the device, one [T, head dim] view per head (TMA on sm_90; the wrapper
 sets triton.set_allocator, process-wide, for their scratch), where every
 head's row starts 16 bytes aligned, and falls back to pointers elsewhere:
-ptxas 186 registers against 255, no spills, 225 KB; the attention kernel
-1.27 ms against 1.32 with pointer loads.
+fewer registers and a faster attention kernel than pointer loads.
 
 Numerics (OPTIONS["chunkwise"]["precision"]):
 
@@ -67,35 +58,30 @@ Numerics (OPTIONS["chunkwise"]["precision"]):
 - "fp16" (the default for bf16 inputs): one P @ V dot in fp16. P in
   [0, 2^15] rounds to fp16 with 2^-11 relative error, 4x below bf16's
   output rounding (2^-9). V is made exact in fp16 by a power-of-two scale
-  per (batch, head, value column), 2^(13 - floor(log2 max_t |v|)): bf16's
-  8 significant bits fit fp16's 11 once the column peak lies in
-  [2^13, 2^14); entries more than 2^30 below the peak become fp16
-  subnormals, off by at most 2^-38 of the peak. The
+  per (batch, head, value column), 2^(13 - floor(log2 max_t |v|))
+  (``_numerics.pow2_scale``): bf16's 8 significant bits fit fp16's 11 once
+  the column peak lies in [2^13, 2^14); entries more than 2^30 below the
+  peak become fp16 subnormals, off by at most 2^-38 of the peak. The
   pre-pass takes max |v| over T, turns it into the scale from its exponent
   bits and converts V; the attention kernel divides the scale out of its
-  output. (The same roundings as the in-loop conversion it replaced: equal
-  bit for bit under the interpreter.) Emulated in float64
-  (bf16, P rounded per mode, 128-key blocks): excess 1.001 at T=2, 1.003
-  at T=64, 1.004 at T=1024, 1.005 at T=4096 on the registry's inputs; on
-  2000 property-suite-like small cases (T 1..300, head dims 1..128, one
-  value channel, logits up to 80) worst 1.33, where "input" fails 18
-  (worst 5.6) and "split" stays at 1.00. For fp16 inputs it is "input"
-  with the (exact) column scale.
+  output. Its excess stays near 1 also on tiny outputs, where "input" does
+  not. For fp16 inputs it is "input" with the (exact) column scale.
 - "input": P is rounded once to the input dtype for the P @ V dot,
-  as FlashAttention does: the fastest. Emulated in bf16 on the registry's
-  inputs: excess 1.15 at T=64, 1.23 at T=1024, 1.26 at T=4096 (the same
-  in fp16), but on tiny outputs, where nothing averages out, up to 3 on
-  the GPU (property suite, T=2, one value channel) and 5.6 emulated.
+  as FlashAttention does: the fastest. On large outputs the roundings
+  average out; on tiny outputs (one value channel, a few keys) nothing
+  does, and its excess goes several times over the floor.
 - "split" (the default for fp16 inputs): P = hi + lo with hi = P rounded to
-  the input dtype and lo the rounded remainder, two P @ V dots; P is then
-  exact to about 2^-16 and the excess is 1.00 (emulated, and measured in
-  fp16 under the interpreter), for 1.5x the tensor-core work. In fp16,
-  rounding P to fp16 costs as much as the output rounding itself, so only
-  the split reaches the floor there.
+  the input dtype and lo the rounded remainder (``_numerics.split``), two
+  P @ V dots; P is then exact to about 2^-16 and the excess is 1.00, for 1.5x
+  the tensor-core work. In fp16, rounding P to fp16 costs as much as the
+  output rounding itself, so only the split reaches the floor there.
 - "auto" (default): "fp16" for bf16 inputs, "split" for fp16 inputs.
 - fp32 inputs keep P in fp32 and run both dots with input_precision="ieee"
   (exact fp32 products; TF32 would round scores to 10 bits). precision has
   no effect there.
+
+Measurements behind these choices (timings against SDPA, registers, emulated
+excess): reports/bench.md, "Design history moved from the kernel docstrings".
 """
 
 from __future__ import annotations
@@ -108,10 +94,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernel import interpreter_active
 from attnlab.kernels import _softmax_sm90
+from attnlab.kernels._numerics import pow2_scale, split
 from attnlab.kernels._online_softmax import block_softmax, key_range, program_head
 from attnlab.kernels._util import block_size, no_pending_checks
+from attnlab.runtime import interpreter_active
 
 LOG2E = math.log2(math.e)
 # With 16-bit inputs P is computed as exp2(s - m + 15) = 2^15 P: at most 32768, inside fp16's range (max 65504).
@@ -140,8 +127,7 @@ SPEED_OPTIONS: dict[str, dict[str, object]] = {"chunkwise": {"precision": "input
 # Default (block_m, largest chunk_size, num_warps, num_stages) by input width and the
 # wider head-dim tile, chosen by compiling for sm_90 (ptxas -v): no spills and
 # shared memory under 227 KB. 16-bit, tile <= 128: 128 x 128 score tiles on two
-# warpgroups (one 64-row wgmma each), 3 stages of K and V (224 KB with D = 128),
-# 252 registers, no spills. fp32 runs its
+# warpgroups (one 64-row wgmma each), 3 stages of K and V. fp32 runs its
 # "ieee" dots on CUDA cores, whose operands sit in registers: small tiles.
 _DEFAULT_CONFIGS = {
     (2, 128): (128, 128, 8, 3),
@@ -151,12 +137,11 @@ _DEFAULT_CONFIGS = {
     (4, 256): (32, 16, 8, 2),
 }
 
-# Elements per [rows, V] tile of precision "fp16"'s V pre-pass: 128 rows at V = 128 (H200, bench shape: the
-# peak pass took 0.043 ms at 128 rows, 0.055 at 64, 0.089 at 32; the conversion 0.064 at each), fewer rows for
-# wider heads so that a tile stays at 128 fp32 registers per thread on 4 warps.
+# Elements per [rows, V] tile of precision "fp16"'s V pre-pass: 128 rows at V = 128 (the fastest peak pass
+# measured), fewer rows for wider heads so that a tile stays at 128 fp32 registers per thread on 4 warps.
 V_CONVERT_TILE_ELEMENTS = 128 * 128
-# Tiles per program of the peak pass, each program ending with one atomic maximum per column. H200, bench
-# shape: 0.043 ms at 1 tile, 0.041 at 2, 0.046 at 4 and 8 (.ci/gpu_configs.py, constants V_PEAK_TILES).
+# Tiles per program of the peak pass, each program ending with one atomic maximum per column (2: the fastest
+# measured, tools/gpu/configs.py's constants V_PEAK_TILES).
 V_PEAK_TILES = 2
 
 
@@ -192,22 +177,6 @@ def _load_tile(ptrs, row_ok, col_ok, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.co
     else:
         tile = tl.load(ptrs)
     return tile
-
-
-@triton.jit
-def _v_column_scale(peak, INVERSE: tl.constexpr):
-    """The power-of-two scale 2^(13 - floor(log2 peak)) of each value column (or its inverse), where peak
-    is the column's max |v| over the head (fp32): peak * scale lies in [2^13, 2^14), so v * scale converts
-    to fp16 exactly (a bf16 value's 8 significant bits, no overflow). Built from peak's exponent bits, exact
-    where exp2/log2 approximate; clamped to 2^[-126, 126] so that the scale and its inverse are normal fp32
-    (an all-zero column gets 2^126). A non-finite peak (inf or NaN in the column) gets 1, so that the
-    column's finite entries are not scaled away.
-    """
-    exponent = (peak.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    biased = tl.where(exponent == 0xFF, 127, tl.minimum(tl.maximum(267 - exponent, 1), 253))
-    if INVERSE:
-        biased = 254 - biased
-    return (biased << 23).to(tl.float32, bitcast=True)
 
 
 # Precision "fp16"'s operand, made once per call: for each (batch, head, value column)
@@ -254,9 +223,9 @@ def _v_to_fp16_kernel(v_ptr, peak_bits_ptr, v16_ptr, inverse_ptr, T, H, V,
     column_ok = offs_v < V
     peaks = peak_bits_ptr + tl.program_id(1) * V + offs_v
     peak = tl.load(peaks, mask=column_ok, other=0).to(tl.float32, bitcast=True)
-    tl.store(inverse_ptr + tl.program_id(1) * V + offs_v, _v_column_scale(peak, True),
+    tl.store(inverse_ptr + tl.program_id(1) * V + offs_v, pow2_scale(peak, 13)[1],
              mask=column_ok & (tl.program_id(0) == 0))
-    tl.store(v16_ptr + offsets, (tile * _v_column_scale(peak, False)[None, :]).to(tl.float16), mask=mask)
+    tl.store(v16_ptr + offsets, (tile * pow2_scale(peak, 13)[0][None, :]).to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -288,8 +257,7 @@ def _online_softmax_step(
     acc = acc * rescale[:, None]
     # P is rounded to V's dtype: the input dtype, or fp16 for the column-scaled V of precision "fp16".
     if SPLIT_P:
-        p_hi = p.to(v_block.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v_block.dtype)
+        p_hi, p_lo = split(p, v_block.dtype)
         acc = tl.dot(p_lo, v_block, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(p_hi, v_block, acc, input_precision=DOT_PRECISION)
     else:
@@ -356,7 +324,7 @@ def _softmax_fwd_kernel(
 
 
 def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(v * s in fp16, 1/s in fp32 [B*H, V]), s the power-of-two column scale of _v_column_scale."""
+    """(v * s in fp16, 1/s in fp32 [B*H, V]), s the power-of-two column scale of _numerics.pow2_scale."""
     B, T, H, V = v.shape
     peak_bits = torch.zeros((B * H, V), dtype=torch.int32, device=v.device)
     v16 = torch.empty(v.shape, dtype=torch.float16, device=v.device)

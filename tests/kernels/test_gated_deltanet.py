@@ -11,7 +11,8 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import _delta
-from attnlab.kernels import kda as kda_module
+from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
+from attnlab.kernels._state_pass import StateOperands
 from kernel_checks import check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
 
@@ -98,9 +99,9 @@ def test_forms_agree_in_fp32():
 def _prepared(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16):
     """The state pass's operands as the delta rules' prepare kernel writes them for inputs x."""
     B, T, H, K = x["k"].shape
-    dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
-    operands = kda_module.StateOperands.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"),
-                                                 dot_precision, scalar_gate=True)
+    dot_precision = resolve_dot_precision(precision, torch.bfloat16)
+    operands = StateOperands.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"),
+                                      dot_precision, scalar_gate=True)
     _delta._bind_prepare(x["q"], x["k"], x["v"], x["beta"], x["g"], scale, operands, C, dot_precision)()
     return operands
 

@@ -17,6 +17,7 @@ import attnlab
 from attnlab.kernel import kernel as make_kernel
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.kernels import kda as kda_module
+from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
 from kernel_checks import as_on_the_gpu_in_bf16
 from properties.regressions import REGRESSIONS
 
@@ -150,7 +151,7 @@ def test_fp16_operand_scaling(magnitude):
 def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16) -> kda_module.StateOperands:
     """The state pass's operands, as the parallel kernels write them for inputs x, chunks of C."""
     B, T, H, K = x["k"].shape
-    dot_precision = kda_module._dot_precision(precision, torch.bfloat16)
+    dot_precision = resolve_dot_precision(precision, torch.bfloat16)
     scratch = kda_module._IntraScratch.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"), dot_precision)
     for launch in kda_module._bind_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision):
         launch()
@@ -179,7 +180,7 @@ def test_intra_chunk_bounds_hold(scale):
         assert torch.all(chunk_peaks(getattr(exact, name)) <= exact.bounds[:, column]), name
     for column, name in enumerate(("w", "qg", "kd")):
         bound = rounded.bounds[:, column]
-        # The power of two kda's _fp16_scale takes: the bound's binary exponent e goes to 13.
+        # The power of two _numerics.pow2_scale takes: the bound's binary exponent e goes to 13.
         up = torch.exp2(13.0 - torch.floor(torch.log2(bound)))
         stored = getattr(rounded, name)
         assert stored.dtype == torch.float16, name

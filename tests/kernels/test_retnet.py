@@ -15,7 +15,7 @@ import triton.language as tl
 import attnlab
 from attnlab.kernel import kernel
 from kernel_checks import EXCESS_BOUND, STATE_BOUND, check_stateful_kernel
-from attnlab.kernels.linear_attn import expm1
+from attnlab.kernels.retnet import expm1
 from attnlab.metrics import measure, rel_err
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")

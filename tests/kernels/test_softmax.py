@@ -41,8 +41,9 @@ import attnlab
 from attnlab.kernel import kernel
 from attnlab.metrics import conditioning_floor, measure
 from attnlab.kernels import softmax as softmax_kernels
+from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels.softmax import (
-    OPTIONS, _launch_config, _tma_fits, _v_column_scale, _v_convert_rows, _v_to_fp16,
+    OPTIONS, _launch_config, _tma_fits, _v_convert_rows, _v_to_fp16,
 )
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
@@ -120,8 +121,9 @@ def test_fp16_precision_zero_value_columns():
 def _column_scales_kernel(peak_ptr, scale_ptr, inverse_ptr, N, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     peak = tl.load(peak_ptr + offs, mask=offs < N, other=0.0)
-    tl.store(scale_ptr + offs, _v_column_scale(peak, False), mask=offs < N)
-    tl.store(inverse_ptr + offs, _v_column_scale(peak, True), mask=offs < N)
+    scale, inverse = pow2_scale(peak, 13)
+    tl.store(scale_ptr + offs, scale, mask=offs < N)
+    tl.store(inverse_ptr + offs, inverse, mask=offs < N)
 
 
 def test_v_column_scale():
