@@ -77,7 +77,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             out.write_text(text)
             out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2, default=str))
     print(text)
-    return 0
+    failed = [r["formulation"] for r in rows if r.get("error")]
+    if failed:
+        print(f"bench: {len(failed)} kernel setting(s) raised ({', '.join(dict.fromkeys(failed))}); see the table",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _version(dist: str) -> str:
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time each kernel side by side with its peer (GPU)")
     bench.add_argument("--formulations", type=_names_arg, default=names(), help="'all' or a comma-separated list")
     bench.add_argument("--form", default="chunkwise", choices=["chunkwise", "recurrent"])
-    bench.add_argument("--dtype", default="bfloat16")
+    bench.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
     for dim, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128)):
         bench.add_argument(f"-{dim}", type=int, default=default)
     bench.add_argument("--out", help="write the table as Markdown here (and .json beside it)")

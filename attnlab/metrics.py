@@ -9,17 +9,29 @@
   perturbed by one unit roundoff of fp32 (the kernels' accumulation
   precision) in a few random directions; no fp32 algorithm can beat it.
 - ``excess = rel_err / max(floor_round, floor_cond)``: 1.0 is a perfect kernel.
+
+Verdicts grade an excess by two bounds (attnlab.registry.BOUNDS, per dtype):
+``held`` within the accuracy bound, ``imprecise`` above it up to the
+correctness bound (the right function, less accurately than the bound
+allows), ``failed`` above the correctness bound or with any non-finite entry
+where the reference is finite (another function, or a broken one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
+from attnlab.spec import Bounds
+
+HELD, IMPRECISE, FAILED = "held", "imprecise", "failed"
+VERDICTS = (HELD, IMPRECISE, FAILED)  # from best to worst
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 
 
@@ -150,3 +162,56 @@ def measure(o: Any, ref: Any, dtype: torch.dtype, floor_cond: float = 0.0) -> Me
         floor_cond=floor_cond,
         nonfinite=nonfinite_count(o, ref),
     )
+
+
+def grade(figure: float, accuracy: float, correctness: float) -> str:
+    """``held`` within ``accuracy``, ``imprecise`` up to ``correctness``, ``failed`` above it (or NaN)."""
+    if figure <= accuracy:
+        return HELD
+    return IMPRECISE if figure <= correctness else FAILED
+
+
+def verdict(m: Measurement, accuracy: float, correctness: float) -> str:
+    """The verdict of a measurement: failed with any non-finite entry where the reference is finite, else its
+    excess graded by the two bounds (:func:`grade`)."""
+    return FAILED if m.nonfinite else grade(m.excess, accuracy, correctness)
+
+
+def worst_verdict(verdicts: Any) -> str:
+    """The worst of some verdicts (held when there are none)."""
+    return max(verdicts, key=VERDICTS.index, default=HELD)
+
+
+_USER_ACCURACY: contextvars.ContextVar[float | None] = contextvars.ContextVar("attnlab_user_accuracy", default=None)
+
+
+def _checked(accuracy: float | None) -> float | None:
+    if accuracy is not None and not (isinstance(accuracy, (int, float)) and math.isfinite(accuracy) and accuracy > 0):
+        raise ValueError(f"a bound must be a positive number (a multiple of the floor); got {accuracy!r}")
+    return accuracy
+
+
+@contextlib.contextmanager
+def user_bound(accuracy: float | None) -> Iterator[None]:
+    """Within the block, verdicts hold outputs to ``accuracy`` (an excess, a multiple of the floor) in place of the
+    registry's accuracy bound (None: the registry's); see :func:`user_bounds`."""
+    token = _USER_ACCURACY.set(_checked(accuracy))
+    try:
+        yield
+    finally:
+        _USER_ACCURACY.reset(token)
+
+
+def set_user_bound(accuracy: float | None) -> None:
+    """:func:`user_bound` for the rest of the process (the pytest plugin's ``--attnlab-bound``)."""
+    _USER_ACCURACY.set(_checked(accuracy))
+
+
+def user_bounds(bounds: Bounds) -> Bounds:
+    """``bounds`` (the registry's, attnlab.registry.bounds_for) with the accuracy bound replaced where
+    :func:`user_bound` is in force; the correctness bound stays, raised to the user's bound where that is larger."""
+    accuracy = _USER_ACCURACY.get()
+    if accuracy is None:
+        return bounds
+    return replace(bounds, accuracy=accuracy, correctness=max(bounds.correctness, accuracy),
+                   why=f"accuracy bound {accuracy:g} given by the user; " + bounds.why)

@@ -2,6 +2,7 @@
 
     pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mypkg.ops:my_gla \\
         [--attnlab-device cpu|cuda] [--attnlab-dtype float16|bfloat16|float32] [--attnlab-profile ci|dev|gpu|thorough]
+        [--attnlab-strict] [--attnlab-bound X]
 
 A kernel given with ``--attnlab-kernel MODULE:FUNCTION`` follows the attnlab
 convention (attnlab.properties.targets): it is called with the
@@ -12,6 +13,14 @@ names ``chunk_size``. Without ``--attnlab-kernel`` the suites run on
 attnlab's own kernels (those that exist) and oracles. pytest exits 0 when
 every property holds and 1 when one fails; the failure report names the
 property, the measured figure, its bound and the reproducing input.
+
+Verdicts (attnlab.properties.checks): an error-measuring property is held
+within the registry's accuracy bound, imprecise up to its correctness bound,
+failed above it (or non-finite, or raised). A failed property fails its
+test. An imprecise one passes with an ``ImpreciseWarning`` (in pytest's
+warnings summary) unless ``--attnlab-strict`` is given, which fails it.
+``--attnlab-bound X`` replaces the accuracy bound (a multiple of the floor)
+for the dtype chosen with ``--attnlab-dtype``.
 
 Hypothesis profiles ``attnlab-ci`` (derandomized, bounded), ``attnlab-dev``,
 ``attnlab-gpu`` and ``attnlab-thorough`` are registered at import; one is
@@ -52,13 +61,16 @@ for _name, _values in PROFILES.items():
 
 @dataclass(frozen=True)
 class Selection:
-    """What the session tests: the formulation filter, the kernel spec, device, dtypes and profile name."""
+    """What the session tests: the formulation filter, the kernel spec, device, dtypes and profile name, and how
+    it grades (strict: an imprecise result fails; bound: the user's accuracy bound, or None for the registry's)."""
 
     formulation: str | None
     kernel: str | None
     device: str
     dtype: str | None
     profile: str
+    strict: bool = False
+    bound: float | None = None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,6 +85,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="input dtype (default: float16 and float32 on cpu, bfloat16 and float16 on cuda)")
     group.addoption("--attnlab-profile", choices=tuple(PROFILES), default=None,
                     help="hypothesis profile attnlab-NAME (default: HYPOTHESIS_PROFILE, else gpu on cuda, ci under CI, dev)")
+    group.addoption("--attnlab-strict", action="store_true", default=None,
+                    help="fail a property that is imprecise (above the accuracy bound, within the correctness bound); "
+                         "without it an imprecise result passes with a warning")
+    group.addoption("--attnlab-bound", metavar="X", type=float, default=None,
+                    help="accuracy bound (excess, a multiple of the floor) in place of the registry's, for the dtype "
+                         "given with --attnlab-dtype")
 
 
 def selection(config: pytest.Config) -> Selection:
@@ -83,7 +101,8 @@ def selection(config: pytest.Config) -> Selection:
     profile = (config.getoption("attnlab_profile", None) or os.environ.get("HYPOTHESIS_PROFILE", "").removeprefix(PROFILE_PREFIX)
                or ("gpu" if device == "cuda" else "ci" if os.environ.get("CI") else "dev"))
     return Selection(config.getoption("attnlab_formulation", None), config.getoption("attnlab_kernel", None),
-                     device, config.getoption("attnlab_dtype", None), profile)
+                     device, config.getoption("attnlab_dtype", None), profile,
+                     bool(config.getoption("attnlab_strict", None)), config.getoption("attnlab_bound", None))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -112,11 +131,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
         if not torch.cuda.is_available():
             raise pytest.UsageError("--attnlab-device cuda: no CUDA device is available")
+    if chosen.bound is not None:
+        import math
+
+        if not (math.isfinite(chosen.bound) and chosen.bound > 0):
+            raise pytest.UsageError(f"--attnlab-bound {chosen.bound:g}: expected a positive multiple of the floor")
+        if chosen.dtype is None:
+            raise pytest.UsageError("--attnlab-bound needs --attnlab-dtype: a bound (a multiple of the floor) "
+                                    "belongs to one dtype")
+    from attnlab.properties import checks, suite
+
+    suite.POLICY.strict = chosen.strict
+    checks.set_user_bound(chosen.bound)
 
 
 def _options_given(config: pytest.Config) -> bool:
     return any(config.getoption(f"attnlab_{o}", None) is not None
-               for o in ("formulation", "kernel", "device", "dtype", "profile"))
+               for o in ("formulation", "kernel", "device", "dtype", "profile", "strict", "bound"))
 
 
 def _own_tree(config: pytest.Config) -> bool:
@@ -134,6 +165,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     chosen = selection(config)
     return (f"attnlab: formulation={chosen.formulation or 'all'} kernel={chosen.kernel or 'attnlab'} "
             f"device={chosen.device} dtype={chosen.dtype or 'default'} profile={PROFILE_PREFIX + chosen.profile} "
+            f"strict={'yes' if chosen.strict else 'no'} "
+            f"bound={'registry' if chosen.bound is None else f'{chosen.bound:g}'} "
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
 
 

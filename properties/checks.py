@@ -1,28 +1,32 @@
 """Property checks: plain functions, usable outside pytest, each returning a :class:`CheckResult`.
 
-A result says whether the property held, the measured figure, the bound it
-was held to, what the figure measures, and the reproducing input (a
+A result carries its verdict, the measured figure, the bound it was held to,
+what the figure measures, and the reproducing input (a
 :class:`~attnlab.properties.strategies.Case`). ``result.assert_held()`` raises
 an AssertionError whose message a kernel author can act on.
 
-Bounds:
+Verdicts: ``held``, ``imprecise`` or ``failed``. The checks that measure an
+error against the floor (matches_oracle, overflow, shift_invariance,
+reduces_to_special_case, chunk_size_invariance, split_and_resume) grade it
+by two bounds, both read from the registry (``attnlab.registry.bounds_for``,
+the one table; its ``why`` says how each was measured): within the
+*accuracy* bound the property held; above it, up to the *correctness* bound,
+the kernel computes the right function less accurately than one rounding
+allows (imprecise); above the correctness bound, or with a NaN or inf where
+the oracle is finite, or when the implementation raised, it computes
+something else (failed). Exact properties (causality, bitwise; convexity;
+the float64 identities) are held or failed.
 
 - kernel against the float64 oracle: ``excess = rel_err / max(floor_round,
-  floor_cond) <= EXCESS_BOUND[dtype]`` (attnlab.metrics), and no NaN or inf
-  where the oracle is finite. fp16 2.0 and bf16 1.5 as in
-  tests/test_kernels.py; fp32 64 rather than its 4.0: in fp32 both floors
-  are a single fp32 rounding, while an fp32 algorithm accumulating over T
-  steps and an inner dimension K has a backward error growing like
-  sqrt(T K) u. On the adversarial inputs (beta = 2 with nearly parallel
-  keys, gates of -17 per step) correct kernels, recurrent ones included,
-  measured up to 15 at T <= 40; every specimen's defect measures 1e5 or more
-  in fp32, so 64 leaves room for longer sequences and keeps three orders of
-  margin;
+  floor_cond)`` (attnlab.metrics) against ``accuracy`` / ``correctness``;
+  :func:`user_bound` replaces the accuracy bound (``attnlab validate
+  --bound``, the plugin's ``--attnlab-bound``);
 - two kernel outputs that should agree (chunk sizes): their difference,
-  over the same floor, at most twice that bound (each may be off by one
-  bound, in opposite directions);
-- final states: ``STATE_BOUND[dtype]`` relative, or the bound times the
-  state's own conditioning floor where that is larger (keys shifted far);
+  over the same floor, against twice both bounds (each output may be off by
+  one bound, in opposite directions);
+- final states: the registry's ``state`` bound relative, or the accuracy
+  bound times the state's own conditioning floor where that is larger (keys
+  shifted far); failed above that times ``correctness / accuracy``;
 - identities of exact arithmetic in float64: relative 1e-12;
 - causality: bitwise.
 """
@@ -37,24 +41,26 @@ from typing import Any
 
 import torch
 
-from attnlab.metrics import Measurement, conditioning_floor, measure, rel_err, rounding_floor, unit_roundoff
+from attnlab.metrics import (FAILED, HELD, IMPRECISE, VERDICTS, Measurement, conditioning_floor, grade, measure,
+                             rel_err, rounding_floor, set_user_bound, unit_roundoff, user_bound, user_bounds, verdict,
+                             worst_verdict)
 from attnlab.oracle import oracle
 from attnlab.oracles._backend import Float64
 from attnlab.oracles._chunks import pairwise_decay, unit_lower_inverse
 from attnlab.properties import traits
 from attnlab.properties.strategies import Case, round_to
 from attnlab.properties.targets import Target
-from attnlab.registry import formulation
+from attnlab.registry import bounds_for, formulation
+from attnlab.spec import Bounds
 
 __all__ = [
-    "CheckResult", "EXCESS_BOUND", "STATE_BOUND", "IDENTITY_TOLERANCE",
+    "CheckResult", "HELD", "IMPRECISE", "FAILED", "VERDICTS", "IDENTITY_TOLERANCE", "bounds", "user_bound",
+    "set_user_bound", "grade", "worst_verdict",
     "check_matches_oracle", "check_overflow", "check_causality", "check_chunk_size_invariance",
     "check_split_and_resume", "check_convexity", "check_shift_invariance", "check_reduces_to_special_case",
     "check_forms_agree", "check_oracle_reduction", "check_ut_inverse_bounded", "check_decay_products_contract",
 ]
 
-EXCESS_BOUND = {torch.float16: 2.0, torch.bfloat16: 1.5, torch.float32: 64.0}
-STATE_BOUND = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7, torch.float32: 1e-5}
 IDENTITY_TOLERANCE = 1e-12
 # The float64 reference: the chunkwise oracle (certified by mpmath in tests/test_oracles.py).
 ORACLE_CHUNK_SIZE = 64
@@ -68,17 +74,31 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype).replace("torch.", "") if dtype is not None else "float64"
 
 
+def bounds(name: str, dtype: torch.dtype) -> Bounds:
+    """The bounds ``name``'s outputs in ``dtype`` are graded by: the registry's (attnlab.registry.bounds_for),
+    with the accuracy bound replaced where :func:`user_bound` is in force (attnlab.metrics.user_bounds)."""
+    return user_bounds(bounds_for(formulation(name), _dtype_name(dtype)))
+
+
+def exact(ok: bool) -> str:
+    """The verdict of an exact property: held or failed, nothing between."""
+    return HELD if ok else FAILED
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """The outcome of one property on one input.
 
-    ``figure`` is what was measured (``measure`` says what it is), ``bound``
-    the largest value allowed; ``held`` is False also when the figure is not
-    finite or the implementation raised.
+    ``verdict`` is held, imprecise or failed (module docstring); ``figure`` is
+    what was measured (``measure`` says what it is), ``bound`` the largest
+    value for which the property held and, for the graded properties,
+    ``correctness`` the largest that is not failed (None for exact
+    properties). A non-finite figure, or an implementation that raised, is
+    failed. ``held`` is ``verdict == "held"``.
     """
 
     property: str
-    held: bool
+    verdict: str
     figure: float
     bound: float
     measure: str
@@ -87,6 +107,19 @@ class CheckResult:
     dtype: torch.dtype | None = None
     device: str = "cpu"
     detail: str = ""
+    correctness: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {', '.join(VERDICTS)}; got {self.verdict!r}")
+
+    @property
+    def held(self) -> bool:
+        return self.verdict == HELD
+
+    @property
+    def failed(self) -> bool:
+        return self.verdict == FAILED
 
     @property
     def score(self) -> float:
@@ -98,12 +131,21 @@ class CheckResult:
         ratio = self.figure / self.bound if self.bound > 0 else math.inf
         return max(-60.0, min(60.0, math.log(ratio))) if ratio < math.inf else 60.0
 
+    def bound_text(self) -> str:
+        """``2`` for an exact property; ``2 (held), 32 (failed above)`` for a graded one."""
+        if self.correctness is None:
+            return f"{self.bound:.4g}"
+        return f"{self.bound:.4g} (held), {self.correctness:.4g} (failed above)"
+
     def message(self) -> str:
-        verdict = "held" if self.held else "FAILED"
-        figure = (f"  figure: {self.measure} = {self.figure:.4g}    bound: {self.bound:.4g}"
+        verdict = {HELD: "held", IMPRECISE: "IMPRECISE", FAILED: "FAILED"}[self.verdict]
+        figure = (f"  figure: {self.measure} = {self.figure:.4g}    bound: {self.bound_text()}"
                   if self.measure != RAISED else f"  figure: none, {RAISED}")
         lines = [f"property {self.property} {verdict} for {self.subject} in {_dtype_name(self.dtype)} on {self.device}",
                  figure]
+        if self.verdict == IMPRECISE:
+            lines.append("  imprecise: above the accuracy bound, within the correctness bound: the right function, "
+                         "computed less accurately than the bound allows")
         if self.detail:
             lines.append(f"  detail: {self.detail}")
         if self.case is not None:
@@ -118,7 +160,13 @@ class CheckResult:
         return "\n".join(lines)
 
     def assert_held(self) -> None:
+        """Raise unless the property held (imprecise counts as not held: the strict reading)."""
         if not self.held:
+            raise AssertionError(self.message())
+
+    def assert_not_failed(self) -> None:
+        """Raise only when the verdict is failed (an imprecise result passes)."""
+        if self.failed:
             raise AssertionError(self.message())
 
 
@@ -153,7 +201,7 @@ def _conditioning_floor(name: str, reference: Callable[..., Any], x: dict[str, A
 
 def _raised(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, error: BaseException) -> CheckResult:
     where = traceback.extract_tb(error.__traceback__)[-1]
-    return CheckResult(prop, False, math.inf, 0.0, RAISED, target.label, case, dtype, device,
+    return CheckResult(prop, FAILED, math.inf, 0.0, RAISED, target.label, case, dtype, device,
                        f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})")
 
 
@@ -184,26 +232,31 @@ def max_ulps(o: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
 
 def _judge(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, o: Any, ref: torch.Tensor,
            floor_cond: Callable[[], float], note: str = "") -> CheckResult:
-    """The excess of ``o`` over the floors of ``ref``, against EXCESS_BOUND.
+    """The excess of ``o`` over the floors of ``ref``, graded by the bounds of the target's formulation.
 
     ``floor_cond`` is evaluated (three more oracle calls) only when the
-    rounding floor alone does not let ``o`` pass: it can only raise the floor.
+    rounding floor alone does not let ``o`` hold: it can only raise the floor.
+    Non-finite entries where the oracle is finite, or a wrong output (type,
+    shape, dtype), are failed.
     """
-    bound = EXCESS_BOUND[dtype]
+    b = bounds(target.formulation, dtype)
+    bound, correctness = b.accuracy, b.correctness
     problem = _contract_problem(o, ref, dtype)
     if problem:
-        return CheckResult(prop, False, math.inf, bound, "excess = rel_err / floor", target.label, case, dtype,
-                           device, problem)
+        return CheckResult(prop, FAILED, math.inf, bound, "excess = rel_err / floor", target.label, case, dtype,
+                           device, problem, correctness)
     m = measure(o, ref, dtype)
     if m.nonfinite == 0 and not m.excess <= bound:
         m = measure(o, ref, dtype, floor_cond())
-    held = m.nonfinite == 0 and m.excess <= bound
+    graded = verdict(m, bound, correctness)
+    held = graded == HELD
     detail = _measurement_detail(m, o) + (f"; {note}" if note else "")
     if m.floor_round == 0 and m.nonfinite == 0 and not held:
         detail += f"; the exact output is representable in {str(dtype).replace('torch.', '')}: off by up to {max_ulps(o, ref, dtype):.3g} ulps"
     if m.nonfinite:
         detail = "NaN or inf where the float64 oracle is finite; " + detail
-    return CheckResult(prop, held, m.excess, bound, "excess = rel_err / floor", target.label, case, dtype, device, detail)
+    return CheckResult(prop, graded, m.excess, bound, "excess = rel_err / floor", target.label, case, dtype, device,
+                       detail, correctness)
 
 
 def split_time(name: str, x: dict[str, Any], cut: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -342,16 +395,18 @@ def check_causality(target: Target, case: Case, dtype: torch.dtype, device: str 
         positions = changed.reshape(changed.shape[0], cut, -1).any(dim=-1).any(dim=0).nonzero().flatten().tolist()
         difference = (before.narrow(1, 0, cut).double() - after.narrow(1, 0, cut).double()).abs().max().item()
         detail += f"; changed positions {positions[:8]}{'...' if len(positions) > 8 else ''}, max |change| {difference:.3e}"
-    return CheckResult("causality", count == 0, float(count), 0.0, "output entries before the cut that changed",
+    return CheckResult("causality", exact(count == 0), float(count), 0.0, "output entries before the cut that changed",
                        target.label, case, dtype, device, detail)
 
 
 def check_chunk_size_invariance(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu") -> CheckResult:
-    """Every chunk size the target accepts gives the same output, to within twice the excess bound."""
+    """Every chunk size the target accepts gives the same output, to within twice the accuracy bound (failed
+    beyond twice the correctness bound)."""
     x = case.call(dtype, device)
     reference = _reference(case.name)
     ref = reference(**x)
-    bound = 2 * EXCESS_BOUND[dtype]
+    b = bounds(target.formulation, dtype)
+    bound, correctness = 2 * b.accuracy, 2 * b.correctness
     try:
         outputs = {c: target(chunk_size=c, **x) for c in target.chunk_sizes}
     except Exception as error:  # noqa: BLE001
@@ -365,15 +420,15 @@ def check_chunk_size_invariance(target: Target, case: Case, dtype: torch.dtype, 
         floor = max(floor, _conditioning_floor(case.name, reference, x))
     figure = _ratio(difference, floor)
     detail = f"chunk sizes {first} and {worst} differ by {difference:.3e} relative to |ref| (floor {floor:.3e})"
-    return CheckResult("chunk_size_invariance", figure <= bound, figure, bound,
-                       "|o_c1 - o_c2| / |ref| / floor", target.label, case, dtype, device, detail)
+    return CheckResult("chunk_size_invariance", grade(figure, bound, correctness), figure, bound,
+                       "|o_c1 - o_c2| / |ref| / floor", target.label, case, dtype, device, detail, correctness)
 
 
 def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu") -> CheckResult:
     """Running positions [0, cut), then [cut, T) from the returned state, equals the oracle on the whole sequence.
 
-    Both the concatenated output (excess bound) and the final state (state
-    bound) are checked.
+    Both the concatenated output (excess bounds) and the final state (state
+    bound) are checked; the result is the worse of the two.
     """
     assert case.cut is not None, "split_and_resume needs a case with a cut"
     x = case.call(dtype, device)
@@ -399,16 +454,18 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
         if not torch.allclose(needed, without, rtol=1e-12, atol=0.0, equal_nan=True):
             words = " and ".join(PART_WORDS.get((case.name, n), f"the state part {n}") for n in missing)
             options = ", ".join(f"{k}={v}" for k, v in dict(case.options).items()) if case.options else "these options"
-            return CheckResult("split_and_resume", False, math.inf, EXCESS_BOUND[dtype], "state parts carried",
+            return CheckResult("split_and_resume", FAILED, math.inf, bounds(target.formulation, dtype).accuracy,
+                               "state parts carried",
                                target.label, case, dtype, device,
                                f"the kernel's state omits {words}, so a run with {options} cannot be split and resumed "
                                f"(the output after the split depends on it); {note}")
     if not all(isinstance(o, torch.Tensor) for o in (o_head, o_tail)):
-        return CheckResult("split_and_resume", False, math.inf, EXCESS_BOUND[dtype], "excess = rel_err / floor",
+        return CheckResult("split_and_resume", FAILED, math.inf, bounds(target.formulation, dtype).accuracy,
+                           "excess = rel_err / floor",
                            target.label, case, dtype, device, "did not return (o, state) with return_state=True")
     result = _judge("split_and_resume", target, case, dtype, device, torch.cat([o_head, o_tail], dim=1), ref,
                     lambda: _conditioning_floor(case.name, reference, x), note)
-    if not result.held:
+    if result.failed:
         return result
     mine_parts, ref_parts = comparable_state(case.name, final), comparable_state(case.name, ref_state)
     if any(p is None for p in mine_parts):  # compare the parts the kernel carries
@@ -417,10 +474,15 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
         note += f"; final state compared on {', '.join(spec.names[i] for i in kept)} (the parts the kernel carries)"
     mine, theirs = _same_scale(case.name, mine_parts, ref_parts)
     error = rel_err(mine, theirs)
-    state_floor = _conditioning_floor(case.name, _state_reference(case.name), x) if error > STATE_BOUND[dtype] else 0.0
-    bound = max(STATE_BOUND[dtype], EXCESS_BOUND[dtype] * state_floor)
-    return CheckResult("split_and_resume", error <= bound, error, bound, "final state rel_err", target.label, case,
-                       dtype, device, f"{note}; output excess {result.figure:.3g}; state conditioning floor {state_floor:.3e}")
+    b = bounds(target.formulation, dtype)
+    state_floor = _conditioning_floor(case.name, _state_reference(case.name), x) if error > b.state else 0.0
+    bound = max(b.state, b.accuracy * state_floor)
+    correctness = bound * b.correctness / b.accuracy  # the output's ratio of the two bounds
+    state = CheckResult("split_and_resume", grade(error, bound, correctness), error, bound, "final state rel_err",
+                        target.label, case, dtype, device,
+                        f"{note}; output excess {result.figure:.3g} ({result.verdict}); state conditioning floor "
+                        f"{state_floor:.3e}", correctness)
+    return result if VERDICTS.index(result.verdict) > VERDICTS.index(state.verdict) else state
 
 
 def _running_range(v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -454,7 +516,8 @@ def check_convexity(target: Target, case: Case, dtype: torch.dtype, device: str 
     where = divmod(int(violation.flatten().argmax()), violation[0].numel())
     detail = (f"worst at batch {where[0]}, flat index {where[1]}: o = {o64.flatten()[violation.flatten().argmax()].item():.6g}, "
               f"max |v| = {top:.4g}")
-    return CheckResult("convexity", figure <= bound, figure, bound, "max distance outside [min v, max v] / max |v|",
+    return CheckResult("convexity", exact(figure <= bound), figure, bound,
+                       "max distance outside [min v, max v] / max |v|",
                        target.label, case, dtype, device, detail)
 
 
@@ -532,7 +595,7 @@ def check_forms_agree(case: Case, chunk_size: int) -> CheckResult:
     errors = {form: rel_err(o, recurrent) for form, o in others.items()}
     worst = max(errors, key=lambda k: errors[k])
     figure = errors[worst] if not math.isnan(errors[worst]) else math.inf
-    return CheckResult("forms_agree", figure <= IDENTITY_TOLERANCE, figure, IDENTITY_TOLERANCE,
+    return CheckResult("forms_agree", exact(figure <= IDENTITY_TOLERANCE), figure, IDENTITY_TOLERANCE,
                        "rel_err against the recurrent form", f"oracle:{case.name}", case, None, "cpu",
                        f"worst form {worst}; " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
 
@@ -547,7 +610,7 @@ def check_oracle_reduction(reduction: traits.Reduction, case: Case) -> CheckResu
         general = oracle(reduction.general, form, **opts)(**reduction.to_general(x))
         errors[form] = rel_err(general, special)
     figure = max(errors.values())
-    return CheckResult("oracle_reduction", figure <= IDENTITY_TOLERANCE, figure, IDENTITY_TOLERANCE,
+    return CheckResult("oracle_reduction", exact(figure <= IDENTITY_TOLERANCE), figure, IDENTITY_TOLERANCE,
                        f"rel_err of {reduction.general} against {reduction.special}", f"oracle:{reduction.label}",
                        case, None, "cpu", ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
 
@@ -590,7 +653,7 @@ def check_ut_inverse_bounded(case: Case) -> CheckResult:
     figure = ratio.max().item() if case.T > 1 else 0.0
     condition = torch.linalg.cond(A).max().item()
     largest = inverse.masked_fill(~strict, 0).abs().max().item() if case.T > 1 else 0.0
-    return CheckResult("ut_inverse_bounded", figure <= UT_ENTRY_BOUND, figure, UT_ENTRY_BOUND,
+    return CheckResult("ut_inverse_bounded", exact(figure <= UT_ENTRY_BOUND), figure, UT_ENTRY_BOUND,
                        "max |A^-1_ij| / (beta_i |k_i| |k_j|) below the diagonal", f"oracle:{case.name}", case, None,
                        "cpu", f"cond(I + L) = {condition:.3e}, max |A^-1_ij| = {largest:.4g}")
 
@@ -614,6 +677,6 @@ def check_decay_products_contract(case: Case) -> CheckResult:
     identity = torch.eye(case.K, dtype=torch.float64).expand(case.B, case.H, case.K, case.K).contiguous()
     _, product = oracle(case.name, "recurrent")(**x, initial_state=identity, return_state=True)
     figure = torch.linalg.matrix_norm(product, ord=2).max().item()
-    return CheckResult("decay_products_contract", figure <= CONTRACTION_BOUND, figure, CONTRACTION_BOUND,
+    return CheckResult("decay_products_contract", exact(figure <= CONTRACTION_BOUND), figure, CONTRACTION_BOUND,
                        "max 2-norm of the product of the transitions", f"oracle:{case.name}", case, None, "cpu",
                        f"over {case.T} steps")

@@ -7,10 +7,18 @@ them through :func:`search`, which builds one hypothesis test per
 (property, target, dtype): it steers the search with ``hypothesis.target()``
 on ``log(figure / bound)``, runs the kept regressions first, and raises the
 check's AssertionError on the first input where the property fails.
+
+Verdicts (attnlab.properties.checks): a *failed* result always ends the
+search. An *imprecise* one (above the accuracy bound, within the
+correctness bound) ends it only under ``strict``; otherwise the search goes
+on looking for a failure, keeps the worst imprecise result, and warns
+(:class:`ImpreciseWarning`) once at its end. ``strict`` defaults to
+:data:`POLICY` (the pytest plugin's ``--attnlab-strict``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,12 +28,13 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from attnlab.properties import checks, traits
-from attnlab.properties.checks import CheckResult
+from attnlab.properties.checks import FAILED, HELD, IMPRECISE, CheckResult
 from attnlab.properties.regressions import REGRESSIONS
 from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SIZES, Case, Sizes, cases)
 from attnlab.properties.targets import Target
 
-__all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "search", "run", "sizes_for", "applicable"]
+__all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "Policy", "POLICY", "ImpreciseWarning", "search", "run",
+           "sizes_for", "applicable"]
 
 CaseStrategy = Callable[[Target, torch.dtype, Sizes], st.SearchStrategy[Case]]
 Check = Callable[[Target, Case, torch.dtype, str], CheckResult]
@@ -101,9 +110,28 @@ def sizes_for(device: str, profile: str) -> Sizes:
     return CPU_THOROUGH_SIZES if profile == "thorough" else CPU_SIZES
 
 
+class ImpreciseWarning(UserWarning):
+    """A property came out imprecise (not held, not failed) and the search was not strict."""
+
+
+@dataclass
+class Policy:
+    """How :func:`search` treats an imprecise result when its caller does not say (the plugin sets it)."""
+
+    strict: bool = False
+
+
+POLICY = Policy()
+
+
 @dataclass
 class Outcome:
-    """What one search found: examples run, the first failing one (1-based), the worst and the failing result."""
+    """What one search found: examples run, the first result that ended the search (1-based), the worst result,
+    the worst imprecise result the search went on past, the first result that did not hold, and harness errors.
+
+    ``failure`` is the first failed result, or under ``strict`` the first imprecise one; ``verdict`` is
+    "failed", "error" (the harness broke), "imprecise" or "held".
+    """
 
     property: str
     target: str
@@ -113,24 +141,44 @@ class Outcome:
     worst: CheckResult | None = None
     failure: CheckResult | None = None
     errors: list[str] = field(default_factory=list)
+    imprecise: CheckResult | None = None
+    first_not_held: CheckResult | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.failure is not None:
+            return self.failure.verdict
+        if self.errors:
+            return "error"
+        return IMPRECISE if self.imprecise is not None else HELD
 
     @property
     def held(self) -> bool:
-        return self.failure is None and not self.errors
+        return self.verdict == HELD
+
+    @property
+    def result(self) -> CheckResult | None:
+        """The result the verdict rests on: the failure, else the worst imprecise result, else the worst one."""
+        return self.failure or self.imprecise or self.worst
 
 
 def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
            settings: hypothesis.settings | None = None, outcome: Outcome | None = None, *,
-           fit: Callable[[Case], Case] | None = None, regressions: bool = True) -> Callable[[], None]:
-    """A hypothesis test that checks ``prop`` on ``target``: call it; it raises AssertionError on a failure.
+           fit: Callable[[Case], Case] | None = None, regressions: bool = True,
+           strict: bool | None = None, warn: bool = True) -> Callable[[], None]:
+    """A hypothesis test that checks ``prop`` on ``target``: call it; it raises AssertionError on a failure
+    (and on an imprecise result under ``strict``, default :data:`POLICY`.strict).
 
     ``settings`` default to the loaded hypothesis profile; ``outcome``, if
     given, is filled in as the search runs. ``fit``, if given, edits every
     case (drawn or kept regression) before it is checked (``attnlab
     validate``: a kernel's fixed scale, its head dims); ``regressions=False``
-    leaves the kept regressions out.
+    leaves the kept regressions out. Not strict, an imprecise result is kept
+    in ``outcome.imprecise`` and, with ``warn``, an :class:`ImpreciseWarning`
+    names the worst one when the search ends without a failure.
     """
     record = outcome if outcome is not None else Outcome(prop.name, target.label, dtype)
+    strict = POLICY.strict if strict is None else strict
 
     def check_one(case: Case) -> None:
         if fit is not None:
@@ -140,9 +188,16 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
         hypothesis.target(result.score, label=f"log({prop.name} figure / bound)")
         if record.worst is None or result.score > record.worst.score:
             record.worst = result
-        if not result.held and record.failure is None:
+        if not result.held and record.first_not_held is None:
+            record.first_not_held = result
+        ends = result.verdict == FAILED or (strict and result.verdict == IMPRECISE)
+        if ends and record.failure is None:
             record.failure, record.first_failure = result, record.examples
-        result.assert_held()
+        worse = record.imprecise is None or result.score > record.imprecise.score
+        if result.verdict == IMPRECISE and not strict and worse:
+            record.imprecise = result
+        if ends:
+            raise AssertionError(result.message())
 
     test = given(case=prop.cases(target, dtype, sizes))(check_one)
     for regression in REGRESSIONS.get(prop.name, ()) if regressions else ():
@@ -152,16 +207,26 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
         test = settings(test)
     # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give.
     test._hypothesis_internal_add_digest = f"{prop.name}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
-    return test
+
+    def run_search() -> None:
+        test()
+        if warn and record.imprecise is not None and record.failure is None:
+            warnings.warn(ImpreciseWarning(
+                f"{record.imprecise.message()}\n  (passes: imprecise is not failed; --attnlab-strict fails it)"),
+                stacklevel=2)
+
+    return run_search
 
 
 def run(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
         settings: hypothesis.settings | None = None, *, fit: Callable[[Case], Case] | None = None,
-        regressions: bool = True) -> Outcome:
-    """Run one search to its end and return its Outcome instead of raising."""
+        regressions: bool = True, strict: bool = False) -> Outcome:
+    """Run one search to its end and return its Outcome instead of raising (or warning). Not ``strict`` (the
+    default here), the search goes on past imprecise results looking for a failure."""
     outcome = Outcome(prop.name, target.label, dtype)
     try:
-        search(prop, target, dtype, device, sizes, settings, outcome, fit=fit, regressions=regressions)()
+        search(prop, target, dtype, device, sizes, settings, outcome, fit=fit, regressions=regressions, strict=strict,
+               warn=False)()
     except AssertionError as error:
         if outcome.failure is None:  # an assertion of the harness, not a failed property
             outcome.errors.append(f"AssertionError: {error}")

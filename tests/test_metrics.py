@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import attnlab
-from attnlab.metrics import conditioning_floor, max_err, measure, nonfinite_count, rel_err, rounding_floor
+from attnlab.metrics import (FAILED, HELD, IMPRECISE, conditioning_floor, grade, max_err, measure, nonfinite_count,
+                             rel_err, rounding_floor, user_bound, user_bounds, verdict, worst_verdict)
+from attnlab.registry import bounds_for
 
 
 def test_rel_err_and_max_err_of_a_known_perturbation():
@@ -67,3 +70,29 @@ def test_conditioning_floor_runs_its_trials_as_one_batched_call_with_the_same_va
     assert batches == [3 * 2]
     sequential = conditioning_floor(lambda **inputs: reference(**inputs), x)  # no spec: the trials run one by one
     assert batched == sequential > 0
+
+
+def test_verdicts_grade_an_excess_by_two_bounds():
+    """held within the accuracy bound, imprecise up to the correctness bound, failed above it or non-finite."""
+    assert [grade(e, 2.0, 8.0) for e in (1.0, 2.0, 2.5, 8.0, 8.5, math.inf, math.nan)] == \
+        [HELD, HELD, IMPRECISE, IMPRECISE, FAILED, FAILED, FAILED]
+    ref = torch.ones(4, dtype=torch.float64)
+    assert verdict(measure(ref * (1 + 1e-3), ref, torch.float16), 2.0, 8.0) == FAILED  # excess ~ 2e-3 / 0
+    assert verdict(measure(torch.tensor([1.0, math.nan, 1.0, 1.0]), ref, torch.float16), 2.0, 1e9) == FAILED
+    assert worst_verdict([HELD, IMPRECISE, HELD]) == IMPRECISE and worst_verdict([]) == HELD
+
+
+def test_a_user_bound_replaces_the_accuracy_bound_only_within_its_block():
+    f = attnlab.formulation("gla")
+    table = bounds_for(f, "float16")
+    with user_bound(1.25):
+        tight = user_bounds(table)
+        with user_bound(100.0):  # above the correctness bound: that one is raised to it
+            loose = user_bounds(table)
+    assert (tight.accuracy, tight.correctness, tight.state) == (1.25, table.correctness, table.state)
+    assert (loose.accuracy, loose.correctness) == (100.0, max(100.0, table.correctness))
+    assert user_bounds(table) == table
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="positive number"):
+            with user_bound(bad):
+                pass

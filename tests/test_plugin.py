@@ -2,7 +2,8 @@
 
 ``pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mykernels:FUNCTION``
 must exit 0 on a correct kernel and 1 on a broken one, whose report names
-the property, the figure, the bound and the reproducing input.
+the property, the figure, the bound and the reproducing input; an imprecise
+result passes with a warning unless ``--attnlab-strict``.
 """
 
 from __future__ import annotations
@@ -75,6 +76,23 @@ def test_a_broken_third_party_kernel_fails_with_an_actionable_report(tmp_path: P
     assert "1 failed, 1 passed" in report  # causality holds: the defect is not a causality violation
 
 
+def test_an_imprecise_result_passes_with_a_warning_and_fails_under_strict(tmp_path: Path) -> None:
+    """--attnlab-bound 0.5 holds the correct kernel (one rounding of an fp32 result: excess about 1) to half a
+    rounding: every input is then imprecise, never failed. It passes with an ImpreciseWarning, and
+    --attnlab-strict fails it."""
+    options = ("--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:good", "--attnlab-dtype", "float16",
+               "--attnlab-bound", "0.5", "-k", "matches_oracle")
+    lenient = run_properties(tmp_path, *options)
+    assert lenient.returncode == 0, lenient.stdout[-4000:] + lenient.stderr[-2000:]
+    assert "ImpreciseWarning" in lenient.stdout
+    assert "property matches_oracle IMPRECISE for mykernels:good" in lenient.stdout
+    assert "1 passed" in lenient.stdout
+    strict = run_properties(tmp_path, *options, "--attnlab-strict")
+    assert strict.returncode == 1, strict.stdout[-4000:] + strict.stderr[-2000:]
+    assert "property matches_oracle IMPRECISE for mykernels:good in float16 on cpu" in strict.stdout
+    assert "bound: 0.5 (held)" in strict.stdout and "1 failed" in strict.stdout
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -83,6 +101,10 @@ def test_a_broken_third_party_kernel_fails_with_an_actionable_report(tmp_path: P
         (["--attnlab-formulation", "gla", "--attnlab-kernel", "nosuchmodule:f"], "cannot import module 'nosuchmodule'"),
         (["--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:nothing"], "has no attribute 'nothing'"),
         (["--attnlab-formulation", "flash", "--attnlab-kernel", "mykernels:good"], "expected one of softmax"),
+        (["--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:good", "--attnlab-bound", "2"],
+         "--attnlab-bound needs --attnlab-dtype"),
+        (["--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:good", "--attnlab-dtype", "float16",
+          "--attnlab-bound", "-1"], "expected a positive multiple of the floor"),
     ],
 )
 def test_bad_options_are_usage_errors(tmp_path: Path, options: list[str], message: str) -> None:

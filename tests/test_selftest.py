@@ -59,3 +59,28 @@ def test_a_broken_kernel_among_the_correct_ones_is_flagged(monkeypatch: pytest.M
     assert _command("--examples", "2") == 1
     out = capsys.readouterr().out
     assert "FLAGGED" in out and "property matches_oracle FAILED for attnlab:gla/broken" in out
+
+
+def test_imprecise_is_neither_a_catch_nor_a_pass(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """Graded verdicts: a correct kernel made imprecise (a user bound of half a rounding: excess 1 > 0.5) is
+    flagged, and a specimen whose expected property finds it only imprecise has escaped (a defect must read as
+    failed)."""
+    from attnlab.metrics import user_bound
+    from attnlab.properties.targets import rounded_oracle_target
+
+    def ideal(job: selftest.Job):
+        target = rounded_oracle_target("retnet")
+        if job.kind == "kernel":
+            return function_target(target.function, "retnet", "attnlab:retnet/ideal"), None
+        specimen = specimens.Specimen("retnet_ideal", "retnet", target.function, "none", "matches_oracle")
+        return function_target(target.function, "retnet", "specimen:retnet_ideal"), specimen
+
+    monkeypatch.setattr(selftest, "_target", ideal)
+    monkeypatch.setattr(selftest, "_jobs", lambda dtypes, include, names: [
+        selftest.Job("specimen", "retnet_ideal", torch.float16), selftest.Job("kernel", "retnet/ideal", torch.float16)])
+    with user_bound(0.5):
+        assert _command("--examples", "2") == 1
+    out = capsys.readouterr().out
+    assert "ESCAPED" in out and "FLAGGED" in out and "matches_oracle IMPRECISE" in out
+    assert "property matches_oracle IMPRECISE for attnlab:retnet/ideal" in out

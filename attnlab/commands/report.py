@@ -17,7 +17,14 @@ the same rounded inputs (attnlab.metrics: ``rel_err``, ``max_err``,
 ``floor_round``, ``floor_cond``, ``floor``, ``excess``, ``nonfinite``); at
 short lengths the float64 oracle is itself checked against the mpmath one and
 the agreement recorded. A point that raises is recorded with its error and
-the sweep goes on.
+the sweep goes on. Each row carries its ``verdict`` (attnlab.metrics, by the
+registry's bounds for its formulation and dtype): ``held``, ``imprecise`` or
+``failed`` (above the correctness bound, non-finite, or raised).
+
+Exit status: 0 when every point was measured; 1 when a point raised (its
+row records the error); 2 for a usage error (unknown formulation or dtype,
+bfloat16 where attnlab's kernels run under the Triton interpreter, --device
+cuda without a GPU).
 
 Written to the output folder: ``report.json`` (rows, settings, seed,
 versions, device, oracles), one ``<formulation>.png`` per formulation (error
@@ -47,9 +54,10 @@ import torch
 
 from attnlab.evaluate import DTYPES, rounded_inputs
 from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 before triton is imported
-from attnlab.metrics import conditioning_floor, measure, rel_err, unit_roundoff
+from attnlab.metrics import (FAILED, VERDICTS, conditioning_floor, grade, measure, rel_err, unit_roundoff, user_bounds,
+                             worst_verdict)
 from attnlab.oracle import oracle
-from attnlab.registry import formulation, names
+from attnlab.registry import BOUNDS, bounds_for, formulation, names
 from attnlab.spec import Formulation
 
 Row = dict[str, Any]
@@ -59,6 +67,8 @@ SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 REFERENCE_CHUNK_SIZE = 64
 REFERENCE_NAME = "float64-chunkwise"
 METRIC_KEYS = ("rel_err", "max_err", "floor_round", "floor_cond", "floor", "excess", "nonfinite")
+# What a row's verdict was graded by is recorded beside it.
+VERDICT_KEYS = ("verdict", "accuracy_bound", "correctness_bound")
 # A fitted exponent of rel_err against T above this counts as growth with length.
 GROWTH_SLOPE = 0.25
 
@@ -173,6 +183,19 @@ def _blank_row(base: Row) -> Row:
     return {**base, **{key: None for key in METRIC_KEYS}, "ref_nonfinite": None, "error": None}
 
 
+def _graded(f: Formulation, dtype: str, row: Row) -> Row:
+    """``row`` with its verdict and the bounds it was graded by: failed when it raised or has a non-finite
+    entry, else its excess graded by the registry's bounds for ``f`` in ``dtype`` (with the user's accuracy bound
+    where attnlab.metrics.user_bound is in force)."""
+    b = user_bounds(bounds_for(f, dtype))
+    row.update(accuracy_bound=b.accuracy, correctness_bound=b.correctness)
+    if row["error"] or row["nonfinite"] or row["excess"] is None:
+        row["verdict"] = FAILED
+    else:
+        row["verdict"] = grade(row["excess"], b.accuracy, b.correctness)
+    return row
+
+
 def mpmath_agreement(name: str, inputs: dict[str, torch.Tensor], reference_output: torch.Tensor) -> float:
     """``rel_err`` of the float64 oracle's output against the mpmath recurrent oracle's, on CPU copies of ``inputs``."""
     certified = oracle(name, "recurrent", "mpmath")(**{n: t.cpu() if isinstance(t, torch.Tensor) else t
@@ -220,7 +243,7 @@ def measure_point(
             base["oracle_check"] = _json_float(mpmath_agreement(f.name, inputs, ref))
     except Exception as error:  # noqa: BLE001 - recorded in the rows, the sweep goes on
         message = f"reference oracle failed: {describe_error(error)}"
-        return [{**_blank_row(base), "impl": impl.name, "error": message} for impl in impls]
+        return [_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": message}) for impl in impls]
     rows = []
     for impl in impls:
         row = {**_blank_row(base), "impl": impl.name, "ref_nonfinite": ref_nonfinite}
@@ -232,7 +255,7 @@ def measure_point(
             row["error"] = describe_error(error)
             if isinstance(error, torch.cuda.OutOfMemoryError):
                 torch.cuda.empty_cache()
-        rows.append(row)
+        rows.append(_graded(f, dtype, row))
     return rows
 
 
@@ -464,10 +487,36 @@ def _format_number(value: float | None) -> str:
     return "" if value is None else f"{value:.2g}"
 
 
+def row_verdict(row: Row) -> str:
+    """A row's verdict: recorded in it, or (a row of a report.json written before verdicts) graded now."""
+    if row.get("verdict"):
+        return row["verdict"]
+    if row["error"] or row["nonfinite"] or row["excess"] is None:
+        return FAILED
+    b = user_bounds(bounds_for(formulation(row["formulation"]), row["dtype"]))
+    return grade(row["excess"], b.accuracy, b.correctness)
+
+
+def verdict_cell(rows: Iterable[Row]) -> str:
+    """The worst verdict of some rows, with the lengths where it was reached unless every row is held."""
+    rows = list(rows)
+    worst = worst_verdict(row_verdict(r) for r in rows)
+    where = sorted({r["T"] for r in rows if row_verdict(r) == worst})
+    return worst if worst == VERDICTS[0] else f"{worst} (T={','.join(map(str, where))})"
+
+
+def bounds_text(dtypes: Iterable[str]) -> str:
+    """The registry's bounds of some dtypes, in words (a formulation's own entry may differ)."""
+    return "; ".join(f"{d}: accuracy {BOUNDS[d].accuracy:g}, correctness {BOUNDS[d].correctness:g}"
+                     for d in dict.fromkeys(dtypes) if d in BOUNDS)
+
+
 def summary_table(rows: Sequence[Row]) -> list[str]:
-    """Markdown lines: one row per (formulation, implementation, dtype), excess at each T, growth and worst error."""
+    """Markdown lines: one row per (formulation, implementation, dtype), excess at each T, the worst verdict,
+    growth and worst error."""
     lengths = sorted({r["T"] for r in rows})
-    header = ["formulation", "impl", "dtype", *[f"T={T}" for T in lengths], "growth", "worst rel_err", "floor", "non-finite"]
+    header = ["formulation", "impl", "dtype", *[f"T={T}" for T in lengths], "verdict", "growth", "worst rel_err",
+              "floor", "non-finite"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     groups = dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows)
     for name, impl, dtype in groups:
@@ -477,7 +526,7 @@ def summary_table(rows: Sequence[Row]) -> list[str]:
         worst = max((e for _, e in measured), default=None)
         floors = [r["floor"] for r in mine.values() if r["floor"] is not None]
         nonfinite = sum(r["nonfinite"] or 0 for r in mine.values())
-        cells = [name, f"`{impl}`", dtype, *[_format_excess(mine.get(T)) for T in lengths],
+        cells = [name, f"`{impl}`", dtype, *[_format_excess(mine.get(T)) for T in lengths], verdict_cell(mine.values()),
                  "" if slope is None else f"T^{slope:.2f}", _format_number(worst),
                  _format_number(max(floors)) if floors else "", str(nonfinite)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -496,6 +545,15 @@ def headline(rows: Sequence[Row]) -> list[str]:
     broken = sorted({(r["formulation"], r["impl"], r["dtype"]) for r in kernels if r["excess"] is None})
     if broken:
         lines.append("- Kernels with non-finite outputs: " + ", ".join(f"{n} `{i}` {d}" for n, i, d in broken) + ".")
+    points = [r for r in rows if r["impl"].startswith("attnlab:")]
+    if points:
+        counts = {v: sum(row_verdict(r) == v for r in points) for v in VERDICTS}
+        graded = [f"{v} {n}" for v, n in counts.items() if n]
+        not_held = sorted({(r["formulation"], r["impl"], r["dtype"], row_verdict(r)) for r in points
+                           if row_verdict(r) != VERDICTS[0]})
+        lines.append(f"- Verdicts of attnlab's kernels over {len(points)} points: {', '.join(graded)}"
+                     + (" (" + ", ".join(f"{n} `{i}` {d} {v}" for n, i, d, v in not_held) + ")" if not_held else "")
+                     + ".")
     slopes = {}
     for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
         mine = sorted((r["T"], r["rel_err"]) for r in rows
@@ -538,14 +596,16 @@ def map_sections(out: Path) -> list[str]:
                   *[f"- Device: {run['device']['name']}; reproduce: `{run['settings']['command']}`"
                     for run in document.get("runs", [document])],
                   f"- Axes: {document['axes']['x']['name']} x {document['axes']['y']['name']}", "",
-                  "| formulation | impl | dtype | points | with non-finite output | failed | largest finite excess |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| formulation | impl | dtype | points | held / imprecise / failed | with non-finite output | raised "
+                  "| largest finite excess |",
+                  "|---|---|---|---|---|---|---|---|"]
         for key in dict.fromkeys((r["formulation"], r["impl"], r["dtype"]) for r in rows):
             mine = [r for r in rows if (r["formulation"], r["impl"], r["dtype"]) == key]
             broken = sum(1 for r in mine if not r["error"] and r["nonfinite"])
-            failed = sum(1 for r in mine if r["error"])
+            raised = sum(1 for r in mine if r["error"])
+            graded = " / ".join(str(sum(row_verdict(r) == v for r in mine)) for v in VERDICTS)
             largest = max((r["excess"] for r in mine if r["excess"] is not None), default=None)
-            lines.append(f"| {key[0]} | `{key[1]}` | {key[2]} | {len(mine)} | {broken} | {failed} | "
+            lines.append(f"| {key[0]} | `{key[1]}` | {key[2]} | {len(mine)} | {graded} | {broken} | {raised} | "
                          f"{'' if largest is None else f'{largest:.3g}'} |")
         lines.append("")
         for figure in document["figures"]:
@@ -582,6 +642,12 @@ def write_index(out: Path) -> Path:
             "",
             "`excess = rel_err / floor`, with `floor = max(floor_round, floor_cond)`: 1.0 is a perfect kernel; "
             "*∞ (n nf)* marks n non-finite outputs; *growth* is the fitted exponent p of rel_err ∝ T^p.",
+            "",
+            "*verdict* (the worst over T, with the lengths where it was reached): *held* when the excess is within "
+            "the accuracy bound, *imprecise* above it up to the correctness bound (the right function, less "
+            "accurately than one rounding allows), *failed* above the correctness bound, with a non-finite output, "
+            "or when the point raised (attnlab.registry.BOUNDS: "
+            + bounds_text(r["dtype"] for r in rows) + "). The naive baselines are graded too.",
             "",
             "## Summary",
             "",
@@ -668,6 +734,21 @@ def resolve_device(parser: argparse.ArgumentParser, requested: str | None) -> st
     return requested or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def refuse_bf16_on_the_interpreter(parser: argparse.ArgumentParser, device: str, dtypes: Iterable[str]) -> None:
+    """Exit 2 (before any work) when bfloat16 is asked for where attnlab's kernels run under the Triton
+    interpreter: every kernel point would fail, so the sweep could not do what was asked."""
+    if device == "cpu" and interpreter_active() and "bfloat16" in dtypes:
+        parser.error("--dtypes bfloat16 needs a GPU: attnlab's kernels run under the Triton interpreter here, which "
+                     "computes bf16 on raw bit patterns (every kernel point would fail); use float16 or float32 on "
+                     "the CPU, or run on a CUDA device")
+
+
+def exit_status(rows: Iterable[Row]) -> int:
+    """1 when a point raised (its row records the error: the sweep did not measure what was asked), else 0.
+    A measured point graded imprecise or failed is a finding of the report, not a failure of the command."""
+    return 1 if any(r["error"] for r in rows) else 0
+
+
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """The options ``attnlab report`` and ``attnlab map`` share."""
     parser.add_argument("--formulations", type=formulations_arg, default=None,
@@ -709,6 +790,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def cmd_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device = resolve_device(parser, args.device)
     defaults = DEFAULTS[device]
+    refuse_bf16_on_the_interpreter(parser, device, args.dtypes or defaults.dtypes)
     settings = Settings(
         formulations=tuple(args.formulations or names()),
         dtypes=tuple(args.dtypes or defaults.dtypes),
@@ -722,7 +804,11 @@ def cmd_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     started = time.time()
     index = run_report(settings, out, append=args.append)
     rows = json.loads((out / "report.json").read_text())["rows"]
-    failed = sum(1 for r in rows if r["error"])
-    print(f"report: {index} ({len(rows)} rows, {failed} failed, {time.time() - started:.0f} s); "
+    raised = [r for r in rows if r["error"]]
+    counts = ", ".join(f"{sum(row_verdict(r) == v for r in rows)} {v}" for v in VERDICTS)
+    print(f"report: {index} ({len(rows)} rows: {counts}; {len(raised)} raised; {time.time() - started:.0f} s); "
           f"data in {out / 'report.json'}, plots beside it")
-    return 0
+    for name, impl, dtype, error in dict.fromkeys((r["formulation"], r["impl"], r["dtype"], r["error"])
+                                                  for r in raised):
+        print(f"  raised: {name} {impl} {dtype}: {error}", file=sys.stderr)
+    return exit_status(rows)

@@ -4,8 +4,17 @@ Runs the default kernel property suite (attnlab.properties.suite) on every
 known-bad specimen (attnlab.properties.specimens) and on every attnlab kernel
 that exists, in each dtype, and prints the sensitivity table: for each
 specimen, which properties caught it and after how many examples; for each
-correct kernel, whether any property flagged it. Exits 1 if a specimen
-escapes its expected property or a correct kernel is flagged, else 0.
+correct kernel, whether any property flagged it. Verdicts are graded
+(attnlab.properties.checks): a specimen is caught when its expected property
+is *failed* on some input (an imprecise verdict alone is an escape: the
+defect must read as a wrong answer, not as a less accurate one); a correct
+kernel is flagged by any verdict other than *held*. Below the tables: the
+smallest excess a caught defect produced and the largest a correct kernel
+did, per dtype (what the registry's correctness bounds are set between).
+
+Exit status: 0 when every specimen is caught and no correct kernel is
+flagged; 1 when one escapes or one is flagged (or the harness broke);
+2 for a usage error (unknown formulation, bad dtype, nothing to run).
 
 The search is derandomized (the same inputs every run) and does not shrink
 (the first failure is what is counted). On a machine without a GPU the
@@ -26,6 +35,7 @@ from multiprocessing import get_context
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from attnlab.commands.report import dtypes_arg, formulations_arg
 from attnlab.evaluate import parse_dtype
 from attnlab.properties.strategies import Sizes
 
@@ -49,8 +59,13 @@ class Job:
 class Finding:
     """One property's search on one job, reduced to what the table shows.
 
-    ``status`` is "held", "failed" (the property failed on an input) or
-    "error" (the harness itself broke: never counted as a catch).
+    ``status`` is "held", "imprecise" (above the accuracy bound on an input,
+    never above the correctness bound), "failed" (the property failed on an
+    input) or "error" (the harness itself broke: never counted as a catch).
+    ``figure`` and ``measure``: the failure's, the worst imprecise result's or
+    the worst held one's figure; ``first_figure``: the figure of the first
+    input on which the property did not hold (imprecise or failed), when it
+    measured an excess like the failure's.
     """
 
     property: str
@@ -59,6 +74,9 @@ class Finding:
     first_failure: int | None
     message: str
     worst: str = ""
+    figure: float | None = None
+    measure: str = ""
+    first_figure: float | None = None
 
 
 @dataclass(frozen=True)
@@ -77,17 +95,21 @@ class Row:
         return [f for f in self.findings if f.status == "failed"]
 
     @property
+    def imprecise(self) -> list[Finding]:
+        return [f for f in self.findings if f.status == "imprecise"]
+
+    @property
     def errors(self) -> list[Finding]:
         return [f for f in self.findings if f.status == "error"]
 
     @property
     def passed(self) -> bool:
-        """A specimen passes when its expected property caught it; a correct kernel when nothing flagged it."""
+        """A specimen passes when its expected property failed on it; a correct kernel when every property held."""
         if self.errors:
             return False
         if self.job.kind == "specimen":
             return any(f.property == self.expected for f in self.caught_by)
-        return not self.caught_by
+        return not self.caught_by and not self.imprecise
 
 
 def _selftest_settings(examples: int) -> settings:
@@ -110,7 +132,7 @@ def _target(job: Job):
 def run_job(job: Job, examples: int, device: str) -> Row:
     """Every applicable property on one target in one dtype (runs in a worker process)."""
     from attnlab.properties import suite
-    from attnlab.properties.checks import RAISED
+    from attnlab.properties.checks import IMPRECISE, RAISED
 
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -124,11 +146,20 @@ def run_job(job: Job, examples: int, device: str) -> Row:
             # A specimen that crashes has not been caught by the property: its harness is broken.
             finding = Finding(prop.name, "error", outcome.examples, None, outcome.failure.message())
         elif outcome.failure is not None:
-            finding = Finding(prop.name, "failed", outcome.examples, outcome.first_failure, outcome.failure.message())
+            first = outcome.first_not_held
+            finding = Finding(prop.name, "failed", outcome.examples, outcome.first_failure, outcome.failure.message(),
+                              figure=outcome.failure.figure, measure=outcome.failure.measure,
+                              first_figure=first.figure if first is not None
+                              and first.measure == outcome.failure.measure else None)
+        elif outcome.verdict == IMPRECISE and outcome.imprecise is not None:
+            worst = outcome.imprecise
+            finding = Finding(prop.name, "imprecise", outcome.examples, None, worst.message(),
+                              f"{worst.figure:.2g}/{worst.bound:.2g}", worst.figure, worst.measure)
         else:
             worst = outcome.worst
             finding = Finding(prop.name, "held", outcome.examples, None, "",
-                              f"{worst.figure:.2g}/{worst.bound:.2g}" if worst is not None else "")
+                              f"{worst.figure:.2g}/{worst.bound:.2g}" if worst is not None else "",
+                              worst.figure if worst is not None else None, worst.measure if worst is not None else "")
         findings.append(finding)
     return Row(job, target.label, tuple(findings), specimen.defect if specimen else "",
                specimen.expected_property if specimen else "", time.perf_counter() - started)
@@ -147,6 +178,21 @@ def _jobs(dtypes: list[torch.dtype], include: str, names: list[str] | None) -> l
     return jobs
 
 
+def _default_dtypes(device: str) -> list[torch.dtype]:
+    return [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16, torch.float32]
+
+
+def _positive(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}")
+    return value
+
+
 def run_selftest(*, examples: int = DEFAULT_EXAMPLES, dtypes: list[torch.dtype] | None = None, include: str = "all",
                  names: list[str] | None = None, jobs: int = 1, device: str | None = None,
                  progress: bool = True) -> list[Row]:
@@ -154,7 +200,7 @@ def run_selftest(*, examples: int = DEFAULT_EXAMPLES, dtypes: list[torch.dtype] 
     from tqdm import tqdm
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtypes = dtypes or ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16, torch.float32])
+    dtypes = dtypes or _default_dtypes(device)
     work = _jobs(dtypes, include, names)
     bar = tqdm(total=len(work), desc="selftest", unit="target", disable=not progress, file=sys.stderr)
     rows: dict[Job, Row] = {}
@@ -177,11 +223,55 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+EXCESS = "excess = rel_err / floor"
+
+
+def _figure(f: Finding) -> str:
+    return "" if f.figure is None else f" ({'excess ' if f.measure == EXCESS else ''}{f.figure:.3g})"
+
+
 def _findings_text(row: Row) -> str:
     errors = [f"{f.property} ERROR" for f in row.errors]
+    imprecise = [f"{f.property} IMPRECISE {f.examples} ({f.worst})" for f in row.imprecise]
     if row.caught_by or row.job.kind == "specimen":
-        return ", ".join([f"{f.property} in {f.first_failure}" for f in row.caught_by] + errors) or "-"
-    return ", ".join([f"{f.property} {f.examples} ({f.worst})" for f in row.findings if f.status == "held"] + errors)
+        return ", ".join([f"{f.property} in {f.first_failure}{_figure(f)}" for f in row.caught_by]
+                         + imprecise + errors) or "-"
+    return ", ".join([f"{f.property} {f.examples} ({f.worst})" for f in row.findings if f.status == "held"]
+                     + imprecise + errors)
+
+
+def excess_extremes(rows: list[Row]) -> dict[str, dict[str, tuple[float, str] | None]]:
+    """Per dtype: the smallest finite excess (rel_err / floor) a caught specimen's defect produced where the property
+    first did not hold (imprecise or failed: a defect's figure, whatever the bounds), and the largest a correct
+    kernel reached, each with where: what the correctness bound is set between."""
+    extremes: dict[str, dict[str, tuple[float, str] | None]] = {}
+    for row in rows:
+        entry = extremes.setdefault(_dtype_name(row.job.dtype), {"smallest defect": None, "largest correct": None})
+        for f in row.findings:
+            if f.measure != EXCESS or f.figure is None:
+                continue
+            where = f"{row.job.name}, {f.property}"
+            if row.job.kind == "specimen" and f.status == "failed":
+                figure = min(v for v in (f.figure, f.first_figure) if v is not None)
+                if figure < float("inf") and (entry["smallest defect"] is None or figure < entry["smallest defect"][0]):
+                    entry["smallest defect"] = (figure, where)
+                continue
+            if f.figure != f.figure or f.figure == float("inf"):
+                continue
+            if row.job.kind == "kernel" and f.status in ("held", "imprecise"):
+                if entry["largest correct"] is None or f.figure > entry["largest correct"][0]:
+                    entry["largest correct"] = (f.figure, where)
+    return extremes
+
+
+def extremes_text(rows: list[Row]) -> list[str]:
+    lines = []
+    for dtype, entry in excess_extremes(rows).items():
+        parts = [f"{label} {value[0]:.3g} ({value[1]})" for label, value in entry.items() if value is not None]
+        if parts:
+            lines.append(f"  {dtype}: " + "; ".join(parts))
+    return (["Excess extremes (the correctness bound sits between them; attnlab.registry.BOUNDS):", *lines]
+            if lines else [])
 
 
 def table(rows: list[Row]) -> str:
@@ -202,6 +292,9 @@ def table(rows: list[Row]) -> str:
         body = [(r.label, _dtype_name(r.job.dtype), f"{r.seconds:.0f}", "ok" if r.passed else "FLAGGED", _findings_text(r))
                 for r in kernels]
         lines += _aligned(header, body)
+    extremes = extremes_text(rows)
+    if extremes:
+        lines += ["", *extremes]
     return "\n".join(lines)
 
 
@@ -214,12 +307,13 @@ def _aligned(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``attnlab selftest`` on the CLI's subparsers."""
     parser = subparsers.add_parser("selftest", help="show that the property suite catches broken kernels and passes correct ones")
-    parser.add_argument("--examples", type=int, default=DEFAULT_EXAMPLES, help="examples per property and target")
-    parser.add_argument("--dtypes", default=None,
+    parser.add_argument("--examples", type=_positive, default=DEFAULT_EXAMPLES, help="examples per property and target")
+    parser.add_argument("--dtypes", type=dtypes_arg, default=None,
                         help="comma-separated; default float16,float32 on the CPU, bfloat16,float16 on a GPU")
     parser.add_argument("--only", choices=["all", "specimens", "kernels"], default="all", help="which targets")
-    parser.add_argument("--formulations", default=None, help="comma-separated formulation names (default: all)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (CPU only)")
+    parser.add_argument("--formulations", type=formulations_arg, default=None,
+                        help="'all' or comma-separated formulation names (default: all)")
+    parser.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1, help="worker processes (CPU only)")
     parser.add_argument("--verbose", action="store_true", help="print every failure report")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_command)
@@ -228,15 +322,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _command(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    dtypes = [parse_dtype(d.strip()) for d in args.dtypes.split(",")] if args.dtypes else None
-    names = [n.strip() for n in args.formulations.split(",")] if args.formulations else None
+    dtypes = [parse_dtype(d) for d in args.dtypes] if args.dtypes else None
+    names = args.formulations
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not _jobs(dtypes or _default_dtypes(device), args.only, names):
+        print(f"attnlab selftest: error: nothing to run: no {'target' if args.only == 'all' else args.only[:-1]} of "
+              f"{', '.join(names or ['any formulation'])} runs in {', '.join(args.dtypes or ['the default dtypes'])} "
+              f"here (attnlab's kernels cannot run bfloat16 under the Triton interpreter)", file=sys.stderr)
+        return 2
     rows = run_selftest(examples=args.examples, dtypes=dtypes, include=args.only, names=names, jobs=args.jobs,
-                        progress=not args.no_progress)
+                        device=device, progress=not args.no_progress)
     print(table(rows))
     bad = [r for r in rows if not r.passed]
     for row in rows:
         if args.verbose or not row.passed:
-            for finding in row.errors + (row.caught_by if args.verbose or row.job.kind == "kernel" else []):
+            shown = row.caught_by if args.verbose or row.job.kind == "kernel" else []
+            for finding in row.errors + row.imprecise + shown:
                 print(f"\n--- {row.label} ({_dtype_name(row.job.dtype)}): {finding.property}\n{finding.message}")
     where = "GPU" if torch.cuda.is_available() else "CPU, Triton interpreter"
     print(f"\n{len(rows)} runs, {sum(not r.passed for r in rows)} failed; {time.perf_counter() - started:.0f} s ({where})")

@@ -23,7 +23,12 @@ arguments the swept parameter acts on, is the registry's
 
 Written to the output folder: ``map-<family>.json`` (rows, settings, device,
 versions), ``map-<family>-<formulation>[-<dtype>][-T<T>].png``, and index.md
-rewritten to link them.
+rewritten to link them. Each row carries its verdict (attnlab.commands.report).
+
+Exit status: 0 when every point was measured (whatever its verdict: a map
+draws where arithmetic breaks); 1 when a point raised; 2 for a usage error
+(unknown family or formulation, bad dtype, bfloat16 where attnlab's kernels
+run under the Triton interpreter, --device cuda without a GPU).
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ from attnlab.commands.report import (
     add_common_arguments,
     device_description,
     device_slug,
+    exit_status,
     implementations,
     lengths_arg,
     measure_point,
+    refuse_bf16_on_the_interpreter,
     resolve_device,
     versions,
     write_index,
@@ -475,6 +482,7 @@ def cmd_map(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps must be at least 2; got {args.steps}")
     dtypes = args.dtypes or (SHIFT_DEFAULT_DTYPES[device] if args.family == "shift" else defaults.dtypes)
+    refuse_bf16_on_the_interpreter(parser, device, dtypes)
     lengths = args.lengths or (defaults.gate_lengths if args.family == "gate" else defaults.lengths)
     settings = MapSettings(family=args.family, formulations=tuple(chosen), dtypes=tuple(dtypes), lengths=tuple(lengths),
                            steps=args.steps or defaults.steps, device=device, seed=args.seed,
@@ -486,4 +494,10 @@ def cmd_map(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError as error:
         parser.error(str(error))
     print(f"map: {index} (map-{args.family}.json and map-{args.family}-*.png, {time.time() - started:.0f} s)")
-    return 0
+    document = json.loads((out / f"map-{args.family}.json").read_text())
+    mine = [r for r in document["rows"] if r.get("run") == len(document["runs"]) - 1]  # this run's points
+    raised = [r for r in mine if r["error"]]
+    for name, impl, dtype, error in dict.fromkeys((r["formulation"], r["impl"], r["dtype"], r["error"])
+                                                  for r in raised):
+        print(f"  raised: {name} {impl} {dtype}: {error}", file=sys.stderr)
+    return exit_status(mine)

@@ -31,8 +31,15 @@ distribution parameters back to the defaults, shorter T, smaller head dims,
 each kept only while the property still fails), and the minimal case is
 reported.
 
+Verdicts (attnlab.properties.checks): an error-measuring property is
+*held* within the registry's accuracy bound for the dtype (``--bound X``
+replaces it), *imprecise* above it up to the correctness bound, *failed*
+above that, with a non-finite output, or when the kernel raised; exact
+properties (causality, convexity) are held or failed. The search goes on
+past an imprecise input looking for a failure.
+
 Printed: the convention, then the verdict table (strategy, dtype, property,
-held or not, examples, the worst figure against its bound, the reproducing
+verdict, examples, the worst figure against its bounds, the reproducing
 Case), then each failure's report with a script that reproduces it. Written
 to ``--out DIR``: ``report.json`` (verdicts, convention, detection, device,
 versions, the FLA_* environment variables that change fla's numerics, the
@@ -40,10 +47,13 @@ curve's rows), ``summary.md`` (the same, readable), and ``curve/`` (the
 error-vs-length rows, plot and index.md of attnlab.commands.report, with attnlab's own
 kernels and the naive recurrences side by side under ``--compare``).
 
-Exit status: 0 when every property held; 1 when one failed (or raised, or was
-not run within ``--time-budget``), or when ``--convention auto`` found no
+Exit status: 0 when no property failed (imprecise ones pass, unless
+``--strict``); 1 when one failed (or raised, or was not run within
+``--time-budget``), when the kernel's own error-vs-length point failed, when
+``--strict`` and one was imprecise, or when ``--convention auto`` found no
 convention; 2 for a usage error (bad MODULE:FUNCTION, unknown formulation or
-fla op, bad dtype, ``--device cuda`` without a GPU).
+fla op, bad dtype, ``--device cuda`` without a GPU, a ``--bound`` that is not
+a positive number or is given for more than one dtype).
 """
 
 from __future__ import annotations
@@ -298,7 +308,7 @@ def minimize(prop: Any, target: Any, case: Any, result: Any, dtype: torch.dtype,
             outcome = prop.check(target, candidate, dtype, device)
         except Exception:  # noqa: BLE001 - a harness error on a simplified case: not kept
             return False
-        if not outcome.held and (outcome.measure == RAISED) == raised:
+        if outcome.failed and (outcome.measure == RAISED) == raised:
             best, best_result = candidate, outcome
             return True
         return False
@@ -332,11 +342,14 @@ def minimize(prop: Any, target: Any, case: Any, result: Any, dtype: torch.dtype,
 class Verdict:
     """One property under one strategy in one dtype.
 
-    ``status``: "held", "failed" (on an input: ``case``), "error" (the
-    harness broke; counted as not held) or "skipped" (not run within the
-    time budget). ``figure``/``bound``: the failure's, or the worst held
-    figure's; ``case`` the reproducing input (minimized for a failure;
-    ``found`` is the one the search found first).
+    ``status``: "held", "imprecise" (above the accuracy bound on an input,
+    never above the correctness bound: ``case``), "failed" (on an input:
+    ``case``), "error" (the harness broke; counted as failed) or "skipped"
+    (not run within the time budget). ``figure``/``bound``/``correctness``:
+    the failure's, the worst imprecise figure's or the worst held figure's
+    (``correctness`` None for exact properties); ``case`` the reproducing
+    input (minimized for a failure; ``found`` is the one the search found
+    first).
     """
 
     strategy: str
@@ -354,10 +367,16 @@ class Verdict:
     detail: str = ""
     message: str = ""
     seconds: float = 0.0
+    correctness: float | None = None
 
     @property
     def held(self) -> bool:
         return self.status == "held"
+
+    @property
+    def failed(self) -> bool:
+        """Failed, broke the harness or was not run: what makes ``attnlab validate`` exit 1 whatever --strict says."""
+        return self.status in ("failed", "error", "skipped")
 
     def figure_text(self) -> str:
         if self.figure is None and self.status in ("held", "failed") and self.measure:
@@ -368,7 +387,9 @@ class Verdict:
                  "output entries before the cut that changed": "entries changed",
                  "|o_c1 - o_c2| / |ref| / floor": "chunk difference / floor",
                  "max distance outside [min v, max v] / max |v|": "outside [min v, max v]"}.get(self.measure, self.measure)
-        return f"{self.figure:.3g} / {self.bound:.3g} ({short})"
+        if self.correctness is None:
+            return f"{self.figure:.3g} / {self.bound:.3g} ({short})"
+        return f"{self.figure:.3g} / {self.bound:.3g} ({short}; failed above {self.correctness:.3g})"
 
 
 @dataclass
@@ -391,12 +412,29 @@ class Validation:
     seconds: float = 0.0
     command: str = ""
     repro: dict[str, str] = field(default_factory=dict)  # verdict key -> reproducing script
+    strict: bool = False  # an imprecise verdict fails the run
+    bound: float | None = None  # the user's accuracy bound (--bound), None for the registry's
+
+    def curve_verdicts(self) -> list[str]:
+        """The verdicts of the kernel's own error-vs-length points (not those of the implementations beside it)."""
+        from attnlab.commands.report import row_verdict
+
+        return [row_verdict(r) for r in self.curve if r["impl"] == self.kernel]
+
+    @property
+    def verdict(self) -> str:
+        """held, imprecise or failed: the worst of the property runs (an error or a run not made counts as failed)
+        and of the kernel's own curve points; failed when no convention matched or nothing ran."""
+        from attnlab.metrics import FAILED, worst_verdict
+
+        if self.convention is None or not self.verdicts:
+            return FAILED
+        return worst_verdict([FAILED if v.failed else v.status for v in self.verdicts] + self.curve_verdicts())
 
     @property
     def exit_code(self) -> int:
-        if self.convention is None:
-            return EXIT_FAILED
-        return EXIT_HELD if self.verdicts and all(v.held for v in self.verdicts) else EXIT_FAILED
+        verdict = self.verdict
+        return EXIT_HELD if verdict == "held" or (verdict == "imprecise" and not self.strict) else EXIT_FAILED
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -420,7 +458,8 @@ def verdict_key(v: Verdict) -> str:
 
 def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes: Any, strategy: str, examples: int,
                  convention: Convention, dims: Sequence[int] | None, minimize_tries: int) -> Verdict:
-    """One property's search under one strategy, reduced to a Verdict (a failure minimized)."""
+    """One property's search under one strategy, reduced to a Verdict (a failure minimized; the search goes on
+    past imprecise inputs, and the worst imprecise one is reported when no input failed)."""
     from attnlab.properties import suite
 
     started = time.perf_counter()
@@ -443,10 +482,14 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
         verdict.detail = "\n".join(outcome.errors)
         verdict.message = verdict.detail
         chosen = outcome.worst
+    elif outcome.imprecise is not None:
+        verdict.status = "imprecise"
+        chosen = outcome.imprecise
     else:
         chosen = outcome.worst
     if chosen is not None:
         verdict.figure, verdict.bound, verdict.measure = _finite(chosen.figure), chosen.bound, chosen.measure
+        verdict.correctness = chosen.correctness
         verdict.case = repr(chosen.case) if chosen.case is not None else ""
         if verdict.status != "error":
             verdict.detail, verdict.message = chosen.detail, chosen.message()
@@ -574,8 +617,28 @@ def validate(kernel_spec: str, name: str, *, convention: str = "attnlab", fla_op
              dims: Sequence[int] | None = None, only: Sequence[str] | None = None,
              lengths: Sequence[int] = (), curve_sizes: report.Sizes | None = None, compare: bool = True,
              minimize_tries: int = MINIMIZE_TRIES, time_budget: float | None = None, progress: bool = False,
-             command: str = "", say: Callable[[str], None] = print, curve_first: bool = False) -> Validation:
-    """Run the property suite and the error curve on ``kernel_spec`` (see the module's docstring)."""
+             command: str = "", say: Callable[[str], None] = print, curve_first: bool = False,
+             strict: bool = False, bound: float | None = None) -> Validation:
+    """Run the property suite and the error curve on ``kernel_spec`` (see the module's docstring).
+
+    ``bound`` replaces the registry's accuracy bound (attnlab.metrics.user_bound) for the properties and the
+    curve's verdicts; ``strict`` makes an imprecise verdict fail the run (``exit_code`` 1)."""
+    from attnlab.metrics import user_bound
+
+    with user_bound(bound):
+        return _validate(kernel_spec, name, convention=convention, fla_op=fla_op, device=device, dtypes=dtypes,
+                         strategies=strategies, examples=examples, sizes=sizes, dims=dims, only=only, lengths=lengths,
+                         curve_sizes=curve_sizes, compare=compare, minimize_tries=minimize_tries,
+                         time_budget=time_budget, progress=progress, command=command, say=say,
+                         curve_first=curve_first, strict=strict, bound=bound)
+
+
+def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | None, device: str,
+              dtypes: Sequence[torch.dtype], strategies: Sequence[str], examples: int, sizes: Any,
+              dims: Sequence[int] | None, only: Sequence[str] | None, lengths: Sequence[int],
+              curve_sizes: report.Sizes | None, compare: bool, minimize_tries: int, time_budget: float | None,
+              progress: bool, command: str, say: Callable[[str], None], curve_first: bool, strict: bool,
+              bound: float | None) -> Validation:
     from tqdm import tqdm
 
     from attnlab.properties.suite import sizes_for
@@ -587,7 +650,7 @@ def validate(kernel_spec: str, name: str, *, convention: str = "attnlab", fla_op
     function = kernel_spec.rpartition(":")[2].split(".")[-1]
     sizes = sizes or sizes_for(device, "ci")
     validation = Validation(kernel_spec, name, None, device, [_dtype_name(d) for d in dtypes], list(strategies), examples,
-                            asdict(sizes), command=command)
+                            asdict(sizes), command=command, strict=strict, bound=bound)
     if convention == "attnlab":
         chosen: Convention | None = ATTNLAB
     elif convention == "fla":
@@ -660,7 +723,7 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     return [fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body)]
 
 
-VERDICT_WORDS = {"held": "held", "failed": "FAILED", "error": "ERROR", "skipped": "not run"}
+VERDICT_WORDS = {"held": "held", "imprecise": "IMPRECISE", "failed": "FAILED", "error": "ERROR", "skipped": "not run"}
 TABLE_HEADER = ("strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "reproducing input")
 
 
@@ -718,31 +781,68 @@ def device_name(device: str) -> str:
 
 
 def verdict_counts(verdicts: list[Verdict]) -> str:
-    """"2 failed, 1 error, 3 not run of 9 property runs": skipped runs are not counted as failures."""
-    counts = {status: sum(x.status == status for x in verdicts) for status in ("failed", "error", "skipped")}
-    parts = [f"{counts['failed']} failed"] + [f"{n} {label}" for label, n in (("error", counts["error"]), ("not run", counts["skipped"])) if n]
+    """"2 failed, 1 imprecise, 1 error, 3 not run of 9 property runs": skipped runs are not counted as failures."""
+    counts = {status: sum(x.status == status for x in verdicts)
+              for status in ("failed", "imprecise", "error", "skipped")}
+    parts = [f"{counts['failed']} failed"] + [f"{n} {label}" for label, n in (
+        ("imprecise", counts["imprecise"]), ("error", counts["error"]), ("not run", counts["skipped"])) if n]
     return f"{', '.join(parts)} of {len(verdicts)} property runs"
 
 
+def verdict_words(v: Validation) -> str:
+    """The run's verdict in a line: PASS or FAIL, and why."""
+    if v.convention is None:
+        return "FAIL: no convention matched"
+    curve = sorted({r["T"] for r in v.curve if r["impl"] == v.kernel and report.row_verdict(r) == v.verdict})
+    curve_note = (f"; the kernel's error-vs-length curve is {v.verdict} at T={','.join(map(str, curve))}"
+                  if curve else "")
+    if v.verdict == "held":
+        return "PASS: every property held"
+    imprecise = sum(x.status == "imprecise" for x in v.verdicts)
+    if v.verdict == "imprecise" and not v.strict:
+        return (f"PASS with {imprecise} imprecise of {len(v.verdicts)} property runs{curve_note} (above the accuracy "
+                "bound, within the correctness bound: the right function, less accurately; --strict fails them)")
+    if v.verdict == "imprecise":
+        return f"FAIL (--strict): {imprecise} imprecise of {len(v.verdicts)} property runs{curve_note}"
+    return f"FAIL: {verdict_counts(v.verdicts)}{curve_note}"
+
+
+def bounds_table(v: Validation) -> dict[str, dict[str, float]]:
+    """The accuracy and correctness bounds (excess) each dtype of the run was graded by."""
+    from attnlab.metrics import user_bound, user_bounds
+    from attnlab.registry import bounds_for
+
+    with user_bound(v.bound):
+        table = {d: user_bounds(bounds_for(formulation(v.formulation), d)) for d in v.dtypes}
+    return {d: {"accuracy": b.accuracy, "correctness": b.correctness} for d, b in table.items()}
+
+
+def bounds_words(v: Validation) -> str:
+    source = "the user's accuracy bound (--bound)" if v.bound is not None else "attnlab.registry.BOUNDS"
+    return ", ".join(f"{d} held <= {b['accuracy']:g}, failed > {b['correctness']:g}"
+                     for d, b in bounds_table(v).items()) + f" ({source})"
+
+
 def summary_markdown(v: Validation, data: dict[str, Any]) -> str:
-    verdict = "PASS: every property held" if v.exit_code == EXIT_HELD else (
-        "FAIL: no convention matched" if v.convention is None else f"FAIL: {verdict_counts(v.verdicts)}")
+    verdict = verdict_words(v)
     env = ", ".join(f"{k}={'unset' if val is None else val}" for k, val in data["env"].items())
     lines = [f"# attnlab validate: `{v.kernel}` ({v.formulation})", "", f"**{verdict}** (exit {v.exit_code}).", "",
              f"- Convention: {v.convention.describe() if v.convention else 'none matched'}",
              *([f"- Detection: {v.detection_text}"] if v.detection_text else []),
              f"- Device: {data['device']['name']}; dtypes {', '.join(v.dtypes)}; strategies {', '.join(v.strategies)}; "
              f"{v.examples} examples per property; sizes {v.sizes}",
+             f"- Bounds (excess, multiples of the floor): {bounds_words(v)}" + ("; --strict" if v.strict else ""),
              f"- Environment: {env}",
              "- Versions: " + ", ".join(f"{k} {val}" for k, val in data["versions"].items()),
              f"- Command: `{v.command}`" if v.command else "", f"- Time: {v.seconds:.0f} s", ""]
     if v.verdicts:
         lines += ["## Verdicts", "", *_markdown_table(TABLE_HEADER, _table_rows(v.verdicts)), ""]
-    failed = [x for x in v.verdicts if x.status in ("failed", "error")]
+    failed = [x for x in v.verdicts if x.status in ("failed", "error", "imprecise")]
     if failed:
-        lines += ["## Failures", ""]
+        lines += ["## Failures" if any(x.status != "imprecise" for x in failed) else "## Imprecise", ""]
         for x in failed:
-            lines += [f"### {x.property} ({x.strategy}, {x.dtype})", "", "```", x.message.strip(), "```", ""]
+            lines += [f"### {x.property} ({x.strategy}, {x.dtype}): {x.status}", "", "```", x.message.strip(), "```",
+                      ""]
             if x.found and x.found != x.case:
                 lines += [f"Found first as `{x.found}` (after {x.first_failure} examples), minimized in "
                           f"{x.minimize_checks} checks.", ""]
@@ -767,7 +867,8 @@ def write_outputs(v: Validation, out: Path) -> dict[str, Path]:
     data = {
         "what": "attnlab validate: the property suite and the error-vs-length curve on a third-party kernel",
         "kernel": v.kernel, "formulation": v.formulation, "exit_code": v.exit_code,
-        "held": v.exit_code == EXIT_HELD,
+        "held": v.verdict == "held", "verdict": v.verdict, "verdict_text": verdict_words(v),
+        "strict": v.strict, "bound": v.bound, "bounds": bounds_table(v),
         "convention": convention_dict(v.convention), "detection": v.detection, "detection_text": v.detection_text,
         "device": {"type": v.device, "name": device_name(v.device)},
         "dtypes": v.dtypes, "strategies": v.strategies, "examples": v.examples, "sizes": v.sizes,
@@ -815,6 +916,16 @@ def _dims_arg(text: str) -> list[int]:
     return _ints(text, "dims")
 
 
+def _bound_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"--bound must be a positive number (a multiple of the floor); got {text!r}")
+    return value
+
+
 def _strategy_arg(text: str) -> list[str]:
     if text == "both":
         return list(STRATEGIES)
@@ -829,7 +940,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "validate", help="run the property suite on a third-party kernel: verdict table, report, exit 0/1",
         description=__doc__.split("\n\n", 2)[2].split("Exit status")[0].strip() if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Exit status: 0 every property held; 1 a property failed (or auto found no convention); 2 usage error.")
+        epilog="Exit status: 0 no property failed (imprecise ones pass unless --strict); 1 a property failed, or was "
+               "imprecise under --strict (or auto found no convention); 2 usage error.")
     parser.add_argument("--formulation", metavar="NAME", help=f"what the kernel computes: one of {', '.join(names())}")
     parser.add_argument("--kernel", metavar="MODULE:FUNCTION",
                         help="the kernel: an importable module or a path to a .py file, then the function")
@@ -872,6 +984,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--out", type=Path, default=None, help="write report.json, summary.md and curve/ here")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--verbose", action="store_true", help="print every property's report, held ones too")
+    parser.add_argument("--strict", action="store_true",
+                        help="an imprecise verdict (above the accuracy bound, within the correctness bound) fails the "
+                             "run (exit 1); without it, it is reported and passes")
+    parser.add_argument("--bound", type=_bound_arg, default=None, metavar="X",
+                        help="accuracy bound (excess = rel_err / floor, a multiple of the floor) in place of the "
+                             "registry's, for the run's one dtype (--dtype)")
     parser.set_defaults(func=command)
     return parser
 
@@ -913,6 +1031,9 @@ def command(args: argparse.Namespace) -> int:
         return _usage(f"--dtype: {error}")
     if not dtypes:
         return _usage("--dtype: give at least one dtype")
+    if args.bound is not None and len(dtypes) != 1:
+        return _usage(f"--bound {args.bound:g} is a multiple of one dtype's floor: give exactly one --dtype "
+                      f"(got {', '.join(dtype_names)})")
     only = [p.strip() for p in args.properties.split(",") if p.strip()] if args.properties else None
     known = [p.name for p in KERNEL_PROPERTIES]
     if only and any(p not in known for p in only):
@@ -933,14 +1054,16 @@ def command(args: argparse.Namespace) -> int:
                               device=device, dtypes=dtypes, strategies=args.strategy, examples=examples, sizes=sizes,
                               dims=args.dims, only=only, lengths=lengths, curve_sizes=args.curve_shape,
                               compare=args.compare, minimize_tries=args.minimize, time_budget=args.time_budget,
-                              progress=not args.no_progress, command=command_line, curve_first=args.curve_first)
+                              progress=not args.no_progress, command=command_line, curve_first=args.curve_first,
+                              strict=args.strict, bound=args.bound)
     except UsageError as error:
         return _usage(str(error))
     if validation.convention is not None:
         print()
         print(verdict_table(validation.verdicts))
+        print(f"bounds (excess): {bounds_words(validation)}")
         for v in validation.verdicts:
-            if v.status in ("failed", "error") or (args.verbose and v.message):
+            if v.status in ("failed", "error", "imprecise") or (args.verbose and v.message):
                 print(f"\n--- {VERDICT_WORDS[v.status]}: {v.property} ({v.strategy}, {v.dtype})\n{v.message.strip()}")
                 if v.found and v.found != v.case:
                     print(f"  found first: {v.found} (example {v.first_failure}); minimized in {v.minimize_checks} checks")
@@ -953,9 +1076,9 @@ def command(args: argparse.Namespace) -> int:
     bad = [v for v in validation.verdicts if not v.held]
     if validation.convention is None:
         print("\nverdict: FAIL (no convention matched; nothing validated)")
-    elif bad:
-        print(f"\nverdict: FAIL: {verdict_counts(validation.verdicts)} "
-              f"({', '.join(sorted({v.property for v in bad}))}); {validation.seconds:.0f} s")
+    elif validation.verdict != "held":
+        where = f" ({', '.join(sorted({v.property for v in bad}))})" if bad else ""
+        print(f"\nverdict: {verdict_words(validation)}{where}; {validation.seconds:.0f} s")
     else:
         print(f"\nverdict: PASS: all {len(validation.verdicts)} property runs held; {validation.seconds:.0f} s")
     return validation.exit_code
