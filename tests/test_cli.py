@@ -56,6 +56,7 @@ def test_unknown_command_and_formulation_are_refused_with_usage():
 
 
 # ----------------------------------------------------------------------------- usage errors: 2, before any work
+# (report's and map's other argument errors: tests/test_report.py)
 
 
 @pytest.mark.parametrize(
@@ -65,8 +66,6 @@ def test_unknown_command_and_formulation_are_refused_with_usage():
         (("selftest", "--dtypes", "float8"), "unknown dtype(s) float8"),
         (("selftest", "--examples", "0"), "expected a positive integer"),
         (("selftest", "--jobs", "0"), "expected a positive integer"),
-        (("report", "--formulations", "nosuch"), "unknown formulation(s) nosuch"),
-        (("report", "--dtypes", "float8"), "unknown dtype(s) float8"),
         (("map", "gate", "--formulations", "nosuch"), "unknown formulation(s) nosuch"),
         (("map", "gate", "--dtypes", "half"), "unknown dtype(s) half"),
         (("validate", "--formulation", "nosuch", "--kernel", "x:y"), "unknown formulation 'nosuch'"),
