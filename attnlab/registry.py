@@ -105,7 +105,7 @@ BOUNDS: dict[str, Bounds] = {
                            "above the one, 1.9x below the other (their geometric middle is 7.7). The naive RWKV-4 "
                            "exp(k) loop accumulating in bf16 measures 4.7 on matches_oracle (imprecise) and is failed "
                            "by overflow"),
-    "float32": Bounds(accuracy=48.0, correctness=32768.0, state=1e-5,
+    "float32": Bounds(accuracy=48.0, correctness=32768.0, state=1e-5, default_inputs=4.0,
                       why="accuracy 48: both floors are one fp32 rounding, while fp32 algorithms accumulate T steps "
                           "and K-term products. Measured on the CPU (Triton interpreter, T <= 64, K, V <= 16): "
                           "attnlab's fp32 kernels, chunkwise and recurrent, every formulation, on the registry's "
@@ -240,7 +240,8 @@ REGISTRY: tuple[Formulation, ...] = (
             Option("feature_map", "elu1", "phi: elu(x)+1 or identity", kind=str, choices=("elu1", "identity")),
             Option("normalize", True, "divide by phi(q_t)^T z_t", kind=bool),
         ),
-        state=StateSpec(parts=(("S", S_KV), ("z", ("B", "H", "K"))), empty=(0.0, 0.0)),
+        state=StateSpec(parts=(("S", S_KV), ("z", ("B", "H", "K"))), empty=(0.0, 0.0),
+                        words=("the key-value sum S", "the normalizer z")),
         kernel_forms=("chunkwise", "recurrent"),
         convex_when=(("feature_map", "elu1"), ("normalize", True)),
         peers=(

@@ -103,6 +103,13 @@ class StateSpec:
     parts: tuple[tuple[str, tuple[str, ...]], ...]
     empty: tuple[float, ...]
     log_scale: tuple[bool, ...] = ()
+    # Plain words for each part, where a report names one (a kernel that does not carry it); default "the state".
+    words: tuple[str, ...] = ()
+
+    def describe(self, name: str) -> str:
+        """Plain words for the part ``name``."""
+        index = self.names.index(name)
+        return self.words[index] if self.words else f"the state part {name}"
 
     def is_log_scale(self, index: int) -> bool:
         return bool(self.log_scale) and self.log_scale[index]
@@ -180,12 +187,21 @@ class Bounds:
       the verdict is "failed". Set from measurement, between the largest excess of correct
       lower-precision kernels and the smallest of the selftest's defects.
     - ``state``: relative error of an fp32 final state built from this dtype's intermediates.
+    - ``default_inputs``: the accuracy bound on the registry's default inputs, where it is tighter than on any
+      input (fp32: the conditioning floor's few random directions underestimate how ill-conditioned the
+      adversarial inputs are, not the default ones); what attnlab's kernel tests hold its kernels to.
+      None: the accuracy bound.
     """
 
     accuracy: float
     correctness: float
     state: float
+    default_inputs: float | None = None
     why: str = ""
+
+    @property
+    def on_default_inputs(self) -> float:
+        return self.accuracy if self.default_inputs is None else self.default_inputs
 
 
 @dataclass(frozen=True)

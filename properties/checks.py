@@ -283,10 +283,6 @@ def comparable_state(name: str, state: Any) -> tuple[torch.Tensor, ...]:
     return tuple(None if p is None else p.detach().to(torch.float64).cpu() for p in spec.split(state))
 
 
-# Plain words for state parts, where a report names one a kernel does not carry.
-PART_WORDS = {("linear_attn", "z"): "the normalizer z", ("linear_attn", "S"): "the key-value sum S"}
-
-
 def _same_scale(name: str, state: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Both states' plain parts, the first rescaled to the reference's log-scale.
 
@@ -452,7 +448,7 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
         needed = reference(**tail, initial_state=ref_head_state)
         without = reference(**tail, initial_state=blank)
         if not torch.allclose(needed, without, rtol=1e-12, atol=0.0, equal_nan=True):
-            words = " and ".join(PART_WORDS.get((case.name, n), f"the state part {n}") for n in missing)
+            words = " and ".join(spec.describe(n) for n in missing)
             options = ", ".join(f"{k}={v}" for k, v in dict(case.options).items()) if case.options else "these options"
             return CheckResult("split_and_resume", FAILED, math.inf, bounds(target.formulation, dtype).accuracy,
                                "state parts carried",
@@ -495,9 +491,10 @@ def check_convexity(target: Target, case: Case, dtype: torch.dtype, device: str 
     """Each output lies between the smallest and largest value it averages (per channel).
 
     Slack: one rounding of the output plus T fp32 roundings of the
-    accumulation, times max |v|; for linear attention also K, since its state
-    form computes numerator and denominator as separate K-term dots whose
-    roundings differ (at T=1, K=7 an fp32 kernel lands 3 roundings outside).
+    accumulation, times max |v|; K more where the output is read through a
+    state by a query (linear attention: numerator and denominator are separate
+    K-term dots whose roundings differ; at T=1, K=7 an fp32 kernel lands 3
+    roundings outside).
     """
     x = case.call(dtype, device)
     try:
@@ -511,7 +508,9 @@ def check_convexity(target: Target, case: Case, dtype: torch.dtype, device: str 
     violation = torch.where(torch.isnan(o64), torch.full_like(o64, math.inf), violation)
     top = v.abs().max().item()
     figure = violation.max().item() / top
-    accumulated_terms = case.T + (case.K if case.name == "linear_attn" else 0)
+    # A read through a state, phi(q)^T S / phi(q)^T z, rounds its numerator and denominator apart: K terms more.
+    f = formulation(case.name)
+    accumulated_terms = case.T + (case.K if f.state is not None and traits.has_query(f) else 0)
     bound = unit_roundoff(dtype) + accumulated_terms * unit_roundoff(torch.float32)
     where = divmod(int(violation.flatten().argmax()), violation[0].numel())
     detail = (f"worst at batch {where[0]}, flat index {where[1]}: o = {o64.flatten()[violation.flatten().argmax()].item():.6g}, "

@@ -137,14 +137,6 @@ def test_every_formulation_is_timed_against_a_peer_where_it_has_one() -> None:
 PER_FORMULATION = {"attnlab/registry.py", *(f"oracles/{n}.py" for n in NAMES), *(f"kernels/{n}.py" for n in NAMES),
                    *(f"tests/kernels/test_{n}.py" for n in NAMES)}
 
-# TODO(issue 21): known hits in modules this change did not own, left for their owners; each is
-# (file, enclosing function or <module>, the name, what it is). Remove a line once its module is clean.
-KNOWN_HITS = {
-    ("properties/checks.py", "<module>", "linear_attn", "dict key"),  # PART_WORDS: words for linear_attn's S, z
-    ("properties/checks.py", "check_convexity", "linear_attn", "comparison"),  # the K term of the slack
-}
-
-
 def generic_modules() -> list[Path]:
     """Every module of attnlab/ (commands included), properties/ (not its test modules) and tests/*.py."""
     found = [*sorted((ROOT / "attnlab").rglob("*.py")),
@@ -216,6 +208,6 @@ def test_the_scan_sees_a_branch_on_a_name() -> None:
 
 
 def test_generic_modules_never_branch_on_a_formulation_name() -> None:
-    hits = [h for h in name_branches() if h[:4] not in KNOWN_HITS]
+    hits = name_branches()
     assert not hits, "generic code compares a formulation's name; read the registry entry instead:\n" + "\n".join(
         f"  {path}:{line} in {scope}: {name!r} as a {kind}" for path, scope, name, kind, line in hits)

@@ -31,11 +31,11 @@ import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import aft as aft_kernels
 from attnlab.metrics import conditioning_floor, measure, unit_roundoff
+from kernel_checks import EXCESS_BOUND
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
 REFERENCE = attnlab.oracle("aft", "chunkwise", "float64")
 
 

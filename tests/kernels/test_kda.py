@@ -18,10 +18,9 @@ from attnlab.kernel import kernel as make_kernel
 from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.kernels import kda as kda_module
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
-from kernel_checks import as_on_the_gpu_in_bf16
+from kernel_checks import EXCESS_BOUND, as_on_the_gpu_in_bf16
 from properties.regressions import REGRESSIONS
 
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
 FORMS = ("chunkwise", "recurrent")
 # Small chunks keep the interpreter quick and put several chunks (a carried state) in T = 24.
 FAST = {"chunkwise": {"chunk_size": 16}, "recurrent": {}}

@@ -29,13 +29,12 @@ import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import rwkv4 as rwkv4_kernels
 from attnlab.metrics import conditioning_floor, measure, rel_err, unit_roundoff
+from kernel_checks import EXCESS_BOUND, STATE_BOUND
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
 FORMS = ("recurrent", "chunkwise")
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
-STATE_BOUND = {torch.float16: 2.0**-10, torch.float32: 1e-5}
 REFERENCE = attnlab.oracle("rwkv4", "chunkwise", "float64")
 
 

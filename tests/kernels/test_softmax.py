@@ -45,11 +45,11 @@ from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels.softmax import (
     OPTIONS, _launch_config, _tma_fits, _v_convert_rows, _v_to_fp16,
 )
+from kernel_checks import EXCESS_BOUND
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-EXCESS_BOUND = {torch.float16: 2.0, torch.float32: 4.0}
 REFERENCE = attnlab.oracle("softmax", "chunkwise", "float64")
 
 
