@@ -18,7 +18,8 @@ import pytest
 
 from attnlab.cli import main
 from attnlab.commands import campaign
-from attnlab.commands.campaign import TARGETS, job_command, job_order, kernels, known_targets, slot_seconds
+from attnlab.commands.campaign import (TARGETS, job_command, job_order, kernels, known_targets, run_campaign,
+                                       slot_seconds)
 from attnlab.registry import REGISTRY, names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,6 +97,7 @@ def test_a_job_validates_the_registry_function_in_the_targets_convention(tmp_pat
     text = " ".join(argv)
     assert f"--kernel {job.peer.function} --convention fla --formulation {job.formulation}" in text
     assert "--dtype bfloat16" in text and "--time-budget 100" in text and "--curve-first" in text
+    assert "--strict" not in argv and job_command(FLA, job, tmp_path, 6, 100, strict=True) == [*argv, "--strict"]
 
 
 def test_fair_slots() -> None:
@@ -115,10 +117,12 @@ CASE = "Case(name='deltanet', seed=3, B=1, T=2, H=1, K=1, V=1)"
 
 
 def verdict(strategy: str, prop: str, status: str, figure: float | None, bound: float, case: str = "",
-            measure: str = "excess = rel_err / floor", detail: str = "") -> dict:
+            measure: str = "excess = rel_err / floor", detail: str = "", correctness: float | None = None) -> dict:
+    text = "" if figure is None else f"{figure:.3g} / {bound:.3g} (excess" + (
+        f"; failed above {correctness:.3g})" if correctness else ")")
     return {"strategy": strategy, "dtype": "bfloat16", "property": prop, "status": status, "examples": 6,
-            "figure": figure, "bound": bound, "measure": measure, "case": case, "found": case, "detail": detail,
-            "held": status == "held", "figure_text": f"{figure:.3g} / {bound:.3g} (excess)" if figure is not None else ""}
+            "figure": figure, "bound": bound, "correctness": correctness, "measure": measure, "case": case,
+            "found": case, "detail": detail, "held": status == "held", "figure_text": text}
 
 
 def curve(name: str, impl: str, excess: float) -> list[dict]:
@@ -126,9 +130,12 @@ def curve(name: str, impl: str, excess: float) -> list[dict]:
              "nonfinite": 0, "excess": e, "error": None} for T in (64, 256) for i, e in ((impl, excess), ("attnlab:chunkwise", 1.0))]
 
 
-def report(name: str, function: str, verdicts: list[dict], excess: float, repro: dict | None = None) -> dict:
+def report(name: str, function: str, verdicts: list[dict], excess: float, repro: dict | None = None,
+           graded: str | None = None) -> dict:
+    """A validate report.json; ``graded``: its overall verdict (None: a report from before the three verdicts)."""
     return {"kernel": function, "formulation": name, "held": all(v["held"] for v in verdicts),
             "exit_code": 0 if all(v["held"] for v in verdicts) else 1,
+            **({"verdict": graded, "bounds": {"bfloat16": {"accuracy": 1.5, "correctness": 8.0}}} if graded else {}),
             "convention": {"describe": f"fla:{function.rpartition(':')[2]}: returns='o_state'", "derived": []},
             "device": {"type": "cuda", "name": "NVIDIA H100"}, "dtypes": ["bfloat16"], "examples": 6,
             "sizes": {"max_T": 1024}, "env": {"FLA_USE_FAST_OPS": None},
@@ -176,13 +183,15 @@ def test_rendering_a_results_folder(tmp_path: Path) -> None:
     assert "- Device: NVIDIA H100" in text
     assert "- Campaign: `attnlab campaign fla --budget 400.0 --jobs 10 --examples 6` (budget 400.0 s, 10 parallel jobs)" in text
     # The summary table: one row per job, in the campaign's order.
-    summary = text.split("## Summary\n\n")[1].split("\n\n")[0].splitlines()
+    counts, summary = text.split("## Summary\n\n")[1].split("\n\n")[:2]
+    assert counts == "3 jobs: 1 held, 1 failed, 1 timed out."
+    summary = summary.splitlines()
     assert summary == [
-        "| formulation | fla kernel | dtype | default | adversarial | worst curve excess (fla) | worst curve excess (attnlab) | failed properties |",
-        "|---|---|---|---|---|---|---|---|",
-        "| gla | `chunk_gla` | bfloat16 | held | held | 1.4 | chunkwise 1 |  |",
-        "| deltanet | `chunk_delta_rule` | bfloat16 | 1 failed | 1 not run | 2.81 | chunkwise 1 | matches_oracle |",
-        "| kda | `chunk_kda` | float16 | timed out |  |  |  | killed after 140 s (its slot) |",
+        "| formulation | fla kernel | dtype | verdict | default | adversarial | worst curve excess (fla) | worst curve excess (attnlab) | failed / imprecise properties |",
+        "|---|---|---|---|---|---|---|---|---|",
+        "| gla | `chunk_gla` | bfloat16 | held | held | held | 1.4 | chunkwise 1 |  |",
+        "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | 1 not run | 2.81 | chunkwise 1 | matches_oracle |",
+        "| kda | `chunk_kda` | float16 | timed out |  |  |  |  | killed after 140 s (its slot) |",
     ]
     # Sections in the registry's order, the failed property with its Case and its classification.
     assert text.index("## gla: `chunk_gla`") < text.index("## deltanet: `chunk_delta_rule`") < text.index("## kda: `chunk_kda`")
@@ -200,7 +209,7 @@ def test_rendering_where_every_job_held_exits_0_and_report_goes_where_asked(tmp_
     code, stdout, stderr = run("fla", "--render", str(folder), "--report", str(tmp_path / "fla-0.6.0.md"))
     assert code == 0, stdout + stderr
     text = (tmp_path / "fla-0.6.0.md").read_text()
-    assert "| gla | `chunk_gla` | bfloat16 | held | held | 1.4 | chunkwise 1 |  |" in text
+    assert "| gla | `chunk_gla` | bfloat16 | held | held | held | 1.4 | chunkwise 1 |  |" in text
     assert "### Failures" not in text and "Reproducing" not in text
     assert not (folder / "campaign.md").exists()
 
@@ -211,5 +220,92 @@ def test_rendering_without_campaign_json_reads_the_reports(tmp_path: Path) -> No
     code, stdout, stderr = run("--render", str(folder))
     assert code == 1, stdout + stderr
     text = (folder / "campaign.md").read_text()
-    assert "| deltanet | `chunk_delta_rule` | bfloat16 | 1 failed | 1 not run | 2.81 |" in text
-    assert "| gla | `chunk_gla` | bfloat16 | held | held |" in text
+    assert "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | 1 not run | 2.81 |" in text
+    assert "| gla | `chunk_gla` | bfloat16 | held | held | held |" in text
+
+
+IMPRECISE_CASE = "Case(name='gla', seed=4, B=1, T=64, H=1, K=64, V=64)"
+
+
+def graded_results(tmp_path: Path, with_failure: bool = False, strict_run: bool = False) -> Path:
+    """A campaign whose gla job is imprecise (recorded "held" from its exit code 0, as a campaign before the three
+    verdicts wrote it: the report's verdict decides), and with ``with_failure`` a deltanet job that failed."""
+    folder = results(tmp_path, with_failure=False)
+    gla = folder / "gla.chunk_gla-bfloat16" / "report.json"
+    gla.write_text(json.dumps(report("gla", "fla.ops:chunk_gla", [
+        verdict("default", "matches_oracle", "imprecise", 3.2, 1.5, IMPRECISE_CASE, correctness=8.0),
+        verdict("adversarial", "matches_oracle", "imprecise", 2.1, 1.5, IMPRECISE_CASE, correctness=8.0),
+        verdict("adversarial", "causality", "held", 0.0, 0.0, measure="output entries before the cut that changed")],
+        excess=1.4, graded="imprecise")))
+    data = json.loads((folder / "campaign.json").read_text())
+    data["strict"] = strict_run
+    if with_failure:
+        (folder / "deltanet.chunk_delta_rule-bfloat16").mkdir()
+        (folder / "deltanet.chunk_delta_rule-bfloat16" / "report.json").write_text(json.dumps(report(
+            "deltanet", "fla.ops:chunk_delta_rule", [verdict("default", "matches_oracle", "failed", 45.0, 1.5, CASE,
+                                                             correctness=8.0)], excess=2.81, graded="failed")))
+        data["records"].append({"formulation": "deltanet", "op": "chunk_delta_rule", "dtype": "bfloat16",
+                                "folder": "deltanet.chunk_delta_rule-bfloat16", "status": "failed", "rc": 1})
+    (folder / "campaign.json").write_text(json.dumps(data))
+    return folder
+
+
+def test_an_imprecise_campaign_renders_imprecise_and_exits_0(tmp_path: Path) -> None:
+    folder = graded_results(tmp_path)
+    code, stdout, stderr = run("--render", str(folder))
+    assert code == 0, stdout + stderr
+    assert "every job ran and none failed" in stdout
+    text = (folder / "campaign.md").read_text()
+    assert "1 jobs: 1 imprecise." in text
+    assert ("| gla | `chunk_gla` | bfloat16 | imprecise | 1 imprecise (worst 3.2; held <= 1.5, failed > 8) "
+            "| 1 held, 1 imprecise (worst 2.1; held <= 1.5, failed > 8) | 1.4 | chunkwise 1 | imprecise: matches_oracle |") in text
+    assert ("| default | bfloat16 | matches_oracle | imprecise | 6 | 3.2 / 1.5 (excess; failed above 8) "
+            f"| `{IMPRECISE_CASE}` |") in text
+    assert "### Imprecise" in text and "### Failures" not in text and "Reproducing" not in text
+    assert (f"- **matches_oracle** (default, bfloat16): 3.2 / 1.5 (excess; failed above 8); worst input "
+            f"`{IMPRECISE_CASE}`.") in text
+    assert "bfloat16 held <= 1.5, failed > 8" in text
+
+
+@pytest.mark.parametrize("strict_run", [False, True])
+def test_under_strict_an_imprecise_campaign_exits_1(tmp_path: Path, strict_run: bool) -> None:
+    """--strict given to the render, or recorded in campaign.json by a run with it."""
+    folder = graded_results(tmp_path, strict_run=strict_run)
+    code, stdout, stderr = run("--render", str(folder), *([] if strict_run else ["--strict"]))
+    assert code == 1, stdout + stderr
+    assert "or was imprecise under --strict" in stdout
+    text = (folder / "campaign.md").read_text()
+    assert "| gla | `chunk_gla` | bfloat16 | imprecise |" in text and "(fails the campaign under --strict)" in text
+
+
+def test_a_failed_job_beside_an_imprecise_one_exits_1(tmp_path: Path) -> None:
+    folder = graded_results(tmp_path, with_failure=True)
+    code, stdout, stderr = run("--render", str(folder))
+    assert code == 1, stdout + stderr
+    text = (folder / "campaign.md").read_text()
+    assert "2 jobs: 1 imprecise, 1 failed." in text
+    assert "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | - | 2.81 |" in text
+
+
+def test_a_run_records_each_jobs_status_from_its_report_else_its_exit_code(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    """The job's validate is a stand-in script: it writes a report.json with the verdict its folder names, or none."""
+    exits = {"chunk_gla": ("imprecise", 0), "chunk_delta_rule": ("failed", 1), "chunk_linear_attn": (None, 0),
+             "chunk_kda": (None, 1), "fused_recurrent_rwkv4": (None, 3)}
+    work = job_order(FLA, kernels(FLA, list(exits)), ["bfloat16"])
+    stale = tmp_path / work[-1].folder
+    stale.mkdir(parents=True)
+    (stale / "report.json").write_text(json.dumps({"verdict": "held"}))  # an earlier run's: not this job's
+
+    def stand_in(target, job, out, examples, time_budget, strict=False):
+        graded, rc = exits[job.op]
+        write = f"open({str(out / 'report.json')!r}, 'w').write({json.dumps(json.dumps({'verdict': graded}))});" if graded else ""
+        return [sys.executable, "-c", f"{write}raise SystemExit({rc})"]
+
+    monkeypatch.setattr(campaign, "job_command", stand_in)
+    summary = run_campaign(FLA, tmp_path, budget=200, jobs=len(work), examples=1, work=work, strict=True)
+    statuses = {r["op"]: r["status"] for r in summary["records"]}
+    assert statuses == {"chunk_gla": "imprecise", "chunk_delta_rule": "failed", "chunk_linear_attn": "held",
+                        "chunk_kda": "failed", "fused_recurrent_rwkv4": "error"}
+    assert summary["strict"] is True and json.loads((tmp_path / "campaign.json").read_text())["strict"] is True
+    assert "5 jobs: 1 held, 1 imprecise, 2 failed, 1 error" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """``attnlab campaign``: ``attnlab validate`` on every kernel of a third-party library, rendered as one report.
 
-    attnlab campaign fla [--budget 400] [--jobs 10] [--examples 6] [--ops chunk_gla,...] [--out DIR]
-    attnlab campaign --render DIR [--report PATH]         (re-render fetched results; no GPU)
+    attnlab campaign fla [--budget 400] [--jobs 10] [--examples 6] [--ops chunk_gla,...] [--strict] [--out DIR]
+    attnlab campaign --render DIR [--report PATH] [--strict]   (re-render fetched results; no GPU)
 
 A target is a library the registry's peers name (``Peer.library``) that has a
 campaign (``TARGETS``: fla). Its kernels are every registry entry's peers of
@@ -18,7 +18,7 @@ gets the same slot, budget / waves (the first campaign spent the budget on
 the first jobs, and half never started); within it ``attnlab validate``
 measures the curve first (``--curve-first``), then stops starting searches
 ``SLOT_MARGIN`` seconds before the slot ends, and is killed at the slot's end
-(plus ``KILL_GRACE``). The dtypes of one kernel are adjacent and the kernels
+(plus ``KILL_GRACE``); ``--strict`` is passed on to every ``attnlab validate``. The dtypes of one kernel are adjacent and the kernels
 that compile most go first (the target's rule over function names: fla's
 ``chunk_*``). Head dims are fixed at 64 and heads at most 2 (fla autotunes
 per K, V and H), T up to 1024; the curve runs T = 64..4096 at B=1, H=2,
@@ -26,16 +26,29 @@ K=V=64 beside attnlab's own kernels and the naive recurrences (the gallery
 has the long curves: the naive same-dtype recurrences are Python loops, and
 T = 16384 cost chunk_gla and chunk_kda their curve).
 
-Rendering (anywhere, from the fetched DIR) writes the Markdown report: per
-kernel, the excess by length (the library beside attnlab), every property
-that failed with its minimal counterexample, each classified (``classify``:
-bug, rounding on an exactly representable output, accuracy finding, does not
-apply), and for the bugs alone a standalone script reproducing them.
+A job's status is its report.json's overall verdict where it wrote one
+(``attnlab validate``'s three grades: *held* within the accuracy bound,
+*imprecise* above it up to the correctness bound, i.e. the right function
+less accurately, *failed* above that, erring or not run), else what its exit
+code or the clock says: held (0, no report), failed (1), error (another
+code), timed out (killed at its slot's end), not started (the budget spent).
 
-Exit status: 0 when every job ran and every property held; 1 when a job
-failed a property, erred, was killed or did not start; 2 on a usage error
-(unknown target or op, bad number, no CUDA GPU or the library missing for a
-run, no results to render).
+Rendering (anywhere, from the fetched DIR) writes the Markdown report: the
+jobs counted by status, a summary row per job (its verdict, the property
+runs per strategy by grade, the worst imprecise figure against both bounds),
+and per kernel the excess by length (the library beside attnlab), every
+property's verdict, the imprecise ones with their worst figure and input,
+every property that failed with its minimal counterexample, each classified
+(``classify``: bug, rounding on an exactly representable output, accuracy
+finding, does not apply), and for the bugs alone a standalone script
+reproducing them.
+
+Exit status: 0 when every job ran and none failed (imprecise ones pass,
+unless ``--strict``: given to the run or the render, or recorded in
+campaign.json by a run with it); 1 when a job failed a property, erred, was
+killed or did not start, or under ``--strict`` was imprecise; 2 on a usage
+error (unknown target or op, bad number, no CUDA GPU or the library missing
+for a run, no results to render).
 """
 
 from __future__ import annotations
@@ -56,7 +69,8 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.conventions import FLA_NUMERICS_ENV
-from attnlab.registry import REGISTRY
+from attnlab.metrics import FAILED, HELD, IMPRECISE, VERDICTS
+from attnlab.registry import BOUNDS, REGISTRY
 from attnlab.spec import Peer
 
 EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -102,6 +116,8 @@ KILL_GRACE = 10
 # A job with less time than this left is not started.
 MIN_START = 30
 REPORT_NAME = "campaign.md"
+# A job's statuses, from best to worst: validate's verdicts (its report.json), then what stopped a job without one.
+STATUSES = (*VERDICTS, "error", "timed out", "not started")
 
 
 def known_targets() -> list[str]:
@@ -146,13 +162,13 @@ def slot_seconds(budget: float, jobs: int, count: int) -> float:
     return (budget - KILL_GRACE) / waves
 
 
-def job_command(target: Target, job: Job, out: Path, examples: int, time_budget: float) -> list[str]:
+def job_command(target: Target, job: Job, out: Path, examples: int, time_budget: float, strict: bool = False) -> list[str]:
     return [sys.executable, "-m", "attnlab.cli", "validate", "--kernel", job.peer.function,
             "--convention", target.convention, "--formulation", job.formulation,
             "--device", "cuda", "--dtype", job.dtype, "--strategy", "both", "--examples", str(examples),
             "--dims", "64", "--max-T", "1024", "--max-H", "2", "--max-B", "2", "--minimize", "12",
             "--lengths", LENGTHS, "--curve-shape", CURVE_SHAPE, "--curve-first", "--time-budget", f"{time_budget:.0f}",
-            "--out", str(out), "--no-progress"]
+            "--out", str(out), "--no-progress", *(["--strict"] if strict else [])]
 
 
 def _version(distribution: str) -> str | None:
@@ -164,8 +180,38 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def read_report(path: Path) -> dict[str, Any] | None:
+    """A job's report.json, or None where there is none (or only part of one: the job was killed writing it)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def job_status(record: dict[str, Any], report: dict[str, Any] | None) -> str:
+    """A job's status: its report's overall verdict (held, imprecise, failed) where it has a report, else the
+    record's (from the exit code or the clock)."""
+    if report is None:
+        return record["status"]
+    verdict = report.get("verdict")
+    if verdict in VERDICTS:
+        return verdict
+    return HELD if report.get("held") else FAILED  # a report.json from before the three verdicts
+
+
+def job_passed(status: str, strict: bool) -> bool:
+    """Whether a job's status lets the campaign exit 0: held, or imprecise unless ``strict``."""
+    return status == HELD or (status == IMPRECISE and not strict)
+
+
+def status_counts(statuses: list[str]) -> str:
+    """"3 jobs: 1 held, 1 imprecise, 1 timed out", in STATUSES' order (any other status last)."""
+    order = list(dict.fromkeys([*STATUSES, *statuses]))
+    return f"{len(statuses)} jobs: " + ", ".join(f"{statuses.count(s)} {s}" for s in order if s in statuses)
+
+
 def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: int, work: list[Job],
-                 command: str = "") -> dict[str, Any]:
+                 command: str = "", strict: bool = False) -> dict[str, Any]:
     """Run every job (see the module's docstring) and write ``out/campaign.json``; returns what it wrote."""
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -178,6 +224,7 @@ def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: 
     def one(job: Job) -> None:
         folder = out / job.folder
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").unlink(missing_ok=True)  # an earlier run's: not this job's verdict
         left = min(slot + KILL_GRACE, deadline + KILL_GRACE - time.time())
         record: dict[str, Any] = {"formulation": job.formulation, "op": job.op, "function": job.peer.function,
                                   "dtype": job.dtype, "folder": job.folder, "slot_s": round(slot)}
@@ -185,7 +232,7 @@ def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: 
             record.update(status="not started", detail=f"campaign budget of {budget:.0f} s spent")
             records[job.folder] = record
             return
-        argv = job_command(target, job, folder, examples, max(10.0, min(slot, left) - SLOT_MARGIN))
+        argv = job_command(target, job, folder, examples, max(10.0, min(slot, left) - SLOT_MARGIN), strict)
         record["command"] = " ".join(shlex.quote(c) for c in argv[1:]).replace("-m attnlab.cli", "attnlab", 1)
         started = time.time()
         with open(folder / "log.txt", "w") as log:
@@ -194,6 +241,7 @@ def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: 
                 record.update(status={EXIT_HELD: "held", EXIT_FAILED: "failed"}.get(rc, "error"), rc=rc)
             except subprocess.TimeoutExpired:
                 record.update(status="timed out", rc=None, detail=f"killed after {left:.0f} s (its slot)")
+        record["status"] = job_status(record, read_report(folder / "report.json"))
         record["seconds"] = round(time.time() - started, 1)
         records[job.folder] = record
         print(f"{job.folder}: {record['status']} ({record['seconds']} s)", flush=True)
@@ -202,13 +250,12 @@ def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: 
         list(pool.map(one, work))
     summary = {"what": f"attnlab validate on {target.title}'s kernels", "target": target.library,
                "version": _version(target.distribution), "command": command, "budget_s": budget,
-               "slot_s": round(slot), "jobs": jobs, "examples": examples, "lengths": LENGTHS, "curve_shape": CURVE_SHAPE,
+               "slot_s": round(slot), "jobs": jobs, "examples": examples, "strict": strict, "lengths": LENGTHS, "curve_shape": CURVE_SHAPE,
                "env": {k: os.environ.get(k) for k in target.env},
                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start)),
                "records": [records[job.folder] for job in work if job.folder in records]}
     (out / "campaign.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"campaign {target.library}: {len(records)} jobs, " + ", ".join(
-        f"{sum(r['status'] == s for r in records.values())} {s}" for s in ("held", "failed", "error", "timed out", "not started")))
+    print(f"campaign {target.library}: " + status_counts([r["status"] for r in records.values()]))
     return summary
 
 
@@ -303,7 +350,8 @@ def load_results(results: Path) -> tuple[dict[str, Any], list[dict[str, Any]], d
     """(campaign.json, its records, folder -> report.json) of a results folder.
 
     Without a campaign.json (a run cut off before writing it), every subfolder holding a report.json is a
-    record, described from its report (status "?").
+    record, described from its report. Every record's status is :func:`job_status`'s (a campaign.json from
+    before the three verdicts recorded "held" for an imprecise job).
     """
     campaign = json.loads((results / "campaign.json").read_text()) if (results / "campaign.json").exists() else {"records": []}
     records = campaign["records"]
@@ -315,25 +363,56 @@ def load_results(results: Path) -> tuple[dict[str, Any], list[dict[str, Any]], d
                             "status": "?"})
     reports: dict[str, dict[str, Any]] = {}
     for r in records:
-        path = results / r["folder"] / "report.json"
-        if path.exists():
-            reports[r["folder"]] = json.loads(path.read_text())
-            r.setdefault("formulation", reports[r["folder"]]["formulation"])
+        report = read_report(results / r["folder"] / "report.json")
+        if report is not None:
+            reports[r["folder"]] = report
+            r.setdefault("formulation", report["formulation"])
+        r["status"] = job_status(r, report)
     return campaign, records, reports
 
 
-def job_held(record: dict[str, Any], report: dict[str, Any] | None) -> bool:
-    """Whether a job ran to its end and every property held (a record without a status: its report says)."""
-    if record["status"] == "?":
-        return report is not None and bool(report.get("held"))
-    return record["status"] == "held"
+def _imprecise_text(verdicts: list[dict[str, Any]]) -> str:
+    """"2 imprecise (worst 3.2; held <= 1.5, failed > 8)": the imprecise runs and the worst figure against both
+    bounds, as far as the report has them."""
+    imprecise = [v for v in verdicts if v["status"] == IMPRECISE]
+    figures = [v for v in imprecise if v.get("figure") is not None and v.get("bound")]
+    text = f"{len(imprecise)} imprecise"
+    if not figures:
+        return text
+    worst = max(figures, key=lambda v: v["figure"] / v["bound"])
+    bounds = f"held <= {worst['bound']:.3g}" + (f", failed > {worst['correctness']:.3g}" if worst.get("correctness") else "")
+    return f"{text} (worst {worst['figure']:.3g}; {bounds})"
 
 
-def render(target: Target, results: Path, destination: Path) -> int:
-    """Write the Markdown report of a results folder to ``destination``; returns the campaign's exit status."""
+def _runs_cell(verdicts: list[dict[str, Any]]) -> str:
+    """A strategy's property runs in the summary: "held" when all held, else counted by grade."""
+    if not verdicts:
+        return "-"
+    if all(v["status"] == HELD for v in verdicts):
+        return HELD
+    count = lambda *statuses: sum(v["status"] in statuses for v in verdicts)  # noqa: E731
+    parts = [f"{count(HELD)} held" if count(HELD) else "", _imprecise_text(verdicts) if count(IMPRECISE) else "",
+             f"{count(FAILED, 'error')} failed" if count(FAILED, "error") else "",
+             f"{count('skipped', 'not run')} not run" if count("skipped", "not run") else ""]
+    return ", ".join(p for p in parts if p)
+
+
+def _bounds_words(reports: list[dict[str, Any]], dtypes: list[str]) -> str:
+    """The bounds the jobs were graded by (their reports' "bounds"; the registry's for reports without)."""
+    table = {d: b for rep in reports for d, b in (rep.get("bounds") or {}).items()}
+    for d in dtypes:
+        if d not in table and d in BOUNDS:
+            table[d] = {"accuracy": BOUNDS[d].accuracy, "correctness": BOUNDS[d].correctness}
+    return "; ".join(f"{d} held <= {b['accuracy']:g}, failed > {b['correctness']:g}" for d, b in table.items())
+
+
+def render(target: Target, results: Path, destination: Path, strict: bool = False) -> int:
+    """Write the Markdown report of a results folder to ``destination``; returns the campaign's exit status
+    (``strict``, or a campaign.json recording a run with --strict: an imprecise job fails the campaign)."""
     from attnlab.commands.report import summary_table
 
     campaign, records, reports = load_results(results)
+    strict = strict or bool(campaign.get("strict"))
     first = next(iter(reports.values()), None)
     version = campaign.get("version") or (first or {}).get("versions", {}).get(target.distribution) or "(version unknown)"
     lines = [f"# {target.title} {version} under `attnlab validate`", ""]
@@ -352,30 +431,32 @@ def render(target: Target, results: Path, destination: Path) -> int:
     lines += [
         target.calling + " *default*: the registry's default input distributions; *adversarial*: gates "
         "down to -20 per step, beta at 0 and 2, nearly parallel keys, logits and keys past the dtype's exp "
-        "overflow. Bounds: excess = rel_err / floor <= 1.5 (bf16), 2 (fp16); final states 2^-7 (bf16), 2^-10 "
-        "(fp16) relative; causality bitwise (attnlab.properties.checks).", "",
-        "## Summary", ""]
+        "overflow. Verdicts: *held* within the accuracy bound, *imprecise* above it up to the correctness bound "
+        "(the right function, less accurately), *failed* above that; bounds (excess = rel_err / floor): "
+        f"{_bounds_words(list(reports.values()), [r['dtype'] for r in records])}; final states 2^-7 (bf16), "
+        "2^-10 (fp16) relative; causality bitwise (attnlab.properties.checks). A job's verdict is its worst "
+        "(property runs and curve points)" + ("; under --strict an imprecise job fails the campaign." if strict else "."),
+        "", "## Summary", "", status_counts([r["status"] for r in records]) + ".", ""]
     body = []
     for r in records:
         rep = reports.get(r["folder"])
         if rep is None:
-            body.append([r.get("formulation", "?"), f"`{r['op']}`", r["dtype"], r["status"], "", "", "", r.get("detail", "")])
+            body.append([r.get("formulation", "?"), f"`{r['op']}`", r["dtype"], r["status"], "", "", "", "", r.get("detail", "")])
             continue
         verdicts = rep["verdicts"]
-        by = {s: [v for v in verdicts if v["strategy"] == s] for s in ("default", "adversarial")}
-        cell = lambda vs: ("-" if not vs else "held" if all(v["held"] for v in vs) else  # noqa: E731
-                           ", ".join(f"{n} {label}" for label, n in (
-                               ("held", sum(v["status"] == "held" for v in vs)),
-                               ("failed", sum(v["status"] in ("failed", "error") for v in vs)),
-                               ("not run", sum(v["status"] in ("skipped", "not run") for v in vs))) if n))
         rows = rep["curve"].get("rows", [])
-        failed = sorted({v["property"] for v in verdicts if v["status"] == "failed"})
+        failed = sorted({v["property"] for v in verdicts if v["status"] == FAILED})
+        imprecise = sorted({v["property"] for v in verdicts if v["status"] == IMPRECISE})
         own = sorted({x["impl"] for x in rows if x["impl"].startswith("attnlab:")})
-        body.append([rep["formulation"], f"`{r['op']}`", r["dtype"], cell(by["default"]), cell(by["adversarial"]),
+        properties = "; ".join(part for part in (", ".join(failed), f"imprecise: {', '.join(imprecise)}" if imprecise else "",
+                                                 f"job {r['detail']}" if r.get("detail") else "") if part)
+        body.append([rep["formulation"], f"`{r['op']}`", r["dtype"], r["status"],
+                     *(_runs_cell([v for v in verdicts if v["strategy"] == s]) for s in ("default", "adversarial")),
                      _excess_text(rows, rep["kernel"]), ", ".join(f"{i.split(':')[1]} {_excess_text(rows, i)}" for i in own),
-                     ", ".join(failed) + (f"; job {r['status']}" if r["status"] in ("timed out", "error") else "")])
-    lines += _md_table(["formulation", f"{target.library} kernel", "dtype", "default", "adversarial",
-                        f"worst curve excess ({target.library})", "worst curve excess (attnlab)", "failed properties"], body)
+                     properties])
+    lines += _md_table(["formulation", f"{target.library} kernel", "dtype", "verdict", "default", "adversarial",
+                        f"worst curve excess ({target.library})", "worst curve excess (attnlab)",
+                        "failed / imprecise properties"], body)
     lines += ["", "Worst curve excess: the largest excess over T of the error-vs-length curve below.", ""]
     # One section per kernel: the registry's order, then any the registry no longer names.
     sections = list(dict.fromkeys([(name, p.attribute) for name, p in kernels(target)]
@@ -405,9 +486,17 @@ def render(target: Target, results: Path, destination: Path) -> int:
         if verdicts:
             lines += ["### Properties", "", *_md_table(
                 ["strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "input"],
-                [[v["strategy"], v["dtype"], v["property"], {"held": "held", "failed": "**FAILED**", "error": "ERROR",
-                  "skipped": "not run"}[v["status"]], str(v["examples"]), v["figure_text"], f"`{v['case']}`" if v["case"] else v["detail"][:120]]
+                [[v["strategy"], v["dtype"], v["property"], {"held": "held", "imprecise": "imprecise", "failed": "**FAILED**",
+                  "error": "ERROR", "skipped": "not run"}[v["status"]], str(v["examples"]), v["figure_text"],
+                  f"`{v['case']}`" if v["case"] else v["detail"][:120]]
                  for _, v in verdicts]), ""]
+        imprecise = [v for _, v in verdicts if v["status"] == IMPRECISE]
+        if imprecise:
+            lines += ["### Imprecise", "", "Above the accuracy bound, within the correctness bound: the right function, "
+                      "less accurately than the bound allows" + (" (fails the campaign under --strict)." if strict else "."), ""]
+            lines += [f"- **{v['property']}** ({v['strategy']}, {v['dtype']}): {v['figure_text']}"
+                      + (f"; worst input `{v['case']}`" if v.get("case") else "") + "." for v in imprecise]
+            lines.append("")
         failures = [(rep, v) for rep, v in verdicts if v["status"] in ("failed", "error")]
         if failures:
             lines += ["### Failures", ""]
@@ -431,7 +520,7 @@ def render(target: Target, results: Path, destination: Path) -> int:
             lines += [f"### {title}", "", f"{why}.", "", "```python", script.rstrip(), "```", ""]
     destination.parent.mkdir(parents=True, exist_ok=True)
     destination.write_text("\n".join(line for line in lines if line is not None).rstrip() + "\n")
-    every = bool(records) and all(job_held(r, reports.get(r["folder"])) for r in records)
+    every = bool(records) and all(job_passed(r["status"], strict) for r in records)
     return EXIT_HELD if every else EXIT_FAILED
 
 
@@ -444,7 +533,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "campaign", help="attnlab validate on every kernel of a library (GPU), rendered as one Markdown report",
         description="Run attnlab validate on every kernel the registry's peers name for TARGET (a GPU with the "
                     "library installed), then render DIR/campaign.md; or, with --render DIR, only re-render "
-                    "fetched results. Exit 0: every job ran and every property held; 1: one did not; 2: usage.")
+                    "fetched results. A job's status is its report's verdict (held, imprecise, failed) where it wrote "
+                    "one, else its exit code's or the clock's (error, timed out, not started).",
+        epilog="Exit status: 0 every job ran and none failed (imprecise ones pass unless --strict); 1 a job failed, "
+               "erred, was killed or did not start, or was imprecise under --strict; 2 usage error.")
     parser.add_argument("target", nargs="?", default=None, metavar="TARGET",
                         help=f"the library: {', '.join(known_targets())} (with --render: default the results' own)")
     parser.add_argument("--budget", type=float, default=400.0, help="seconds for the whole campaign (default 400)")
@@ -454,9 +546,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated (default {','.join(DTYPES)})")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default out/campaign-TARGET)")
     parser.add_argument("--render", type=Path, default=None, metavar="DIR",
-                        help="only render the results in DIR (a run's --out), on any machine; the run's options are ignored")
+                        help="only render the results in DIR (a run's --out), on any machine; the run's options but --strict are ignored")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help=f"where the Markdown goes (default DIR/{REPORT_NAME})")
+    parser.add_argument("--strict", action="store_true",
+                        help="an imprecise job (above the accuracy bound, within the correctness bound) fails the "
+                             "campaign (exit 1); passed on to every attnlab validate (with --render: as does a "
+                             "campaign.json recording a run with --strict)")
     parser.set_defaults(func=command)
     return parser
 
@@ -502,11 +598,15 @@ def command(args: argparse.Namespace) -> int:
     out = args.out or Path("out") / f"campaign-{target.library}"
     work = job_order(target, kernels(target, ops), dtypes)
     invocation = " ".join(["attnlab campaign", target.library, *(f"--{k} {getattr(args, k)}" for k in ("budget", "jobs", "examples")),
-                           *([f"--ops {args.ops}"] if args.ops else [])])
-    run_campaign(target, out, args.budget, args.jobs, args.examples, work, command=invocation)
-    destination = args.report or out / REPORT_NAME
-    status = render(target, out, destination)
-    print(f"wrote {destination}; {'every job ran and held' if status == EXIT_HELD else 'not every job ran and held'}")
+                           *([f"--ops {args.ops}"] if args.ops else []), *(["--strict"] if args.strict else [])])
+    run_campaign(target, out, args.budget, args.jobs, args.examples, work, command=invocation, strict=args.strict)
+    return _render_and_say(target, out, args.report or out / REPORT_NAME, args.strict)
+
+
+def _render_and_say(target: Target, results: Path, destination: Path, strict: bool) -> int:
+    status = render(target, results, destination, strict)
+    print(f"wrote {destination}; " + ("every job ran and none failed" if status == EXIT_HELD else
+                                      "a job failed, erred or did not run, or was imprecise under --strict"))
     return status
 
 
@@ -522,7 +622,4 @@ def _render_command(args: argparse.Namespace) -> int:
     target = _target(name)
     if isinstance(target, str):
         return _usage(target)
-    destination = args.report or results / REPORT_NAME
-    status = render(target, results, destination)
-    print(f"wrote {destination}; {'every job ran and held' if status == EXIT_HELD else 'not every job ran and held'}")
-    return status
+    return _render_and_say(target, results, args.report or results / REPORT_NAME, args.strict)
