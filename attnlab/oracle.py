@@ -86,7 +86,8 @@ class Oracle:
         dps = f", dps={self.dps}" if self.precision == "mpmath" else ""
         return f"attnlab.oracle({self.formulation.name!r}, form={self.form!r}, precision={self.precision!r}{dps}{opts})"
 
-    def _evaluate(self, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    def _prepare(self, inputs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+        """The validated call, the backend, and the form's keyword arguments in the backend's numbers."""
         from attnlab.oracles._backend import Float64, MPMath
 
         f = self.formulation
@@ -95,17 +96,45 @@ class Oracle:
             backend: Float64 | MPMath = MPMath(self.dps, call.device)
         else:
             backend = Float64(call.device, BASELINE_PRECISIONS.get(self.precision, torch.float64))
-        with torch.no_grad(), backend if isinstance(backend, MPMath) else contextlib.nullcontext():
-            arrays = {n: (None if t is None else backend.asarray(t)) for n, t in call.tensors.items()}
-            options = dict(call.options)
-            if "scale" in options:
-                options["scale"] = backend.scalar(options["scale"])
-            kwargs: dict[str, Any] = {**arrays, **options, **self.form_opts}
-            if f.state is not None:
-                state = call.initial_state or f.state.split(f.state.zeros(call.dims, call.device))
-                kwargs["state"] = tuple(backend.asarray(s) for s in state)
+        # Conversions are exact (asarray upcasts; every float64 is an mpf), whatever precision is in force.
+        arrays = {n: (None if t is None else backend.asarray(t)) for n, t in call.tensors.items()}
+        options = dict(call.options)
+        if "scale" in options:
+            options["scale"] = backend.scalar(options["scale"])
+        kwargs: dict[str, Any] = {**arrays, **options, **self.form_opts}
+        if f.state is not None:
+            state = call.initial_state or f.state.split(f.state.zeros(call.dims, call.device))
+            kwargs["state"] = tuple(backend.asarray(s) for s in state)
+        return call, backend, kwargs
+
+    def _evaluate(self, inputs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+        from attnlab.oracles._backend import MPMath
+
+        call, backend, kwargs = self._prepare(inputs)
+        # No torch.no_grad(): the float64 forms are differentiable by autograd (the gradient oracle,
+        # attnlab.gradients); inputs that do not require grad build no graph.
+        with backend if isinstance(backend, MPMath) else contextlib.nullcontext():
             o, final = self._fn(backend, **kwargs)
         return call, backend, o, final
+
+    def arguments(self, **inputs: Any) -> tuple[Any, dict[str, Any]]:
+        """``(backend, arguments)``: the backend ``xp`` and the keyword arguments the oracle module's form takes.
+
+        The inputs are validated and converted exactly into the backend's numbers (mpmath: numpy arrays of
+        mpf), the options resolved, the state (given, or the empty one) a tuple of parts under ``state``.
+        With :meth:`evaluate` this evaluates the form on moved arguments (attnlab.gradients' mpmath
+        directional derivative moves them along a direction by an mpf step).
+        """
+        _, backend, kwargs = self._prepare(inputs)
+        return backend, kwargs
+
+    def evaluate(self, backend: Any, arguments: dict[str, Any]) -> tuple[Any, tuple[Any, ...] | None]:
+        """``(o, final_state_parts)`` of the form on ``arguments`` (see :meth:`arguments`), unrounded.
+
+        For mpmath it computes at the precision in force when called, not at ``dps``: the caller's
+        ``mpmath.workdps`` (or mpmath.diff's raised precision) rules.
+        """
+        return self._fn(backend, **arguments)
 
     def __call__(self, **inputs: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         call, backend, o, final = self._evaluate(inputs)

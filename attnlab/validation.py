@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -91,7 +91,10 @@ class ValueScan:
     """
 
     def __init__(self, checks: list[_ValueCheck]) -> None:
-        self._checks = [c for c in checks if c.tensor.numel()]
+        # Values are read from detached tensors: aminmax(out=...) refuses a tensor that requires grad, and a
+        # check is no part of the function being differentiated.
+        self._checks = [replace(c, tensor=c.tensor.detach()) if c.tensor.requires_grad else c
+                        for c in checks if c.tensor.numel()]
         self._ends: list[tuple[list[int], torch.Tensor]] = []  # (indices into _checks, their [n, 2] ends)
         self._ready: torch.cuda.Event | None = None
         for dtype in dict.fromkeys(c.tensor.dtype for c in self._checks):

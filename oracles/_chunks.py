@@ -78,13 +78,16 @@ def unit_lower_inverse(xp: Any, L: Array) -> Array:
     """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]``, by forward substitution.
 
     Row i of the inverse X solves ``X_i = e_i - sum_{j<i} L_ij X_j`` at the
-    backend's working precision.
+    backend's working precision. The rows are kept in a list and stacked, not
+    written into X in place: autograd saves the rows above for each product.
     """
     C = L.shape[-1]
-    X = xp.zeros(L.shape) + xp.eye(C)
+    identity = xp.zeros(L.shape) + xp.eye(C)
+    rows = [identity[..., 0, :]]
     for i in range(1, C):
-        X[..., i, :] = X[..., i, :] - (L[..., i : i + 1, :i] @ X[..., :i, :])[..., 0, :]
-    return X
+        above = xp.stack(rows, axis=-2)  # X_0 .. X_{i-1}: [..., i, C]
+        rows.append(identity[..., i, :] - (L[..., i : i + 1, :i] @ above)[..., 0, :])
+    return xp.stack(rows, axis=-2)
 
 
 def delta_chunk(
