@@ -215,3 +215,75 @@ def user_bounds(bounds: Bounds) -> Bounds:
         return bounds
     return replace(bounds, accuracy=accuracy, correctness=max(bounds.correctness, accuracy),
                    why=f"accuracy bound {accuracy:g} given by the user; " + bounds.why)
+
+
+# ----------------------------------------------------------------------------- gradients (DESIGN.md, "Gradients")
+#
+# A gradient is measured as an output is: per gradient tensor, rel_err over the larger of its rounding floor (the
+# float64 gradient rounded once to the dtype a kernel returns it in: its input's dtype, fp32 for the initial state)
+# and its conditioning floor (the float64 gradient's relative change when the inputs and the cotangents are
+# perturbed at fp32 roundoff); non-finite entries are counted on their own. Gate and beta gradients are sums of
+# many signed terms that can cancel: the conditioning floor is what keeps their verdicts honest.
+
+
+def _perturbed_nested(values: Mapping[str, Any], args: Mapping[str, Any], unit: float,
+                      generator: torch.Generator) -> dict[str, Any]:
+    """:func:`_perturbed`, reaching into tuples (a multi-part initial state or its cotangent) part by part."""
+    moved = {}
+    for name, value in values.items():
+        if isinstance(value, (tuple, list)):
+            moved[name] = tuple(_perturbed({name: part}, args, unit, generator)[name] for part in value)
+        else:
+            moved[name] = _perturbed({name: value}, args, unit, generator)[name]
+    return moved
+
+
+def gradient_conditioning_floor(
+    gradients: Callable[[Mapping[str, Any], Mapping[str, Any]], Mapping[str, Any]],
+    inputs: Mapping[str, Any],
+    cotangents: Mapping[str, Any],
+    *,
+    trials: int = 3,
+    unit: float = UNIT_ROUNDOFF[torch.float32],
+    seed: int = 0,
+    base: Mapping[str, Any] | None = None,
+    args: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
+    """Per gradient, its largest relative change when inputs and cotangents are perturbed by ``unit``.
+
+    ``gradients(inputs, cotangents)`` returns float64 gradients by name (attnlab.gradients.oracle_gradients);
+    ``cotangents`` holds ``do`` and, if any, ``d_final_state``. Every floating tensor of both (the parts of a
+    tuple too) becomes ``x * (1 + unit * r)``, ``r`` uniform in [-1, 1], in ``trials`` random directions;
+    ``args`` (argument name -> spec.Arg) clamps a perturbed input into its argument's range. ``base``: the
+    already computed ``gradients(inputs, cotangents)``, if any. Trials run one by one: gradients of inputs
+    without a batch dimension (retnet's g, RWKV-4's w and u, aft's w) sum over the batch, so trials stacked
+    along it could not be told apart.
+    """
+    args = args or {}
+    if base is None:
+        base = gradients(inputs, cotangents)
+    generator = torch.Generator().manual_seed(seed)
+    floor = dict.fromkeys(base, 0.0)
+    for _ in range(trials):
+        moved = gradients(_perturbed_nested(inputs, args, unit, generator), _perturbed_nested(cotangents, {}, unit, generator))
+        for name, reference in base.items():
+            floor[name] = max(floor[name], rel_err(moved[name], reference))
+    return floor
+
+
+def measure_gradients(
+    grads: Mapping[str, Any],
+    reference: Mapping[str, Any],
+    dtypes: Mapping[str, torch.dtype],
+    floor_cond: Mapping[str, float] | None = None,
+) -> dict[str, Measurement]:
+    """:func:`measure` per gradient: ``grads`` (any dtype) against the float64 ``reference``, each rounded to
+    ``dtypes[name]`` (the dtype it is returned in) for its rounding floor, with ``floor_cond[name]``
+    (:func:`gradient_conditioning_floor`; 0 when absent) for its conditioning floor. A tuple (a multi-part
+    state's gradient) is measured as one tensor, as :func:`measure` does. Every reference gradient must have one
+    in ``grads``."""
+    missing = [name for name in reference if name not in grads]
+    if missing:
+        raise ValueError(f"no gradient given for {', '.join(missing)}; the reference has {', '.join(reference)}")
+    floor_cond = floor_cond or {}
+    return {name: measure(grads[name], ref, dtypes[name], floor_cond.get(name, 0.0)) for name, ref in reference.items()}
