@@ -24,7 +24,8 @@ def test_selftest_catches_every_specimen_and_flags_no_correct_kernel() -> None:
     print(table)
     kinds = {row.job.kind for row in rows}
     assert "specimen" in kinds
-    assert {row.job.name for row in rows if row.job.kind == "specimen"} == {s.name for s in specimens.SPECIMENS}
+    assert {row.job.name for row in rows if row.job.kind == "specimen"} == {
+        s.name for s in specimens.SPECIMENS if s.broken_pass in selftest.suite_passes()}
     failures = [f"{row.label} {row.job.dtype}: " + "; ".join(f.message.splitlines()[0] for f in row.caught_by + row.errors)
                 for row in rows if not row.passed]
     assert not failures, table + "\n\n" + "\n".join(failures)
