@@ -226,7 +226,7 @@ def gla_dg_one_step_short(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                           scale: float | None = None) -> torch.Tensor:
     """GLA whose gate gradient's reverse cumulative sum is one step short: dg_t = sum_{s > t} dG_s instead of
     sum_{s >= t} dG_s (dG_t the gradient of the cumulative log decay G_t). o, dq, dk, dv are right; dg is wrong
-    wherever dG_t is not zero (T = 1 included: dg comes back zero). Caught by backward_matches_oracle on dg."""
+    wherever dG_t is not zero (T = 1 included: dg comes back zero). Caught by backward_matches_oracle[dg]."""
     return _broken_backward("gla", _gla_dg_one_step_short, dict(q=q, k=k, v=v, g=g, scale=scale))
 
 
@@ -256,7 +256,7 @@ def deltanet_dk_without_erase(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                               scale: float | None = None) -> torch.Tensor:
     """DeltaNet whose dk misses the erase term: the dependence of -beta_t k_t k_t^T S_{t-1} on k_t is dropped (dk
     only through the write beta_t k_t v_t^T). o, dq, dv, dbeta are right; dk is wrong wherever a key erases a
-    non-zero state (T >= 2, beta > 0). Caught by backward_matches_oracle on dk."""
+    non-zero state (T >= 2, beta > 0). Caught by backward_matches_oracle[dk]."""
     return _broken_backward("deltanet", _deltanet_dk_without_erase, dict(q=q, k=k, v=v, beta=beta, scale=scale))
 
 
@@ -269,8 +269,8 @@ def _retnet_dq_without_scale(x: dict[str, Any], do: torch.Tensor) -> dict[str, t
 def retnet_dq_without_scale(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             scale: float | None = None) -> torch.Tensor:
     """RetNet whose dq leaves out the scale: dq_t = S_t do_t instead of scale S_t do_t. o, dk, dv, dg are right;
-    dq is off by the factor 1/scale (invisible only where scale is 1). Caught by backward_matches_oracle on dq
-    (and by the identity <q, dq> = <o, do>, o being linear in q)."""
+    dq is off by the factor 1/scale (invisible only where scale is 1). Caught by backward_matches_oracle[dq]
+    (and, less sharply in fp32, by the oracle-free backward_query_identity[dq]: <q, dq> = <o, do>)."""
     return _broken_backward("retnet", _retnet_dq_without_scale, dict(q=q, k=k, v=v, g=g, scale=scale))
 
 
@@ -285,7 +285,7 @@ def softmax_dv_sees_earlier_do(*, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                causal: bool = True) -> torch.Tensor:
     """Softmax attention whose dv reads an earlier position's do: dv_i = sum_t P_ti do_{t-1} (do_{-1} = 0) instead
     of sum_t P_ti do_t. o, dq, dk are right; dv is wrong. With do zero from position c on, dv_c = P_cc do_{c-1} is
-    not zero: caught by backward_causality (and by backward_matches_oracle)."""
+    not zero: caught by backward_causality[dv] (and by backward_matches_oracle[dv])."""
     return _broken_backward("softmax", _softmax_dv_sees_earlier_do, dict(q=q, k=k, v=v, scale=scale, causal=causal))
 
 
@@ -307,7 +307,8 @@ def rwkv4_naive_exp_backward(*, w: torch.Tensor, u: torch.Tensor, k: torch.Tenso
     """RWKV-4 with a stable forward (the float64 oracle, rounded once) and a naive backward: autograd through
     exp(k) accumulated directly in the input dtype, which overflows once a key passes the dtype's exp threshold
     (11.09 fp16, 88.72 fp32 and bf16) while o stays finite. Every gradient then comes back non-finite (and in
-    fp16, below the threshold, merely imprecise). Caught by backward_overflow."""
+    fp16, below the threshold, merely imprecise). Caught by backward_finite[dk] (non-finite where
+    the float64 gradient is finite) on keys drawn past the threshold."""
     return _broken_backward("rwkv4", _rwkv4_naive_exp_gradients, dict(w=w, u=u, k=k, v=v))
 
 
@@ -339,13 +340,13 @@ SPECIMENS: tuple[Specimen, ...] = (
     Specimen("softmax_default_scale_one", "softmax", softmax_default_scale_one,
              "default scale 1 instead of K ** -0.5", "matches_oracle"),
     Specimen("gla_dg_one_step_short", "gla", gla_dg_one_step_short,
-             "dg's reverse cumulative sum one step short", "backward_matches_oracle", BACKWARD),
+             "dg's reverse cumulative sum one step short", "backward_matches_oracle[dg]", BACKWARD),
     Specimen("deltanet_dk_without_erase", "deltanet", deltanet_dk_without_erase,
-             "dk misses the delta rule's erase term", "backward_matches_oracle", BACKWARD),
+             "dk misses the delta rule's erase term", "backward_matches_oracle[dk]", BACKWARD),
     Specimen("retnet_dq_without_scale", "retnet", retnet_dq_without_scale,
-             "dq without its scale", "backward_matches_oracle", BACKWARD),
+             "dq without its scale", "backward_matches_oracle[dq]", BACKWARD),
     Specimen("softmax_dv_sees_earlier_do", "softmax", softmax_dv_sees_earlier_do,
-             "dv reads do one position earlier", "backward_causality", BACKWARD),
+             "dv reads do one position earlier", "backward_causality[dv]", BACKWARD),
     Specimen("rwkv4_naive_exp_backward", "rwkv4", rwkv4_naive_exp_backward,
-             "naive exp(k) accumulation in the backward, input dtype", "backward_overflow", BACKWARD),
+             "naive exp(k) accumulation in the backward, input dtype", "backward_finite[dk]", BACKWARD),
 )
