@@ -2,7 +2,7 @@
 
     pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mypkg.ops:my_gla \\
         [--attnlab-device cpu|cuda] [--attnlab-dtype float16|bfloat16|float32] [--attnlab-profile ci|dev|gpu|thorough]
-        [--attnlab-strict] [--attnlab-bound X]
+        [--attnlab-strict] [--attnlab-bound X] [--attnlab-passes forward,backward]
 
 A kernel given with ``--attnlab-kernel MODULE:FUNCTION`` follows the attnlab
 convention (attnlab.properties.targets): it is called with the
@@ -21,6 +21,11 @@ test. An imprecise one passes with an ``ImpreciseWarning`` (in pytest's
 warnings summary) unless ``--attnlab-strict`` is given, which fails it.
 ``--attnlab-bound X`` replaces the accuracy bound (a multiple of the floor)
 for the dtype chosen with ``--attnlab-dtype``.
+
+``--attnlab-passes`` picks the passes judged: ``forward`` (the output), ``backward`` (the gradients: one property per
+(check, gradient), ``backward_matches_oracle[dq]``...) or both (the default; the backward properties run only when
+the kernel is differentiable, i.e. its output requires grad when its inputs do). ``backward`` on a kernel that is
+not differentiable is a usage error. A backward that raises fails its properties with the kernel's message.
 
 Hypothesis profiles ``attnlab-ci`` (derandomized, bounded), ``attnlab-dev``,
 ``attnlab-gpu`` and ``attnlab-thorough`` are registered at import; one is
@@ -71,6 +76,11 @@ class Selection:
     profile: str
     strict: bool = False
     bound: float | None = None
+    passes: tuple[str, ...] | None = None  # None: forward and, where the kernel is differentiable, backward
+
+    @property
+    def passes_or_default(self) -> tuple[str, ...]:
+        return self.passes if self.passes is not None else ("forward", "backward")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -91,6 +101,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attnlab-bound", metavar="X", type=float, default=None,
                     help="accuracy bound (excess, a multiple of the floor) in place of the registry's, for the dtype "
                          "given with --attnlab-dtype")
+    group.addoption("--attnlab-passes", metavar="forward,backward", default=None,
+                    help="passes to judge: forward, backward or both (default: both, backward where the kernel is "
+                         "differentiable)")
 
 
 def selection(config: pytest.Config) -> Selection:
@@ -102,7 +115,19 @@ def selection(config: pytest.Config) -> Selection:
                or ("gpu" if device == "cuda" else "ci" if os.environ.get("CI") else "dev"))
     return Selection(config.getoption("attnlab_formulation", None), config.getoption("attnlab_kernel", None),
                      device, config.getoption("attnlab_dtype", None), profile,
-                     bool(config.getoption("attnlab_strict", None)), config.getoption("attnlab_bound", None))
+                     bool(config.getoption("attnlab_strict", None)), config.getoption("attnlab_bound", None),
+                     parse_passes(config.getoption("attnlab_passes", None)))
+
+
+def parse_passes(text: str | None) -> tuple[str, ...] | None:
+    """``"forward,backward"`` -> ``("forward", "backward")``; None stays None; a ValueError names a bad pass."""
+    if text is None:
+        return None
+    passes = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in passes if p not in ("forward", "backward")]
+    if bad or not passes:
+        raise ValueError(f"--attnlab-passes {text!r}: expected forward, backward or forward,backward")
+    return passes
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -110,7 +135,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "long_sequences: attnlab's kernel properties at long T (with gpu)")
     if not _options_given(config):
         return
-    chosen = selection(config)
+    try:
+        chosen = selection(config)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
     if chosen.profile not in PROFILES:
         raise pytest.UsageError(f"HYPOTHESIS_PROFILE={chosen.profile!r}: expected one of {', '.join(PROFILES)}")
     from attnlab.registry import names
@@ -123,9 +151,13 @@ def pytest_configure(config: pytest.Config) -> None:
         from attnlab.properties.targets import resolve
 
         try:
-            resolve(chosen.kernel, chosen.formulation)
+            target = resolve(chosen.kernel, chosen.formulation)
         except ValueError as error:
             raise pytest.UsageError(str(error)) from None
+        if chosen.passes is not None and "backward" in chosen.passes and not target.differentiable:
+            raise pytest.UsageError(f"--attnlab-passes backward: {chosen.kernel} is not differentiable (called on "
+                                    "inputs that require grad, its output does not require grad); judge its forward "
+                                    "with --attnlab-passes forward")
     if chosen.device == "cuda":
         import torch
 
@@ -147,7 +179,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _options_given(config: pytest.Config) -> bool:
     return any(config.getoption(f"attnlab_{o}", None) is not None
-               for o in ("formulation", "kernel", "device", "dtype", "profile", "strict", "bound"))
+               for o in ("formulation", "kernel", "device", "dtype", "profile", "strict", "bound", "passes"))
 
 
 def _own_tree(config: pytest.Config) -> bool:
@@ -167,6 +199,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
             f"device={chosen.device} dtype={chosen.dtype or 'default'} profile={PROFILE_PREFIX + chosen.profile} "
             f"strict={'yes' if chosen.strict else 'no'} "
             f"bound={'registry' if chosen.bound is None else f'{chosen.bound:g}'} "
+            f"passes={','.join(chosen.passes_or_default)} "
             f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
 
 

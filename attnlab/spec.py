@@ -191,6 +191,9 @@ class Bounds:
       input (fp32: the conditioning floor's few random directions underestimate how ill-conditioned the
       adversarial inputs are, not the default ones); what attnlab's kernel tests hold its kernels to.
       None: the accuracy bound.
+    - ``gradient_accuracy``, ``gradient_correctness``: the same two bounds for each gradient of the backward pass
+      (excess of a gradient over the larger of its rounding floor in the dtype it is returned in and its
+      conditioning floor, attnlab.metrics.measure_gradients). None: the forward's.
     """
 
     accuracy: float
@@ -198,10 +201,19 @@ class Bounds:
     state: float
     default_inputs: float | None = None
     why: str = ""
+    gradient_accuracy: float | None = None
+    gradient_correctness: float | None = None
 
     @property
     def on_default_inputs(self) -> float:
         return self.accuracy if self.default_inputs is None else self.default_inputs
+
+    @property
+    def gradients(self) -> tuple[float, float]:
+        """``(accuracy, correctness)`` for gradients: the gradient bounds, each defaulting to the forward's."""
+        accuracy = self.accuracy if self.gradient_accuracy is None else self.gradient_accuracy
+        correctness = self.correctness if self.gradient_correctness is None else self.gradient_correctness
+        return accuracy, max(correctness, accuracy)
 
 
 @dataclass(frozen=True)
@@ -336,6 +348,9 @@ class Formulation:
     # Each output is a convex combination of the values it reads: None never, () always, else when every
     # (option, value) pair holds (linear attention: the elu1 map, normalized).
     convex_when: tuple[tuple[str, Any], ...] | None = None
+    # The output is linear in the query (o_t = S_t^T (scale q_t)), so <q, dq> = <o, do>: None never, () always, else
+    # when every (option, value) pair holds (linear attention: identity map, unnormalized).
+    linear_in_query_when: tuple[tuple[str, Any], ...] | None = None
     # Arguments to which one constant added everywhere leaves o unchanged (RWKV-4's and aft's keys).
     shift_invariant: tuple[str, ...] = ()
     # The exponent is scale q.k (softmax): large logits reach exp's overflow threshold.
@@ -365,6 +380,12 @@ class Formulation:
         if self.convex_when is None:
             return False
         return all(options.get(name, self.option(name).default) == value for name, value in self.convex_when)
+
+    def is_linear_in_query(self, options: Mapping[str, Any]) -> bool:
+        """Whether the output is linear in the query under ``options`` (defaults filled in)."""
+        if self.linear_in_query_when is None:
+            return False
+        return all(options.get(name, self.option(name).default) == value for name, value in self.linear_in_query_when)
 
     def peer(self, library: str, attribute: str) -> Peer:
         """The peer of ``library`` whose function's attribute is ``attribute`` (fla's "chunk_gla")."""

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from attnlab.metrics import (FAILED, HELD, IMPRECISE, VERDICTS, Measurement, conditioning_floor, grade, measure,
-                             rel_err, rounding_floor, set_user_bound, unit_roundoff, user_bound, user_bounds, verdict,
+                             nonfinite_count, rel_err, rounding_floor, set_user_bound, unit_roundoff, user_bound, user_bounds, verdict,
                              worst_verdict)
 from attnlab.oracle import oracle
 from attnlab.oracles._backend import Float64
@@ -68,6 +68,7 @@ ORACLE_CHUNK_SIZE = 64
 UT_ENTRY_BOUND = 1.0 + 1e-9
 CONTRACTION_BOUND = 1.0 + 1e-12
 RAISED = "the implementation raised"
+BACKWARD_RAISED = "the backward raised (refused)"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -139,8 +140,10 @@ class CheckResult:
 
     def message(self) -> str:
         verdict = {HELD: "held", IMPRECISE: "IMPRECISE", FAILED: "FAILED"}[self.verdict]
+        if self.measure == BACKWARD_RAISED:
+            verdict = "FAILED (REFUSED: the kernel's backward raised)"
         figure = (f"  figure: {self.measure} = {self.figure:.4g}    bound: {self.bound_text()}"
-                  if self.measure != RAISED else f"  figure: none, {RAISED}")
+                  if self.measure not in (RAISED, BACKWARD_RAISED) else f"  figure: none, {self.measure}")
         lines = [f"property {self.property} {verdict} for {self.subject} in {_dtype_name(self.dtype)} on {self.device}",
                  figure]
         if self.verdict == IMPRECISE:
@@ -679,3 +682,462 @@ def check_decay_products_contract(case: Case) -> CheckResult:
     return CheckResult("decay_products_contract", exact(figure <= CONTRACTION_BOUND), figure, CONTRACTION_BOUND,
                        "max 2-norm of the product of the transitions", f"oracle:{case.name}", case, None, "cpu",
                        f"over {case.T} steps")
+
+
+# ----------------------------------------------------------------------------- gradients (issue 22)
+#
+# The backward pass, one property per (check, gradient): DESIGN.md "Gradients (the second pass)". Cotangents are
+# drawn from the case's seed (do in o's dtype; with a state, an initial state drawn as a valid state and a
+# final-state cotangent of its scale-free parts, attnlab.gradients.log_scale_cotangent). The reference is float64
+# autograd through the chunkwise oracle (attnlab.gradients.oracle_gradients); each gradient's excess is over the
+# larger of its rounding floor (in the dtype it is returned in) and its conditioning floor, graded by the entry's
+# gradient bounds (spec.Bounds.gradients). A backward that raises is failed with measure BACKWARD_RAISED (attnlab
+# validate calls it "refused"); no gradient, or one of the wrong shape or dtype, is failed with its message.
+
+GRADIENT_MEASURE = "gradient excess = rel_err / floor"
+STATE_GRADIENT = "dinitial_state"
+_GRADIENT_RUNS: dict[tuple[Any, ...], Any] = {}
+_GRADIENT_RUNS_KEPT = 64
+
+
+def gradient_label(name: str) -> str:
+    """The gradient of input ``name`` as reports name it: ``dq``, ``dbeta``, ``dinitial_state``."""
+    return "d" + name
+
+
+def gradient_names(target: Target) -> list[str]:
+    """The gradients of ``target``: one per differentiable argument of its entry, and the initial state's when it
+    takes one."""
+    f = target.entry
+    return [gradient_label(a.name) for a in f.args if a.differentiable] + ([STATE_GRADIENT] if target.accepts_state else [])
+
+
+def gradient_bounds(name: str, dtype: torch.dtype) -> tuple[float, float]:
+    """``(accuracy, correctness)`` for ``name``'s gradients in ``dtype``: the entry's gradient bounds, or the user's
+    accuracy bound where one is in force (:func:`user_bound`)."""
+    registry = bounds_for(formulation(name), _dtype_name(dtype))
+    given = user_bounds(registry)
+    accuracy, correctness = registry.gradients
+    if given is not registry:
+        return given.accuracy, max(correctness, given.accuracy)
+    return accuracy, correctness
+
+
+@dataclass
+class GradientRun:
+    """One backward pass of a target on one case, and the float64 reference it is measured against.
+
+    ``grads`` maps a gradient label to the kernel's gradient (None when it gave none); ``problems`` a label to
+    what is wrong with it; ``error`` is set when the forward or the backward raised (``refused``: the backward).
+    ``reference`` maps a label to the float64 gradient; ``dtypes`` to the dtype it is returned in; ``floors``
+    (lazily, :meth:`floor`) to its conditioning floor. ``inputs`` are the kernel's inputs (rounded), ``o`` its
+    output, ``do`` the cotangent; ``positions`` the time positions its gradients cover (a prefix for causality).
+    """
+
+    inputs: dict[str, Any]
+    do: torch.Tensor
+    grads: dict[str, Any] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+    refused: bool = False
+    o: Any = None
+    reference: dict[str, Any] = field(default_factory=dict)
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    note: str = ""
+    floor_inputs: tuple[Any, ...] = ()
+    floors: dict[str, float] | None = None
+
+    def floor(self, label: str) -> float:
+        """The conditioning floor of gradient ``label`` (computed once for all gradients, when first asked)."""
+        if self.floors is None:
+            from attnlab.gradients import gradient_floor
+
+            name, x, do, d_final = self.floor_inputs
+            base = {n: self.reference[gradient_label(n)] for n in
+                    [n for n in (a.name for a in formulation(name).args) if gradient_label(n) in self.reference]
+                    + (["initial_state"] if STATE_GRADIENT in self.reference else [])}
+            floors = gradient_floor(name, x, do, d_final, base=base, chunk_size=ORACLE_CHUNK_SIZE)
+            self.floors = {gradient_label(n): v for n, v in floors.items()}
+        return self.floors.get(label, 0.0)
+
+
+def _cotangent(case: Case, shape: tuple[int, ...], dtype: torch.dtype, device: str, salt: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(case.seed * 7919 + 31 * salt + 5)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _drawn_state(case: Case) -> Any:
+    """A valid initial state for ``case``: the float64 oracle's final state on a short run of another seed."""
+    head = case.with_(seed=case.seed + 1, T=min(case.T, 4), cut=None)
+    x = {**head.inputs(), **head.option_values}
+    return oracle(case.name, "recurrent")(**x, return_state=True)[1]
+
+
+def _output_shape(case: Case, x: Mapping[str, Any]) -> tuple[int, ...]:
+    value = formulation(case.name).args_with_role("value")[0].name
+    return tuple(x[value].shape)
+
+
+def _kernel_backward(target: Target, call: dict[str, Any], leaves: dict[str, tuple[torch.Tensor, ...]],
+                     run: GradientRun, forward: Callable[[dict[str, Any]], tuple[Any, tuple[Any, ...]]],
+                     d_final: Callable[[tuple[Any, ...]], tuple[torch.Tensor, ...] | None]) -> None:
+    """Run ``forward(call) -> (o, final parts)`` and the backward from ``run.do`` (and ``d_final(final)``), filling
+    ``run.grads`` / ``run.problems`` / ``run.error``."""
+    try:
+        with torch.enable_grad():
+            o, final = forward(call)
+    except Exception as error:  # noqa: BLE001 - the implementation's failure is a finding
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        run.error = f"the forward raised {type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
+        return
+    run.o = o
+    if not isinstance(o, torch.Tensor) or tuple(o.shape) != tuple(run.do.shape):
+        got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+        run.error = f"returned o {got}, expected a tensor of shape {tuple(run.do.shape)}"
+        return
+    if not o.requires_grad:
+        run.error = "the output does not require grad: the kernel is not differentiable on these inputs"
+        return
+    outputs, cotangents = [o], [run.do.to(o.dtype)]
+    d_parts = d_final(final) if final else None
+    if d_parts is not None:
+        for part, d in zip(final, d_parts):
+            if isinstance(part, torch.Tensor) and part.requires_grad:
+                outputs.append(part)
+                cotangents.append(d.to(device=part.device, dtype=part.dtype))
+    labels = [label for label in leaves for _ in leaves[label]]
+    flat = [leaf for label in leaves for leaf in leaves[label]]
+    try:
+        grads = torch.autograd.grad(outputs, flat, cotangents, allow_unused=True)
+    except Exception as error:  # noqa: BLE001
+        text = f"{type(error).__name__}: {error}"
+        run.error = f"the backward raised {text}"
+        run.refused = "invalid gradient" not in str(error)  # autograd's own shape/dtype check: a wrong gradient
+        return
+    collected: dict[str, list[Any]] = {}
+    for label, leaf, g in zip(labels, flat, grads):
+        collected.setdefault(label, []).append(g)
+        if g is None:
+            run.problems[label] = f"the backward returned no gradient for {label[1:]} (None)"
+        elif tuple(g.shape) != tuple(leaf.shape):
+            run.problems[label] = f"{label} has shape {tuple(g.shape)}, expected {tuple(leaf.shape)}"
+        elif g.dtype != leaf.dtype:
+            run.problems[label] = f"{label} is {_dtype_name(g.dtype)}, expected {_dtype_name(leaf.dtype)}"
+    for label, parts in collected.items():
+        run.grads[label] = parts[0] if len(parts) == 1 else tuple(parts)
+
+
+def gradient_run(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu", mode: str = "full",
+                 chunk_size: int | None = None) -> GradientRun:
+    """The target's gradients on ``case`` and their float64 reference (cached: one backward serves every gradient's
+    property). ``mode``: "full" (an initial state and a final-state cotangent when the target takes a state),
+    "plain" (neither), "causal" (do zero from ``case.cut`` on; the reference is the prefix run's), "split" (the
+    run split at ``case.cut`` and resumed from the returned state; the reference is the whole run's)."""
+    key = (id(target), target.label, repr(case), dtype, device, mode, chunk_size)
+    if key in _GRADIENT_RUNS:
+        return _GRADIENT_RUNS[key]
+    from attnlab.gradients import log_scale_cotangent, oracle_gradients
+
+    f = formulation(case.name)
+    x = case.call(dtype, device)
+    do = _cotangent(case, _output_shape(case, x), dtype, device, 0)
+    cut = case.cut if mode in ("causal", "split") else None
+    if mode == "causal":
+        assert cut is not None, "backward causality needs a case with a cut"
+        do[:, cut:] = 0
+    run = GradientRun(x, do)
+    differentiable = [a.name for a in f.args if a.differentiable and isinstance(x.get(a.name), torch.Tensor)]
+    leaves = {gradient_label(n): (x[n].detach().clone().requires_grad_(),) for n in differentiable}
+    call = {**x, **{n: leaves[gradient_label(n)][0] for n in differentiable}}
+    stateful = mode == "full" and target.accepts_state
+    state64 = _drawn_state(case) if stateful else None
+    if state64 is not None:
+        parts = tuple(p.to(device=device, dtype=torch.float32).requires_grad_() for p in f.state.split(state64))
+        leaves[STATE_GRADIENT] = parts
+        call["initial_state"] = f.state.join(parts)
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    d_scaled = (tuple(_cotangent(case, tuple(p.shape), torch.float64, "cpu", 1 + i)
+                      for i, p in enumerate(f.state.split(state64)) if not f.state.is_log_scale(i))
+                if stateful else None)
+    kernel_d_final: list[Any] = [None]
+
+    def forward(c: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+        if mode == "split":
+            head, tail = split_time(case.name, c, cut)
+            o_head, state = target(**head, return_state=True, **extra)
+            o_tail = target(**tail, initial_state=state, return_state=True, **extra)[0]
+            return torch.cat([o_head, o_tail], dim=1), ()
+        if stateful:
+            o, final = target(**c, return_state=True, **extra)
+            return o, f.state.split(final)
+        return target(**c, **extra), ()
+
+    def d_final(final: tuple[Any, ...]) -> tuple[torch.Tensor, ...] | None:
+        if d_scaled is None or any(p is None for p in final):
+            return None  # a kernel state that omits parts gets no final-state cotangent
+        d = log_scale_cotangent(f, f.state.join(tuple(p.detach().double().cpu() for p in final)), f.state.join(d_scaled))
+        kernel_d_final[0] = d
+        return f.state.split(d)
+
+    _kernel_backward(target, call, leaves, run, forward, d_final)
+    # The float64 reference.
+    reference_x = {k: v for k, v in x.items()}
+    reference_do = do
+    if mode == "causal":
+        reference_x, _ = split_time(case.name, x, cut)
+        reference_do = do[:, :cut]
+        run.note = f"do zero from position {cut} of {case.T}; the gradients before it against the prefix run's"
+    elif mode == "split":
+        run.note = f"split at {case.cut} of {case.T} and resumed from the returned state"
+    if stateful:
+        reference_x["initial_state"] = f.state.join(tuple(p.detach() for p in leaves[STATE_GRADIENT]))
+    d_reference = None
+    if stateful and kernel_d_final[0] is not None:
+        if any(f.state.is_log_scale(i) for i in range(len(f.state.parts))):
+            final64 = _reference(case.name)(**reference_x, return_state=True)[1]
+            d_reference = log_scale_cotangent(f, final64, f.state.join(d_scaled))
+        else:
+            d_reference = f.state.join(d_scaled)
+        run.note = "with a drawn initial state and a final-state cotangent"
+    reference = oracle_gradients(f, reference_x, reference_do, d_reference, chunk_size=ORACLE_CHUNK_SIZE)
+    run.reference = {gradient_label(n): g for n, g in reference.items()}
+    from attnlab.gradients import gradient_dtypes
+
+    run.dtypes = {gradient_label(n): d for n, d in gradient_dtypes(f, reference_x).items()}
+    if STATE_GRADIENT in run.dtypes:
+        # Returned in fp32 but built from intermediates in the input dtype, as the final state is (FORMULATIONS.md
+        # section 7, "final state"): its rounding floor is the input dtype's.
+        run.dtypes[STATE_GRADIENT] = dtype
+    run.floor_inputs = (case.name, reference_x, reference_do, d_reference)
+    if len(_GRADIENT_RUNS) >= _GRADIENT_RUNS_KEPT:
+        _GRADIENT_RUNS.pop(next(iter(_GRADIENT_RUNS)))
+    _GRADIENT_RUNS[key] = run
+    return run
+
+
+def _gradient_failure(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, run: GradientRun,
+                      label: str) -> CheckResult | None:
+    """The failed result of a run that raised, or of a gradient that is missing or malformed; None otherwise."""
+    accuracy, correctness = gradient_bounds(target.formulation, dtype)
+    if run.error:
+        measure = BACKWARD_RAISED if run.refused else RAISED if "raised" in run.error else GRADIENT_MEASURE
+        return CheckResult(prop, FAILED, math.inf, accuracy, measure, target.label, case, dtype, device, run.error,
+                           correctness)
+    if label in run.problems:
+        return CheckResult(prop, FAILED, math.inf, accuracy, GRADIENT_MEASURE, target.label, case, dtype, device,
+                           run.problems[label], correctness)
+    return None
+
+
+def _vacuous(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, why: str) -> CheckResult:
+    return CheckResult(prop, HELD, 0.0, gradient_bounds(target.formulation, dtype)[0], GRADIENT_MEASURE, target.label,
+                       case, dtype, device, why)
+
+
+def _judge_gradient(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, run: GradientRun,
+                    label: str, mine: Any, ref: Any, floor: Callable[[], float], note: str = "") -> CheckResult:
+    accuracy, correctness = gradient_bounds(target.formulation, dtype)
+    m = measure(mine, ref, run.dtypes[label])
+    if m.nonfinite == 0 and not m.excess <= accuracy:
+        m = measure(mine, ref, run.dtypes[label], floor())
+    graded = verdict(m, accuracy, correctness)
+    size = sum(p.numel() for p in ((mine,) if isinstance(mine, torch.Tensor) else mine))
+    detail = f"{label}: " + _measurement_detail(m, torch.empty(size)) + "; " + "; ".join(x for x in (run.note, note) if x)
+    if m.nonfinite:
+        detail = f"NaN or inf in {label} where the float64 gradient is finite; " + detail
+    return CheckResult(prop, graded, m.excess, accuracy, GRADIENT_MEASURE, target.label, case, dtype, device,
+                       detail.rstrip("; "), correctness)
+
+
+def check_backward_matches_oracle(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                                  gradient: str = "dq", *, prop: str | None = None) -> CheckResult:
+    """Gradient ``gradient`` against float64 autograd through the oracle (with a drawn initial state and a
+    final-state cotangent when the target takes a state): excess within the gradient bounds, finite where it is."""
+    prop = prop or f"backward_matches_oracle[{gradient}]"
+    run = gradient_run(target, case, dtype, device, "full")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    if gradient not in run.reference:
+        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    return _judge_gradient(prop, target, case, dtype, device, run, gradient, run.grads[gradient],
+                           run.reference[gradient], lambda: run.floor(gradient))
+
+
+def check_backward_finite(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                          gradient: str = "dq") -> CheckResult:
+    """Gradient ``gradient`` has no NaN or inf where the float64 gradient is finite."""
+    prop = f"backward_finite[{gradient}]"
+    run = gradient_run(target, case, dtype, device, "full")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    if gradient not in run.reference:
+        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    count = nonfinite_count(run.grads[gradient], run.reference[gradient])
+    return CheckResult(prop, exact(count == 0), float(count), 0.0, "non-finite entries where the oracle is finite",
+                       target.label, case, dtype, device, f"{gradient}; {run.note}".rstrip("; "))
+
+
+def _norm(x: Any) -> float:
+    parts = (x,) if isinstance(x, torch.Tensor) else tuple(x)
+    return math.sqrt(sum(float(p.detach().double().cpu().pow(2).sum()) for p in parts))
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double().cpu() * b.detach().double().cpu()).sum())
+
+
+def check_backward_query_identity(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                                  gradient: str = "dq") -> CheckResult:
+    """``<q, dq> = <o, do>`` where ``o`` is linear in ``q`` (Formulation.linear_in_query_when): oracle-free.
+
+    Figure: the residual over ``u (|q| |dq| + |o| |do|)``, what rounding ``dq`` and ``o`` once can leave (where
+    that does not hold, ``u`` for dq is raised to its conditioning floor); graded by the gradient bounds."""
+    prop = f"backward_query_identity[{gradient}]"
+    f = formulation(case.name)
+    if not f.is_linear_in_query(dict(case.options)):
+        return _vacuous(prop, target, case, dtype, device, "o is not linear in q under these options")
+    run = gradient_run(target, case, dtype, device, "full")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    query = f.args_with_role("query")[0].name
+    q, dq, o = run.inputs[query], run.grads[gradient], run.o
+    residual = abs(_dot(q, dq) - _dot(o, run.do))
+    if not math.isfinite(residual):
+        residual = math.inf
+    u = unit_roundoff(dtype)
+    accuracy, correctness = gradient_bounds(target.formulation, dtype)
+    scale_q, scale_o = _norm(q) * _norm(dq), _norm(o) * _norm(run.do)
+    floor = u * (scale_q + scale_o)
+    figure = _ratio(residual, floor)
+    note = ""
+    if not figure <= accuracy:
+        floor = max(u, run.floor(gradient)) * scale_q + u * scale_o
+        figure, note = _ratio(residual, floor), f"; dq's conditioning floor {run.floor(gradient):.3e}"
+    detail = (f"<q, dq> = {_dot(q, dq):.9g}, <o, do> = {_dot(o, run.do):.9g}, residual {residual:.3e} over "
+              f"{floor:.3e}{note}; {run.note}").rstrip("; ")
+    return CheckResult(prop, grade(figure, accuracy, correctness), figure, accuracy,
+                       "|<q, dq> - <o, do>| / rounding floor", target.label, case, dtype, device, detail, correctness)
+
+
+def check_backward_shift_identity(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                                  gradient: str = "dk") -> CheckResult:
+    """The sum over positions of ``dk`` is zero where one constant added to every key changes nothing
+    (Formulation.shift_invariant: RWKV-4, AFT); no initial state. Figure: ``|sum_t dk_t|`` over
+    ``u sqrt(T) |dk|`` (one rounding of dk), graded by the gradient bounds."""
+    prop = f"backward_shift_identity[{gradient}]"
+    f = formulation(case.name)
+    run = gradient_run(target, case, dtype, device, "plain")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    axis = traits.time_axes(f.arg(gradient[1:]))[0]
+    dk = run.grads[gradient].detach().double().cpu()
+    residual = float(dk.sum(dim=axis).norm()) if bool(torch.isfinite(dk).all()) else math.inf
+    u = unit_roundoff(dtype)
+    accuracy, correctness = gradient_bounds(target.formulation, dtype)
+    floor = u * math.sqrt(case.T) * float(dk.norm()) if math.isfinite(residual) else 0.0
+    figure = _ratio(residual, floor)
+    if not figure <= accuracy and math.isfinite(residual):
+        floor = max(u, run.floor(gradient)) * math.sqrt(case.T) * _norm(run.reference[gradient])
+        figure = _ratio(residual, floor)
+    return CheckResult(prop, grade(figure, accuracy, correctness), figure, accuracy,
+                       "|sum_t dk_t| / rounding floor", target.label, case, dtype, device,
+                       f"|sum_t {gradient}_t| = {residual:.3e}, floor {floor:.3e}, |{gradient}| = {float(dk.norm()):.3e}",
+                       correctness)
+
+
+def check_backward_causality(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                             gradient: str = "dq") -> CheckResult:
+    """With ``do`` zero from position ``cut`` on (no state, no final-state cotangent), gradient ``gradient`` is
+    exactly zero at every position >= cut, and before it matches the prefix run's float64 gradient."""
+    prop = f"backward_causality[{gradient}]"
+    assert case.cut is not None, "backward causality needs a case with a cut"
+    f = formulation(case.name)
+    run = gradient_run(target, case, dtype, device, "causal")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    if gradient not in run.reference:
+        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    g = run.grads[gradient]
+    axes = traits.time_axes(f.arg(gradient[1:]))
+    prefix = g
+    if axes:
+        changed = torch.zeros((), dtype=torch.int64)
+        for axis in axes:
+            changed = changed + (g.narrow(axis, case.cut, g.shape[axis] - case.cut) != 0).sum().cpu()
+            prefix = prefix.narrow(axis, 0, case.cut)
+        if int(changed):
+            return CheckResult(prop, FAILED, float(changed), 0.0, "gradient entries at positions >= cut not zero",
+                               target.label, case, dtype, device,
+                               f"{int(changed)} entries of {gradient} at positions >= {case.cut} are not exactly zero "
+                               f"though do is zero there: the backward lets a later position's do reach them")
+    return _judge_gradient(prop, target, case, dtype, device, run, gradient, prefix, run.reference[gradient],
+                           lambda: run.floor(gradient))
+
+
+def check_backward_split_and_resume(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                                    gradient: str = "dq") -> CheckResult:
+    """Gradients through a run split at ``cut`` and resumed from the returned state (so through the state's
+    gradient, d initial_state) match the whole run's float64 gradients."""
+    prop = f"backward_split_and_resume[{gradient}]"
+    assert case.cut is not None, "split_and_resume needs a case with a cut"
+    run = gradient_run(target, case, dtype, device, "split")
+    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if failure is not None:
+        return failure
+    if gradient not in run.reference:
+        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    return _judge_gradient(prop, target, case, dtype, device, run, gradient, run.grads[gradient],
+                           run.reference[gradient], lambda: run.floor(gradient))
+
+
+def check_backward_chunk_size_invariance(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
+                                         gradient: str = "dq") -> CheckResult:
+    """Every accepted chunk size gives the same gradient: pairwise differences over the float64 gradient's floor,
+    against twice the gradient bounds."""
+    prop = f"backward_chunk_size_invariance[{gradient}]"
+    runs = {c: gradient_run(target, case, dtype, device, "plain", c) for c in target.chunk_sizes}
+    for run in runs.values():
+        failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+        if failure is not None:
+            return failure
+    first = next(iter(runs.values()))
+    if gradient not in first.reference:
+        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    ref = first.reference[gradient]
+    floor = max(rounding_floor(ref, first.dtypes[gradient]), 0.0)
+    accuracy, correctness = gradient_bounds(target.formulation, dtype)
+    sizes = list(runs)
+    worst, pair = 0.0, (sizes[0], sizes[0])
+    for i, a in enumerate(sizes):
+        for b in sizes[i + 1:]:
+            figure = _ratio(_difference_over(runs[a].grads[gradient], runs[b].grads[gradient], ref), floor)
+            figure = math.inf if math.isnan(figure) else figure
+            if figure > worst:
+                worst, pair = figure, (a, b)
+    if not worst <= 2 * accuracy:
+        floor = max(floor, first.floor(gradient))
+        worst = _ratio(_difference_over(runs[pair[0]].grads[gradient], runs[pair[1]].grads[gradient], ref), floor)
+        worst = math.inf if math.isnan(worst) else worst
+    return CheckResult(prop, grade(worst, 2 * accuracy, 2 * correctness), worst, 2 * accuracy,
+                       "|g_c1 - g_c2| / |ref| / floor", target.label, case, dtype, device,
+                       f"{gradient}: worst pair chunk sizes {pair[0]} and {pair[1]} of {sizes}", 2 * correctness)
+
+
+BACKWARD_CHECKS = {
+    "backward_matches_oracle": check_backward_matches_oracle,
+    "backward_finite": check_backward_finite,
+    "backward_query_identity": check_backward_query_identity,
+    "backward_shift_identity": check_backward_shift_identity,
+    "backward_causality": check_backward_causality,
+    "backward_chunk_size_invariance": check_backward_chunk_size_invariance,
+    "backward_split_and_resume": check_backward_split_and_resume,
+}
+__all__ += ["BACKWARD_RAISED", "BACKWARD_CHECKS", "GradientRun", "gradient_run", "gradient_names", "gradient_bounds",
+            "check_backward_matches_oracle", "check_backward_finite", "check_backward_query_identity",
+            "check_backward_shift_identity", "check_backward_causality", "check_backward_split_and_resume",
+            "check_backward_chunk_size_invariance"]

@@ -24,7 +24,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         params = []
         for target in session.targets:
             for dtype in session.dtypes:
-                for prop in suite.applicable(target):
+                for prop in suite.applicable(target, session.selection.passes_or_default):
                     if long_only and prop.name not in LONG_SEQUENCE_PROPERTIES:
                         continue
                     marks = () if dtype in target.dtypes else (

@@ -21,6 +21,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import hypothesis
 import torch
@@ -34,7 +35,7 @@ from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SI
 from attnlab.properties.targets import Target
 
 __all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "Policy", "POLICY", "ImpreciseWarning", "search", "run",
-           "sizes_for", "applicable"]
+           "sizes_for", "applicable", "PASSES", "backward_properties", "base_name"]
 
 CaseStrategy = Callable[[Target, torch.dtype, Sizes], st.SearchStrategy[Case]]
 Check = Callable[[Target, Case, torch.dtype, str], CheckResult]
@@ -99,8 +100,57 @@ KERNEL_PROPERTIES: tuple[KernelProperty, ...] = (
 )
 
 
-def applicable(target: Target) -> list[KernelProperty]:
-    return [p for p in KERNEL_PROPERTIES if p.applies(target)]
+PASSES = ("forward", "backward")
+# The backward properties (checks.BACKWARD_CHECKS), one per (check, gradient): the check's name, what it says, the
+# gradients it applies to (given the target and one gradient label) and the cases it draws.
+BACKWARD_KINDS: tuple[tuple[str, str, Callable[[Target, str], bool], CaseStrategy], ...] = (
+    ("backward_matches_oracle", "the gradient within the gradient bounds of float64 autograd through the oracle",
+     lambda t, g: True, lambda t, d, s: cases(t.formulation, d, s)),
+    ("backward_finite", "the gradient finite where the float64 gradient is",
+     lambda t, g: True, lambda t, d, s: cases(t.formulation, d, s)),
+    ("backward_query_identity", "<q, dq> = <o, do> where o is linear in q",
+     lambda t, g: t.entry.linear_in_query_when is not None and g == "d" + t.entry.args_with_role("query")[0].name,
+     lambda t, d, s: cases(t.formulation, d, s, options=t.entry.linear_in_query_when or ())),
+    ("backward_shift_identity", "the sum over positions of dk is zero (shift invariance)",
+     lambda t, g: g[1:] in t.entry.shift_invariant, lambda t, d, s: cases(t.formulation, d, s)),
+    ("backward_causality", "with do zero from c on, every gradient at positions >= c exactly zero; before c, the "
+     "prefix run's", lambda t, g: g != checks.STATE_GRADIENT,
+     lambda t, d, s: cases(t.formulation, d, s, with_cut=True, causal=True)),
+    ("backward_chunk_size_invariance", "every accepted chunk size gives the same gradient within bound",
+     lambda t, g: len(t.chunk_sizes) >= 2 and g != checks.STATE_GRADIENT, lambda t, d, s: cases(t.formulation, d, s)),
+    ("backward_split_and_resume", "gradients through a run split and resumed from its state equal the whole run's",
+     lambda t, g: t.accepts_state and g != checks.STATE_GRADIENT,
+     lambda t, d, s: cases(t.formulation, d, s, with_cut=True)),
+)
+
+
+def backward_properties(target: Target) -> list[KernelProperty]:
+    """The backward properties of ``target`` (whether or not it is differentiable): one per (check, gradient),
+    named ``check[gradient]`` (``backward_matches_oracle[dk]``)."""
+    out = []
+    for kind, summary, applies, strategy in BACKWARD_KINDS:
+        for gradient in checks.gradient_names(target):
+            if applies(target, gradient):
+                out.append(KernelProperty(f"{kind}[{gradient}]", f"{gradient}: {summary}", lambda t: t.differentiable,
+                                          strategy, partial(checks.BACKWARD_CHECKS[kind], gradient=gradient)))
+    return out
+
+
+def base_name(name: str) -> str:
+    """``backward_matches_oracle`` of ``backward_matches_oracle[dq]``; a forward property's name unchanged."""
+    return name.split("[", 1)[0]
+
+
+def applicable(target: Target, passes: tuple[str, ...] | list[str] = ("forward",)) -> list[KernelProperty]:
+    """The properties ``target`` is held to in ``passes``: the forward's that apply, and with "backward" the
+    backward properties when the target is differentiable (Target.differentiable)."""
+    unknown = [p for p in passes if p not in PASSES]
+    if unknown:
+        raise ValueError(f"passes must be among {', '.join(PASSES)}; got {', '.join(unknown)}")
+    chosen = [p for p in KERNEL_PROPERTIES if p.applies(target)] if "forward" in passes else []
+    if "backward" in passes and target.differentiable:
+        chosen += backward_properties(target)
+    return chosen
 
 
 def sizes_for(device: str, profile: str) -> Sizes:
@@ -205,8 +255,10 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
             test = example(case=regression)(test)
     if settings is not None:
         test = settings(test)
-    # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give.
-    test._hypothesis_internal_add_digest = f"{prop.name}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
+    # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give; the backward
+    # properties of one check share it across gradients, so that they draw the same cases and share one backward
+    # pass per case (checks.gradient_run's cache).
+    test._hypothesis_internal_add_digest = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
 
     def run_search() -> None:
         test()

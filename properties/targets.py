@@ -22,7 +22,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,15 @@ class Target:
     accepts_state: bool
     chunk_sizes: tuple[int, ...] = ()
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+    # Whether calling it on inputs that require grad gives an output that requires grad; None: probe it once.
+    declared_differentiable: bool | None = None
+
+    @cached_property
+    def differentiable(self) -> bool:
+        """Whether the backward properties apply: the declared answer, else :func:`probe_differentiable` (once)."""
+        if self.declared_differentiable is not None:
+            return self.declared_differentiable
+        return probe_differentiable(self)
 
     def __call__(self, chunk_size: int | None = None, **inputs: Any) -> Any:
         if chunk_size is not None:
@@ -70,6 +79,29 @@ class Target:
     @property
     def entry(self) -> Formulation:
         return as_formulation(self.formulation)
+
+
+# The tiny inputs the differentiability probe calls a target on.
+PROBE_SIZES = dict(B=1, T=3, H=1, K=4, V=4)
+
+
+def probe_differentiable(target: Target) -> bool:
+    """Call ``target`` once on tiny inputs that require grad (float32, on the GPU when there is one, else the CPU;
+    then bfloat16); differentiable when the output it returns requires grad. A target that raises is not."""
+    f = target.entry
+    x = f.sample(**PROBE_SIZES, seed=0)
+    devices = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
+    for device in devices:
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = {n: t.to(device=device, dtype=dtype).requires_grad_(f.arg(n).differentiable) for n, t in x.items()}
+            try:
+                with torch.enable_grad():
+                    out = target(**inputs)
+            except Exception:  # noqa: BLE001 - a target that cannot run here is not probed further
+                continue
+            o = out[0] if isinstance(out, (tuple, list)) else out
+            return isinstance(o, torch.Tensor) and o.requires_grad
+    return False
 
 
 def own_kernel_target(name: str | Formulation, form: str) -> Target:
@@ -88,7 +120,8 @@ def own_kernel_target(name: str | Formulation, form: str) -> Target:
         return configured(chunk_size)(**inputs)
 
     dtypes = (torch.float16, torch.float32) if interpreter_active() else (torch.bfloat16, torch.float16, torch.float32)
-    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes)
+    # attnlab's kernels have no backward yet (FORMULATIONS.md section 9): declared, not probed.
+    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes, False)
 
 
 def own_kernel_targets(names: list[str] | None = None) -> list[Target]:
@@ -176,4 +209,4 @@ def rounded_oracle_target(name: str | Formulation) -> Target:
             return result[0].to(dtype), result[1]
         return result.to(dtype)
 
-    return Target(f"oracle:{f.name}/recurrent rounded", f.name, ideal, f.state is not None)
+    return Target(f"oracle:{f.name}/recurrent rounded", f.name, ideal, f.state is not None, declared_differentiable=True)

@@ -48,6 +48,8 @@ def run_properties(tmp_path: Path, *options: str) -> subprocess.CompletedProcess
     (tmp_path / "mykernels.py").write_text(textwrap.dedent(THIRD_PARTY_KERNELS))
     command = [sys.executable, "-m", "pytest", "--pyargs", "attnlab.properties", "-q", "-p", "no:cacheprovider",
                "--attnlab-profile", "ci", "--attnlab-device", "cpu", *options]
+    if not any(o.startswith("--attnlab-passes") for o in options):
+        command += ["--attnlab-passes", "forward"]  # these kernels are differentiable: the backward is tested below
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
 

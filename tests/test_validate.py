@@ -80,7 +80,9 @@ def not_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False
     return torch.zeros_like(v), None
 '''
 
-FAST = ["--device", "cpu", "--examples", "3", "--no-progress"]
+# The forward pass only: these kernels are differentiable (plain torch), and tests/test_gradient_properties.py judges
+# backward passes.
+FAST = ["--device", "cpu", "--examples", "3", "--no-progress", "--passes", "forward"]
 
 
 @pytest.fixture()

@@ -47,13 +47,22 @@ curve's rows), ``summary.md`` (the same, readable), and ``curve/`` (the
 error-vs-length rows, plot and index.md of attnlab.commands.report, with attnlab's own
 kernels and the naive recurrences side by side under ``--compare``).
 
+Passes (``--passes``): ``forward`` judges the output, ``backward`` the gradients (attnlab.properties.checks'
+backward properties, one verdict row per (property, gradient): ``backward_matches_oracle[dq]``...); the default
+is both when the kernel is differentiable (called on inputs that require grad, its output requires grad), else
+forward. ``--passes backward`` on a kernel that is not differentiable is a usage error. A kernel whose backward
+raises (fla's gated ops refuse theirs on Hopper with older Triton) gets the verdict ``refused`` with the kernel's
+message on each backward row: it is not a crash, and it counts as failed for the exit status (the backward the
+user asked to have judged could not be judged; ``--passes forward`` judges the forward alone).
+
 Exit status: 0 when no property failed (imprecise ones pass, unless
-``--strict``); 1 when one failed (or raised, or was not run within
+``--strict``); 1 when one failed (or raised, or its backward refused, or was not run within
 ``--time-budget``), when the kernel's own error-vs-length point failed, when
 ``--strict`` and one was imprecise, or when ``--convention auto`` found no
 convention; 2 for a usage error (bad MODULE:FUNCTION, unknown formulation or
 fla op, bad dtype, ``--device cuda`` without a GPU, a ``--bound`` that is not
-a positive number or is given for more than one dtype).
+a positive number or is given for more than one dtype, ``--passes backward`` on a kernel that is not
+differentiable).
 """
 
 from __future__ import annotations
@@ -375,8 +384,9 @@ class Verdict:
 
     @property
     def failed(self) -> bool:
-        """Failed, broke the harness or was not run: what makes ``attnlab validate`` exit 1 whatever --strict says."""
-        return self.status in ("failed", "error", "skipped")
+        """Failed, refused (the backward raised), broke the harness or was not run: what makes ``attnlab validate``
+        exit 1 whatever --strict says."""
+        return self.status in ("failed", "refused", "error", "skipped")
 
     def figure_text(self) -> str:
         if self.figure is None and self.status in ("held", "failed") and self.measure:
@@ -414,6 +424,8 @@ class Validation:
     repro: dict[str, str] = field(default_factory=dict)  # verdict key -> reproducing script
     strict: bool = False  # an imprecise verdict fails the run
     bound: float | None = None  # the user's accuracy bound (--bound), None for the registry's
+    passes: list[str] = field(default_factory=lambda: ["forward"])  # the passes judged
+    differentiable: bool | None = None  # whether the kernel's output requires grad when its inputs do
 
     def curve_verdicts(self) -> list[str]:
         """The verdicts of the kernel's own error-vs-length points (not those of the implementations beside it)."""
@@ -461,13 +473,18 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
     """One property's search under one strategy, reduced to a Verdict (a failure minimized; the search goes on
     past imprecise inputs, and the worst imprecise one is reported when no input failed)."""
     from attnlab.properties import suite
+    from attnlab.properties.checks import BACKWARD_RAISED
 
     started = time.perf_counter()
     fit = make_fit(target.formulation, convention, strategy, prop.name, dims)
     outcome = suite.run(prop, target, dtype, device, sizes, _search_settings(examples), fit=fit,
                         regressions=strategy == "adversarial")
     verdict = Verdict(strategy, _dtype_name(dtype), prop.name, "held", outcome.examples)
-    if outcome.failure is not None:
+    if outcome.failure is not None and outcome.failure.measure == BACKWARD_RAISED:
+        verdict.status = "refused"  # the kernel's backward raised: its message, as found (nothing to minimize)
+        verdict.first_failure = outcome.first_failure
+        chosen = outcome.failure
+    elif outcome.failure is not None:
         failure = outcome.failure
         case, result, runs = failure.case, failure, 0
         if minimize_tries > 0 and case is not None:
@@ -515,17 +532,19 @@ def smoke_call(target: Any, name: str, dtype: torch.dtype, device: str, conventi
         pass
 
 
-def properties_for(target: Any, convention: Convention, strategy: str, only: Sequence[str] | None) -> list[Any]:
-    """The applicable properties under ``strategy`` (overflow only when adversarial)."""
+def properties_for(target: Any, convention: Convention, strategy: str, only: Sequence[str] | None,
+                   passes: Sequence[str] = ("forward",)) -> list[Any]:
+    """The applicable properties of ``passes`` under ``strategy`` (overflow only when adversarial); ``only`` names
+    properties (a backward property by its check, ``backward_matches_oracle``, or with its gradient)."""
     from attnlab.properties import suite
 
     chosen = []
-    for prop in suite.applicable(target):
+    for prop in suite.applicable(target, tuple(passes)):
         if strategy == "default" and prop.name == "overflow":
             continue
         if prop.name == "reduces_to_special_case" and convention.derived:
             continue  # the special case sets an argument this kernel computes itself
-        if only and prop.name not in only:
+        if only and prop.name not in only and suite.base_name(prop.name) not in only:
             continue
         chosen.append(prop)
     return chosen
@@ -592,6 +611,9 @@ def repro_script(validation: Validation, verdict: Verdict, accepts_state: bool) 
     else:
         build = (f"kernel = adapt({expression}, {_convention_expression(convention)}, {validation.formulation!r})"
                  "  # the kernel, called in its own convention")
+    check, _, gradient = verdict.property.partition("[")
+    call = (f"checks.check_{check}(target, case, torch.{verdict.dtype}, {validation.device!r}"
+            + (f", gradient={gradient.rstrip(']')!r})" if gradient else ")"))
     return "\n".join([
         f"# attnlab validate: {verdict.property} failed for {validation.kernel} ({validation.formulation}) in "
         f"{verdict.dtype} on {validation.device}, {verdict.strategy} strategy",
@@ -605,7 +627,7 @@ def repro_script(validation: Validation, verdict: Verdict, accepts_state: bool) 
         build,
         f"target = Target({validation.kernel!r}, {validation.formulation!r}, kernel, accepts_state={accepts_state})",
         f"case = {verdict.case}",
-        f"result = checks.check_{verdict.property}(target, case, torch.{verdict.dtype}, {validation.device!r})",
+        f"result = {call}",
         "print(result.message())",
         "",
     ])
@@ -618,7 +640,7 @@ def validate(kernel_spec: str, name: str, *, convention: str = "attnlab", fla_op
              lengths: Sequence[int] = (), curve_sizes: report.Sizes | None = None, compare: bool = True,
              minimize_tries: int = MINIMIZE_TRIES, time_budget: float | None = None, progress: bool = False,
              command: str = "", say: Callable[[str], None] = print, curve_first: bool = False,
-             strict: bool = False, bound: float | None = None) -> Validation:
+             strict: bool = False, bound: float | None = None, passes: Sequence[str] | None = None) -> Validation:
     """Run the property suite and the error curve on ``kernel_spec`` (see the module's docstring).
 
     ``bound`` replaces the registry's accuracy bound (attnlab.metrics.user_bound) for the properties and the
@@ -630,7 +652,7 @@ def validate(kernel_spec: str, name: str, *, convention: str = "attnlab", fla_op
                          strategies=strategies, examples=examples, sizes=sizes, dims=dims, only=only, lengths=lengths,
                          curve_sizes=curve_sizes, compare=compare, minimize_tries=minimize_tries,
                          time_budget=time_budget, progress=progress, command=command, say=say,
-                         curve_first=curve_first, strict=strict, bound=bound)
+                         curve_first=curve_first, strict=strict, bound=bound, passes=passes)
 
 
 def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | None, device: str,
@@ -638,7 +660,7 @@ def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | Non
               dims: Sequence[int] | None, only: Sequence[str] | None, lengths: Sequence[int],
               curve_sizes: report.Sizes | None, compare: bool, minimize_tries: int, time_budget: float | None,
               progress: bool, command: str, say: Callable[[str], None], curve_first: bool, strict: bool,
-              bound: float | None) -> Validation:
+              bound: float | None, passes: Sequence[str] | None = None) -> Validation:
     from tqdm import tqdm
 
     from attnlab.properties.suite import sizes_for
@@ -672,8 +694,17 @@ def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | Non
     say(f"kernel: {kernel_spec} as {name}; convention {chosen.describe()}")
     target = make_target(kernel, name, kernel_spec, chosen)
     smoke_call(target, name, dtypes[0], device, chosen, dims)
+    validation.differentiable = target.differentiable
+    if passes is None:
+        passes = ["forward", "backward"] if target.differentiable else ["forward"]
+    elif "backward" in passes and not target.differentiable:
+        raise UsageError(f"--passes backward: {kernel_spec} is not differentiable (called on inputs that require "
+                         "grad, its output does not require grad), so it has no backward to judge; use --passes "
+                         "forward")
+    validation.passes = list(passes)
+    say(f"passes: {', '.join(passes)} (the kernel is {'' if target.differentiable else 'not '}differentiable)")
     plan = [(dtype, strategy, prop) for dtype in dtypes for strategy in strategies
-            for prop in properties_for(target, chosen, strategy, only)]
+            for prop in properties_for(target, chosen, strategy, only, passes)]
     curve_lengths = list(lengths)
     curve_dtypes = validation.dtypes if curve_lengths else []
     bar = tqdm(total=len(plan) + len(curve_lengths) * len(curve_dtypes), desc="attnlab validate", unit="step",
@@ -723,13 +754,19 @@ def _aligned(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     return [fmt(header), "  ".join("-" * w for w in widths), *map(fmt, body)]
 
 
-VERDICT_WORDS = {"held": "held", "imprecise": "IMPRECISE", "failed": "FAILED", "error": "ERROR", "skipped": "not run"}
+VERDICT_WORDS = {"held": "held", "imprecise": "IMPRECISE", "failed": "FAILED", "refused": "REFUSED", "error": "ERROR",
+                 "skipped": "not run"}
 TABLE_HEADER = ("strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "reproducing input")
 
 
 def _table_rows(verdicts: Sequence[Verdict]) -> list[tuple[str, ...]]:
-    return [(v.strategy, v.dtype, v.property, VERDICT_WORDS[v.status], str(v.examples), v.figure_text(),
-             v.case or v.detail.splitlines()[0] if (v.case or v.detail) else "") for v in verdicts]
+    def last(v: Verdict) -> str:
+        if v.status == "refused" and v.detail:  # the kernel's own message says why
+            return v.detail.splitlines()[0]
+        return v.case or v.detail.splitlines()[0] if (v.case or v.detail) else ""
+
+    return [(v.strategy, v.dtype, v.property, VERDICT_WORDS[v.status], str(v.examples), v.figure_text(), last(v))
+            for v in verdicts]
 
 
 def verdict_table(verdicts: Sequence[Verdict]) -> str:
@@ -783,9 +820,10 @@ def device_name(device: str) -> str:
 def verdict_counts(verdicts: list[Verdict]) -> str:
     """"2 failed, 1 imprecise, 1 error, 3 not run of 9 property runs": skipped runs are not counted as failures."""
     counts = {status: sum(x.status == status for x in verdicts)
-              for status in ("failed", "imprecise", "error", "skipped")}
+              for status in ("failed", "refused", "imprecise", "error", "skipped")}
     parts = [f"{counts['failed']} failed"] + [f"{n} {label}" for label, n in (
-        ("imprecise", counts["imprecise"]), ("error", counts["error"]), ("not run", counts["skipped"])) if n]
+        ("refused (the backward raised)", counts["refused"]), ("imprecise", counts["imprecise"]),
+        ("error", counts["error"]), ("not run", counts["skipped"])) if n]
     return f"{', '.join(parts)} of {len(verdicts)} property runs"
 
 
@@ -830,14 +868,14 @@ def summary_markdown(v: Validation, data: dict[str, Any]) -> str:
              f"- Convention: {v.convention.describe() if v.convention else 'none matched'}",
              *([f"- Detection: {v.detection_text}"] if v.detection_text else []),
              f"- Device: {data['device']['name']}; dtypes {', '.join(v.dtypes)}; strategies {', '.join(v.strategies)}; "
-             f"{v.examples} examples per property; sizes {v.sizes}",
+             f"{v.examples} examples per property; sizes {v.sizes}; passes {', '.join(v.passes)}",
              f"- Bounds (excess, multiples of the floor): {bounds_words(v)}" + ("; --strict" if v.strict else ""),
              f"- Environment: {env}",
              "- Versions: " + ", ".join(f"{k} {val}" for k, val in data["versions"].items()),
              f"- Command: `{v.command}`" if v.command else "", f"- Time: {v.seconds:.0f} s", ""]
     if v.verdicts:
         lines += ["## Verdicts", "", *_markdown_table(TABLE_HEADER, _table_rows(v.verdicts)), ""]
-    failed = [x for x in v.verdicts if x.status in ("failed", "error", "imprecise")]
+    failed = [x for x in v.verdicts if x.status in ("failed", "refused", "error", "imprecise")]
     if failed:
         lines += ["## Failures" if any(x.status != "imprecise" for x in failed) else "## Imprecise", ""]
         for x in failed:
@@ -868,7 +906,8 @@ def write_outputs(v: Validation, out: Path) -> dict[str, Path]:
         "what": "attnlab validate: the property suite and the error-vs-length curve on a third-party kernel",
         "kernel": v.kernel, "formulation": v.formulation, "exit_code": v.exit_code,
         "held": v.verdict == "held", "verdict": v.verdict, "verdict_text": verdict_words(v),
-        "strict": v.strict, "bound": v.bound, "bounds": bounds_table(v),
+        "strict": v.strict, "bound": v.bound, "bounds": bounds_table(v), "passes": v.passes,
+        "differentiable": v.differentiable,
         "convention": convention_dict(v.convention), "detection": v.detection, "detection_text": v.detection_text,
         "device": {"type": v.device, "name": device_name(v.device)},
         "dtypes": v.dtypes, "strategies": v.strategies, "examples": v.examples, "sizes": v.sizes,
@@ -934,6 +973,13 @@ def _strategy_arg(text: str) -> list[str]:
     return [text]
 
 
+def _passes_arg(text: str) -> list[str]:
+    passes = list(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not passes or any(p not in ("forward", "backward") for p in passes):
+        raise argparse.ArgumentTypeError(f"--passes must be forward, backward or forward,backward; got {text!r}")
+    return passes
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``attnlab validate`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
@@ -941,7 +987,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n\n", 2)[2].split("Exit status")[0].strip() if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 no property failed (imprecise ones pass unless --strict); 1 a property failed, or was "
-               "imprecise under --strict (or auto found no convention); 2 usage error.")
+               "imprecise under --strict, or its backward refused (or auto found no convention); 2 usage error "
+               "(also --passes backward on a kernel that is not differentiable).")
     parser.add_argument("--formulation", metavar="NAME", help=f"what the kernel computes: one of {', '.join(names())}")
     parser.add_argument("--kernel", metavar="MODULE:FUNCTION",
                         help="the kernel: an importable module or a path to a .py file, then the function")
@@ -990,6 +1037,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--bound", type=_bound_arg, default=None, metavar="X",
                         help="accuracy bound (excess = rel_err / floor, a multiple of the floor) in place of the "
                              "registry's, for the run's one dtype (--dtype)")
+    parser.add_argument("--passes", type=_passes_arg, default=None, metavar="forward,backward",
+                        help="passes to judge: forward, backward or forward,backward (default: both when the kernel is "
+                             "differentiable, else forward). backward on a kernel that is not differentiable is a "
+                             "usage error (exit 2); a backward that raises is 'refused' on each gradient's row, "
+                             "counted as failed (exit 1)")
     parser.set_defaults(func=command)
     return parser
 
@@ -1035,9 +1087,12 @@ def command(args: argparse.Namespace) -> int:
         return _usage(f"--bound {args.bound:g} is a multiple of one dtype's floor: give exactly one --dtype "
                       f"(got {', '.join(dtype_names)})")
     only = [p.strip() for p in args.properties.split(",") if p.strip()] if args.properties else None
-    known = [p.name for p in KERNEL_PROPERTIES]
-    if only and any(p not in known for p in only):
-        return _usage(f"--properties: unknown {', '.join(p for p in only if p not in known)}; expected some of {', '.join(known)}")
+    from attnlab.properties.checks import BACKWARD_CHECKS
+
+    known = [p.name for p in KERNEL_PROPERTIES] + list(BACKWARD_CHECKS)
+    only_base = [p.split("[", 1)[0] for p in only] if only else None
+    if only and any(p not in known for p in only_base):
+        return _usage(f"--properties: unknown {', '.join(p for p, b in zip(only, only_base) if b not in known)}; expected some of {', '.join(known)}")
     profile = args.profile or ("gpu" if device == "cuda" else "ci")
     examples = args.examples if args.examples is not None else PROFILE_EXAMPLES[profile]
     if examples < 1:
@@ -1055,7 +1110,7 @@ def command(args: argparse.Namespace) -> int:
                               dims=args.dims, only=only, lengths=lengths, curve_sizes=args.curve_shape,
                               compare=args.compare, minimize_tries=args.minimize, time_budget=args.time_budget,
                               progress=not args.no_progress, command=command_line, curve_first=args.curve_first,
-                              strict=args.strict, bound=args.bound)
+                              strict=args.strict, bound=args.bound, passes=args.passes)
     except UsageError as error:
         return _usage(str(error))
     if validation.convention is not None:
@@ -1063,7 +1118,7 @@ def command(args: argparse.Namespace) -> int:
         print(verdict_table(validation.verdicts))
         print(f"bounds (excess): {bounds_words(validation)}")
         for v in validation.verdicts:
-            if v.status in ("failed", "error", "imprecise") or (args.verbose and v.message):
+            if v.status in ("failed", "refused", "error", "imprecise") or (args.verbose and v.message):
                 print(f"\n--- {VERDICT_WORDS[v.status]}: {v.property} ({v.strategy}, {v.dtype})\n{v.message.strip()}")
                 if v.found and v.found != v.case:
                     print(f"  found first: {v.found} (example {v.first_failure}); minimized in {v.minimize_checks} checks")
