@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.commands.report import METRIC_KEYS, VERDICT_KEYS, growth_exponent, textbook_guides
+from attnlab.commands.report import (BACKWARD_KEYS, METRIC_KEYS, VERDICT_KEYS, Implementation, growth_exponent,
+                                     measure_backward_point, textbook_guides)
 from attnlab.registry import BOUNDS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -59,6 +60,9 @@ def test_report_writes_json_plots_and_index(tiny_report):
                      ("fp16-recurrent", "float16"), ("attnlab:chunkwise", "float32"), ("attnlab:recurrent", "float32"),
                      ("fp32-recurrent", "float32")}
     assert len(rows) == len(impls) * 2
+    # A forward report is written as before there were passes: no pass field, no backward entry.
+    assert all(not set(BACKWARD_KEYS) & set(row) for row in rows) and "backward" not in report
+    assert "passes" not in report["settings"] and "--passes" not in report["settings"]["command"]
     for row in rows:
         if row["error"] is None:
             assert row["floor"] == max(row["floor_round"], row["floor_cond"])
@@ -133,6 +137,8 @@ def test_missing_kernel_module_is_an_error_row(tmp_path):
         (("report", "--lengths", "64,-5"), "lengths must be positive integers"),
         (("report", "--lengths", "0"), "lengths must be positive integers"),
         (("report", "--shape", "1,2,16"), "shape must be B,H,K,V"),
+        (("report", "--passes", "nosuch"), "unknown pass(es) nosuch"),
+        (("report", "--passes", "forward,sideways"), "unknown pass(es) sideways"),
         (("map", "delta", "--formulations", "gla"), "gla take(s) no part in the delta map"),
         (("map", "wobble"), "invalid choice: 'wobble'"),
         (("map", "gate", "--steps", "1"), "--steps must be at least 2"),
@@ -142,6 +148,132 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, tmp_path):
     result = run_cli(*args, "--out", str(tmp_path))
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert not any(tmp_path.iterdir())
+
+
+# --- the backward pass (report --passes backward) ----------------------------------------------------------------
+
+GRADIENTS = {"gla": ["q", "k", "v", "g"], "rwkv4": ["w", "u", "k", "v"]}
+
+
+def gradient_bounds(dtype: str) -> tuple[float, float]:
+    """(accuracy, correctness) of gradients in ``dtype``: the registry's gradient bounds, where it has them."""
+    b = BOUNDS[dtype]
+    return getattr(b, "gradients", (b.accuracy, b.correctness))
+
+
+@pytest.fixture(scope="module")
+def backward_report(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("backward")
+    result = run_cli("report", "--passes", "backward", "--formulations", "gla,rwkv4", "--dtypes", "float32",
+                     "--lengths", "8,16", "--device", "cpu", "--out", str(out), *TINY)
+    return out, result
+
+
+def test_backward_rows_measure_every_gradient_of_the_naive_recurrence(backward_report):
+    """One row per gradient of fp32-recurrent (differentiable by autograd) at each T, against float64 autograd
+    through the chunkwise oracle: at the floor (fp32 recurrence, fp32 gradients: excess near 1), graded held."""
+    out, result = backward_report
+    assert result.returncode == 0, result.stderr
+    report = json.loads((out / "report.json").read_text())
+    rows = report["rows"]
+    assert all(r["pass"] == "backward" and set(r) >= ROW_KEYS | set(BACKWARD_KEYS) for r in rows)
+    assert report["settings"]["passes"] == ["backward"] and "--passes backward" in report["settings"]["command"]
+    measured = {(r["formulation"], r["impl"], r["T"], r["gradient"]) for r in rows}
+    assert measured == {(n, "fp32-recurrent", T, g) for n, gs in GRADIENTS.items() for T in (8, 16) for g in gs}
+    assert len(rows) == len(measured)
+    for row in rows:
+        assert row["error"] is None and row["nonfinite"] == 0 and row["ref_nonfinite"] == 0, row
+        assert row["oracle"] == "float64-chunkwise-autograd" and row["dtype"] == "float32"
+        assert row["floor"] == max(row["floor_round"], row["floor_cond"]) and 1e-9 < row["floor"] < 1e-6
+        assert row["excess"] == pytest.approx(row["rel_err"] / row["floor"])
+        assert 0.3 <= row["excess"] <= 4.0, row  # fp32 accumulation: at the fp32 floor (measured 0.7 to 2.9)
+        assert (row["accuracy_bound"], row["correctness_bound"]) == gradient_bounds("float32")
+        assert row["verdict"] == "held"
+    assert "chunkwise oracle" in report["backward"]["reference"]
+
+
+def test_kernels_without_a_backward_are_listed_once_not_failed(backward_report):
+    out, result = backward_report
+    report = json.loads((out / "report.json").read_text())
+    listed = [(e["formulation"], e["impl"]) for e in report["backward"]["no_backward"]]
+    assert listed == [(n, f"attnlab:{form}") for n in ("gla", "rwkv4") for form in ("chunkwise", "recurrent")]
+    assert not any(r["impl"].startswith("attnlab:") for r in report["rows"])
+    assert "no backward" in result.stdout
+    index = (out / "index.md").read_text()
+    assert "- No backward (not differentiable, so not measured; not a failure): gla `attnlab:chunkwise`" in index
+    assert "failed" not in index.split("## Backward pass")[1].replace("*failed*", "")
+
+
+def test_backward_figures_and_index_sections(backward_report):
+    out, _ = backward_report
+    index = (out / "index.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index)
+    assert links == ["gla-backward.png", "rwkv4-backward.png"]
+    for link in links:
+        assert_png(out / link)
+    assert not (out / "gla.png").exists() and "## Excess by length" not in index  # no forward pass run
+    for heading in ("## Backward pass", "### Gradient excess by length", "### Gradient error vs T"):
+        assert heading in index
+    assert "| formulation | impl | dtype | gradient | T=8 | T=16 | verdict |" in index
+    assert "| rwkv4 | `fp32-recurrent` | float32 | du |" in index
+    assert "Reference: float64 autograd through the chunkwise oracle" in index
+
+
+def test_backward_appended_to_a_forward_report_keeps_its_rows(tmp_path):
+    """A forward report, then --passes backward --append: the forward rows stay as they were (no pass field),
+    the backward rows (fp16: the fp16 and fp32 recurrences) join them, and index.md has both passes."""
+    common = ("--formulations", "gla", "--dtypes", "float16", "--lengths", "8", "--device", "cpu", "--out",
+              str(tmp_path), "--mpmath-check-max-T", "0", *TINY)
+    assert run_cli("report", *common).returncode == 0
+    forward = json.loads((tmp_path / "report.json").read_text())["rows"]
+    result = run_cli("report", "--passes", "backward", "--append", *common)
+    assert result.returncode == 0, result.stderr
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [r for r in rows if "pass" not in r] == forward
+    backward = [r for r in rows if r.get("pass") == "backward"]
+    assert {(r["impl"], r["gradient"]) for r in backward} == {(i, g) for i in ("fp32-recurrent", "fp16-recurrent")
+                                                              for g in GRADIENTS["gla"]}
+    # fp32 inside, the gradient rounded once to fp16: the rounding floor itself.
+    assert all(r["excess"] == pytest.approx(1.0, abs=0.05) for r in backward if r["impl"] == "fp32-recurrent")
+    assert all(r["verdict"] == "held" for r in backward if r["impl"] == "fp32-recurrent")
+    # fp16 accumulation: above the floor (measured 2.4 to 3.2), but the right function.
+    assert all(1.0 < r["excess"] < gradient_bounds("float16")[1] for r in backward if r["impl"] == "fp16-recurrent")
+    index = (tmp_path / "index.md").read_text()
+    assert "## Excess by length" in index and "## Backward pass" in index
+    assert re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index) == ["gla.png", "gla-backward.png"]
+
+
+def test_a_backward_that_raises_is_a_failed_row_and_one_without_grad_is_listed():
+    """In process: an implementation whose backward raises fails its row (with the message); one whose output
+    does not require grad is recorded as having no backward, and skipped at later points."""
+    from attnlab.commands.report import Sizes
+    from attnlab.oracle import oracle
+    from attnlab.registry import formulation
+
+    class Broken(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("backward is broken")
+
+    def raising(**x):
+        o, state = oracle("gla", "recurrent", "float32")(**x)
+        return Broken.apply(o), state
+
+    def detached(**x):
+        o, state = oracle("gla", "recurrent", "float32")(**x)
+        return o.detach(), state.detach()
+
+    no_backward: dict = {}
+    impls = [Implementation("raising", lambda: raising), Implementation("detached", lambda: detached)]
+    rows = measure_backward_point(formulation("gla"), "float32", 8, Sizes(1, 1, 8, 8), impls, no_backward, seed=0,
+                                  device="cpu")
+    assert [(r["impl"], r["verdict"]) for r in rows] == [("raising", "failed")]
+    assert "RuntimeError: backward is broken" in rows[0]["error"] and rows[0]["pass"] == "backward"
+    assert no_backward == {("gla", "detached"): "its output does not require grad"}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

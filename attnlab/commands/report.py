@@ -21,16 +21,31 @@ the sweep goes on. Each row carries its ``verdict`` (attnlab.metrics, by the
 registry's bounds for its formulation and dtype): ``held``, ``imprecise`` or
 ``failed`` (above the correctness bound, non-finite, or raised).
 
+``--passes forward,backward`` (default: forward) adds the backward pass: on
+the same inputs, a random cotangent ``do`` (drawn from the seed, rounded to
+the dtype) and, where the formulation has a state, a random fp32 cotangent of
+the final state (on its scale-free parts: attnlab.gradients.log_scale_cotangent),
+each differentiable implementation's gradients by autograd are measured
+against float64 autograd through the chunkwise oracle
+(attnlab.gradients.oracle_gradients), with each gradient's rounding floor and
+conditioning floor (attnlab.gradients.gradient_floor): one row per gradient,
+with ``"pass": "backward"`` and ``"gradient"`` (a row without ``pass`` is a
+forward row, as every report written before). Implementations whose output
+does not require grad (attnlab's kernels today) are listed once under
+report.json's ``backward.no_backward``, not failed.
+
 Exit status: 0 when every point was measured; 1 when a point raised (its
-row records the error); 2 for a usage error (unknown formulation or dtype,
-bfloat16 where attnlab's kernels run under the Triton interpreter, --device
-cuda without a GPU).
+row records the error); 2 for a usage error (unknown formulation, dtype or
+pass, bfloat16 where attnlab's kernels run under the Triton interpreter,
+--device cuda without a GPU).
 
 Written to the output folder: ``report.json`` (rows, settings, seed,
 versions, device, oracles), one ``<formulation>.png`` per formulation (error
-vs T, log-log, one panel per dtype, with the floor and the textbook guides)
-and ``index.md`` (the table and the plots; it also links the stability maps
-``attnlab map`` wrote into the same folder).
+vs T, log-log, one panel per dtype, with the floor and the textbook guides),
+with the backward pass one ``<formulation>-backward.png`` (gradient error vs
+T, a panel per gradient and dtype, with the rounding floor), and ``index.md``
+(the tables and the plots; it also links the stability maps ``attnlab map``
+wrote into the same folder).
 """
 
 from __future__ import annotations
@@ -45,7 +60,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,7 +73,7 @@ from attnlab.metrics import (FAILED, VERDICTS, conditioning_floor, grade, measur
                              worst_verdict)
 from attnlab.oracle import oracle
 from attnlab.registry import BOUNDS, bounds_for, formulation, names
-from attnlab.spec import Formulation
+from attnlab.spec import Bounds, Formulation
 
 Row = dict[str, Any]
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -71,6 +86,12 @@ METRIC_KEYS = ("rel_err", "max_err", "floor_round", "floor_cond", "floor", "exce
 VERDICT_KEYS = ("verdict", "accuracy_bound", "correctness_bound")
 # A fitted exponent of rel_err against T above this counts as growth with length.
 GROWTH_SLOPE = 0.25
+# The passes a report measures (--passes); a row without a "pass" field is a forward row (reports written before).
+FORWARD, BACKWARD = "forward", "backward"
+PASSES = (FORWARD, BACKWARD)
+GRADIENT_REFERENCE_NAME = "float64-chunkwise-autograd"
+# Backward rows carry these beside the forward ones.
+BACKWARD_KEYS = ("pass", "gradient")
 
 
 @dataclass(frozen=True)
@@ -150,7 +171,10 @@ def _kernel(name: str, form: str) -> Callable[..., Any]:
 def _naive_recurrence(f: Formulation, precision: str, out_dtype: str) -> Callable[..., torch.Tensor]:
     run = oracle(f.name, "recurrent", precision, **dict(f.naive_options))
 
-    def call(**inputs: Any) -> torch.Tensor:
+    def call(**inputs: Any) -> Any:
+        if inputs.get("return_state"):  # the backward pass: o rounded to the dtype, the state as computed
+            o, state = run(**inputs)
+            return o.to(DTYPES[out_dtype]), state
         return run(**inputs).to(DTYPES[out_dtype])
 
     return call
@@ -183,11 +207,11 @@ def _blank_row(base: Row) -> Row:
     return {**base, **{key: None for key in METRIC_KEYS}, "ref_nonfinite": None, "error": None}
 
 
-def _graded(f: Formulation, dtype: str, row: Row) -> Row:
+def _graded(f: Formulation, dtype: str, row: Row, bounds: Bounds | None = None) -> Row:
     """``row`` with its verdict and the bounds it was graded by: failed when it raised or has a non-finite
-    entry, else its excess graded by the registry's bounds for ``f`` in ``dtype`` (with the user's accuracy bound
-    where attnlab.metrics.user_bound is in force)."""
-    b = user_bounds(bounds_for(f, dtype))
+    entry, else its excess graded by ``bounds`` (default: the registry's bounds for ``f`` in ``dtype``), with the
+    user's accuracy bound where attnlab.metrics.user_bound is in force."""
+    b = user_bounds(bounds or bounds_for(f, dtype))
     row.update(accuracy_bound=b.accuracy, correctness_bound=b.correctness)
     if row["error"] or row["nonfinite"] or row["excess"] is None:
         row["verdict"] = FAILED
@@ -259,6 +283,149 @@ def measure_point(
     return rows
 
 
+# --- measuring one point's gradients (the backward pass) ------------------------------
+
+
+class NoBackward(Exception):
+    """An implementation that is not differentiable: its output does not require grad (attnlab's kernels today)."""
+
+
+def backward_bounds(f: Formulation, dtype: str) -> Bounds:
+    """The bounds a gradient in ``dtype`` is graded by: the registry's (attnlab.registry.bounds_for) gradient bounds
+    (spec.Bounds.gradients) where it has them, else the forward's."""
+    b = bounds_for(f, dtype)
+    pair = getattr(b, "gradients", None)
+    if pair is None:
+        return b
+    accuracy, correctness = pair
+    return replace(b, accuracy=accuracy, correctness=correctness)
+
+
+def _parts(value: Any) -> tuple[torch.Tensor, ...]:
+    return (value,) if isinstance(value, torch.Tensor) else tuple(value)
+
+
+def draw_cotangents(f: Formulation, o: torch.Tensor, final: Any, dtype: str, seed: int) -> tuple[torch.Tensor, Any]:
+    """``(do, d_scaled)`` drawn from ``seed``: ``do`` standard normal of o's shape, rounded to ``dtype`` (the
+    dtype o is returned in); ``d_scaled`` (None without a state) standard normal fp32 cotangents of the final
+    state's scale-free parts (attnlab.gradients.log_scale_cotangent: the same loss whatever representation of a
+    log-scale state an implementation returns)."""
+    generator = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(device=o.device, dtype=DTYPES[dtype])
+    if final is None:
+        return do, None
+    parts = f.state.split(final)
+    d_scaled = tuple(torch.randn(p.shape, generator=generator, dtype=torch.float64).to(device=p.device,
+                                                                                      dtype=torch.float32)
+                     for i, p in enumerate(parts) if not f.state.is_log_scale(i))
+    return do, f.state.join(d_scaled)
+
+
+def implementation_gradients(f: Formulation, call: Callable[..., Any], inputs: dict[str, Any], do: torch.Tensor,
+                             d_scaled: Any) -> dict[str, torch.Tensor]:
+    """An implementation's gradients of ``<do, o> + <dS, final state>`` with respect to every differentiable input
+    (attnlab.gradients.differentiable_names), by torch autograd through ``call``; ``dS`` is ``d_scaled`` carried
+    onto the implementation's own final state (log_scale_cotangent). Raises NoBackward when o does not require
+    grad, ValueError when an input gets no gradient."""
+    from attnlab.gradients import differentiable_names, log_scale_cotangent
+
+    leaves = {n: inputs[n].detach().clone().requires_grad_() for n in differentiable_names(f, inputs)}
+    with torch.enable_grad():
+        if f.state is not None:
+            o, final = call(**{**inputs, **leaves}, return_state=True)
+        else:
+            o, final = call(**{**inputs, **leaves}), None
+        if not (isinstance(o, torch.Tensor) and o.requires_grad):
+            raise NoBackward("its output does not require grad")
+        outputs, cotangents = [o], [do.to(o)]
+        if final is not None:
+            parts = f.state.split(final)
+            carried = _parts(log_scale_cotangent(f, f.state.join(tuple(p.detach() for p in parts)), d_scaled))
+            for part, d in zip(parts, carried):
+                if part.requires_grad:
+                    outputs.append(part)
+                    cotangents.append(d.to(part))
+        grads = torch.autograd.grad(outputs, list(leaves.values()), cotangents, allow_unused=True)
+    missing = [n for n, g in zip(leaves, grads) if g is None]
+    if missing:
+        raise ValueError(f"the backward returned no gradient for {', '.join(missing)}")
+    return dict(zip(leaves, grads))
+
+
+def measure_backward_point(
+    f: Formulation,
+    dtype: str,
+    T: int,
+    sizes: Sizes,
+    impls: Sequence[Implementation],
+    no_backward: dict[tuple[str, str], str],
+    *,
+    seed: int,
+    device: str,
+    extra: Row | None = None,
+) -> list[Row]:
+    """Rows for every gradient of every differentiable implementation at one (formulation, dtype, T).
+
+    The inputs are the forward pass's (the registry's defaults rounded to ``dtype``); the cotangents are drawn
+    from ``seed`` (:func:`draw_cotangents`). The reference is float64 autograd through the chunkwise oracle
+    (attnlab.gradients.oracle_gradients), with each gradient's conditioning floor (gradient_floor: inputs and
+    cotangents perturbed at fp32 roundoff), computed once for the point. Each gradient is measured against it
+    (attnlab.metrics.measure_gradients: rounded to the dtype it is returned in for the rounding floor) and graded
+    by :func:`backward_bounds`. An implementation whose output does not require grad is recorded in
+    ``no_backward`` ((formulation, impl) -> why) and skipped from then on: not a failure. A reference that
+    raises fails every implementation's row; an implementation that raises fails its own.
+    """
+    from attnlab.gradients import gradient_dtypes, gradient_floor, log_scale_cotangent, oracle_gradients
+    from attnlab.metrics import measure_gradients
+
+    base = {"formulation": f.name, "impl": None, "dtype": dtype, "T": T, **(extra or {}), "pass": BACKWARD,
+            "gradient": None, "oracle": GRADIENT_REFERENCE_NAME, "oracle_device": device, "oracle_check": None}
+    todo = [impl for impl in impls if (f.name, impl.name) not in no_backward]
+    try:
+        inputs = rounded_inputs(f.name, DTYPES[dtype], device, B=sizes.B, T=T, H=sizes.H, K=sizes.K, V=sizes.V,
+                                seed=seed)
+        reference = oracle(f.name, "chunkwise", "float64", chunk_size=REFERENCE_CHUNK_SIZE)
+        if f.state is not None:
+            o, final = reference(**inputs, return_state=True)
+        else:
+            o, final = reference(**inputs), None
+        do, d_scaled = draw_cotangents(f, o, final, dtype, seed)
+        d_final = None if final is None else log_scale_cotangent(f, final, d_scaled)
+        chunking = {"form": "chunkwise", "chunk_size": REFERENCE_CHUNK_SIZE}
+        ref = oracle_gradients(f, inputs, do, d_final, **chunking)
+        floor_cond = gradient_floor(f, inputs, do, d_final, base=ref, seed=seed, **chunking)
+        dtypes = gradient_dtypes(f, inputs)
+    except Exception as error:  # noqa: BLE001 - recorded in the rows, the sweep goes on
+        message = f"reference gradients failed: {describe_error(error)}"
+        return [_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": message}, backward_bounds(f, dtype))
+                for impl in todo]
+    rows = []
+    for impl in todo:
+        try:
+            grads = implementation_gradients(f, impl.build(), inputs, do, d_scaled)
+            measured = measure_gradients(grads, ref, dtypes, floor_cond)
+        except NoBackward as why:
+            no_backward[(f.name, impl.name)] = str(why)
+            continue
+        except Exception as error:  # noqa: BLE001 - recorded in the row, the sweep goes on
+            if isinstance(error, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            rows.append(_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": describe_error(error)},
+                                backward_bounds(f, dtype)))
+            continue
+        for name, m in measured.items():
+            row = {**_blank_row(base), "impl": impl.name, "gradient": name,
+                   "ref_nonfinite": sum(int((~torch.isfinite(p)).sum()) for p in _parts(ref[name]))}
+            row.update({key: (value if key == "nonfinite" else _json_float(value)) for key, value in m.as_dict().items()})
+            rows.append(_graded(f, dtype, row, backward_bounds(f, dtype)))
+    return rows
+
+
+def is_backward(row: Row) -> bool:
+    """Whether a row is the backward pass's (a row without a "pass" field is a forward row)."""
+    return row.get("pass", FORWARD) == BACKWARD
+
+
 # --- the sweep --------------------------------------------------------------------
 
 
@@ -310,54 +477,110 @@ def oracle_summary(settings: Settings, rows: Iterable[Row]) -> dict[str, Any]:
     }
 
 
-def run_report(settings: Settings, out: Path, *, append: bool = False) -> Path:
-    """Sweep, write report.json (after each formulation), the plots and index.md; return index.md's path."""
+def run_report(settings: Settings, out: Path, *, append: bool = False, passes: Sequence[str] = (FORWARD,)) -> Path:
+    """Sweep, write report.json (after each formulation), the plots and index.md; return index.md's path.
+
+    ``passes``: forward (each output against the float64 oracle) and/or backward (each gradient against float64
+    autograd through the chunkwise oracle, :func:`measure_backward_point`)."""
     from tqdm import tqdm
 
+    passes = tuple(p for p in PASSES if p in passes)
     out.mkdir(parents=True, exist_ok=True)
     report_path = out / "report.json"
     earlier = json.loads(report_path.read_text()) if append and report_path.exists() else None
     run_index = len(earlier["runs"]) if earlier else 0
     started = time.time()
-    run = {"settings": {**asdict(settings), "command": settings.command()}, "seed": settings.seed,
+    recorded = asdict(settings)
+    command = settings.command()
+    if passes != (FORWARD,):  # a forward report's settings are recorded as before there were passes
+        recorded["passes"] = list(passes)
+        command += f" --passes {','.join(passes)}"
+    run = {"settings": {**recorded, "command": command}, "seed": settings.seed,
            "device": {"type": settings.device, "name": device_description(settings.device)},
            "versions": versions(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     rows: list[Row] = []
+    no_backward: dict[tuple[str, str], str] = {}
     points = [(name, dtype, T) for name in settings.formulations for dtype in settings.dtypes for T in settings.lengths]
-    with tqdm(total=len(points), desc="attnlab report", unit="point", file=sys.stderr) as progress:
+    with tqdm(total=len(points) * len(passes), desc="attnlab report", unit="point", file=sys.stderr) as progress:
         for name in settings.formulations:
             f = formulation(name)
             for dtype in settings.dtypes:
                 impls = implementations(f, dtype)
                 for T in settings.lengths:
-                    progress.set_postfix_str(f"{name} {dtype} T={T}")
-                    check = dtype == settings.dtypes[0] and T <= settings.mpmath_check_max_T
-                    point = measure_point(f, dtype, T, settings.sizes, impls, seed=settings.seed,
-                                          device=settings.device, check_with_mpmath=check, extra={"run": run_index})
-                    rows.extend(point)
-                    progress.update()
+                    if FORWARD in passes:
+                        progress.set_postfix_str(f"{name} {dtype} T={T}")
+                        check = dtype == settings.dtypes[0] and T <= settings.mpmath_check_max_T
+                        point = measure_point(f, dtype, T, settings.sizes, impls, seed=settings.seed,
+                                              device=settings.device, check_with_mpmath=check, extra={"run": run_index})
+                        rows.extend(point)
+                        progress.update()
+                    if BACKWARD in passes:
+                        progress.set_postfix_str(f"{name} {dtype} T={T} backward")
+                        rows.extend(measure_backward_point(f, dtype, T, settings.sizes, impls, no_backward,
+                                                           seed=settings.seed, device=settings.device,
+                                                           extra={"run": run_index}))
+                        progress.update()
             run["seconds"] = round(time.time() - started, 1)
-            _write_report(report_path, settings, run, rows, earlier)
+            _write_report(report_path, settings, run, rows, earlier,
+                          backward=backward_summary(settings, no_backward) if BACKWARD in passes else None)
     report = json.loads(report_path.read_text())
-    for name in dict.fromkeys(r["formulation"] for r in report["rows"]):
-        plot_error_vs_length([r for r in report["rows"] if r["formulation"] == name], name, out / f"{name}.png")
+    forward = [r for r in report["rows"] if not is_backward(r)]
+    for name in dict.fromkeys(r["formulation"] for r in forward):
+        plot_error_vs_length([r for r in forward if r["formulation"] == name], name, out / f"{name}.png")
+    backward = [r for r in report["rows"] if is_backward(r)]
+    for name in dict.fromkeys(r["formulation"] for r in backward):
+        plot_gradient_error_vs_length([r for r in backward if r["formulation"] == name], name,
+                                      out / backward_figure(name))
     return write_index(out)
 
 
+def backward_figure(name: str) -> str:
+    """The file name of a formulation's gradient error-vs-T figure."""
+    return f"{name}-backward.png"
+
+
+def backward_summary(settings: Settings, no_backward: dict[tuple[str, str], str]) -> dict[str, Any]:
+    """report.json's "backward" entry: the reference, the cotangents and the implementations without a backward."""
+    return {
+        "reference": f"float64 autograd through the chunkwise oracle (chunk_size {settings.reference_chunk_size}) "
+                     f"on {settings.device}, at every T ({GRADIENT_REFERENCE_NAME})",
+        "cotangents": f"do ~ N(0, 1) from seed {settings.seed}, rounded to the dtype; where the formulation has a "
+                      "state, N(0, 1) fp32 cotangents of the final state's scale-free parts "
+                      "(attnlab.gradients.log_scale_cotangent)",
+        "gradients": "every differentiable input the forward pass gives (no initial state is given)",
+        "floors": "floor_round: each float64 gradient rounded once to the dtype it is returned in; floor_cond: its "
+                  "relative change with inputs and cotangents perturbed at fp32 roundoff (attnlab.gradients."
+                  "gradient_floor)",
+        "bounds": ("the registry's gradient bounds (attnlab.registry.bounds_for, spec.Bounds.gradients)"
+                   if hasattr(Bounds, "gradients") else "the forward bounds (attnlab.registry.bounds_for)"),
+        "no_backward": [{"formulation": n, "impl": i, "why": why} for (n, i), why in no_backward.items()],
+    }
+
+
 def _row_key(row: Row) -> tuple[Any, ...]:
-    return row["formulation"], row["impl"], row["dtype"], row["T"]
+    """A point's rows (every gradient of an implementation at one T, in the backward pass) are replaced together."""
+    return row["formulation"], row["impl"], row["dtype"], row["T"], row.get("pass", FORWARD)
 
 
-def _write_report(path: Path, settings: Settings, run: dict[str, Any], rows: list[Row], earlier: dict[str, Any] | None) -> None:
-    """report.json: this run's settings on top, every run in ``runs``, the rows of all runs (new ones replace old)."""
+def _write_report(path: Path, settings: Settings, run: dict[str, Any], rows: list[Row], earlier: dict[str, Any] | None,
+                  backward: dict[str, Any] | None = None) -> None:
+    """report.json: this run's settings on top, every run in ``runs``, the rows of all runs (new ones replace old);
+    ``backward`` (:func:`backward_summary`), with an earlier run's implementations without a backward kept."""
     replaced = {_row_key(r) for r in rows}
     kept = [r for r in (earlier["rows"] if earlier else []) if _row_key(r) not in replaced]
     all_rows = kept + rows
     runs = [*(earlier["runs"] if earlier else []), run]
+    before = (earlier or {}).get("backward")
+    if before and backward:
+        listed = {(e["formulation"], e["impl"]) for e in backward["no_backward"]}
+        backward = {**backward, "no_backward": [e for e in before["no_backward"]
+                                                if (e["formulation"], e["impl"]) not in listed] + backward["no_backward"]}
+    backward = backward or before
     report = {
         "what": "error of each implementation against the float64 oracle, by formulation, dtype and T (attnlab report)",
         **{key: run[key] for key in ("settings", "seed", "device", "versions")},
         "oracle": oracle_summary(settings, all_rows),
+        **({"backward": backward} if backward else {}),
         "runs": runs,
         "rows": all_rows,
     }
@@ -394,6 +617,29 @@ def _median(values: Iterable[float]) -> float:
 MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
+def _impl_styles(impl_names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A line style per implementation: hollow markers, so that implementations on the same values stay visible."""
+    import matplotlib.pyplot as plt
+
+    return {impl: dict(color=plt.get_cmap("tab10")(i % 10), marker=MARKERS[i % len(MARKERS)], ms=10 - 1.5 * (i % 4),
+                       mfc="none", mew=1.4, lw=1.4) for i, impl in enumerate(impl_names)}
+
+
+def _save_figure(fig: Any, axes: Iterable[Any], title: str, path: Path) -> None:
+    """One legend (right) for the labels of ``axes``, the title, and ``fig`` written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
+    handles = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8, frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_error_vs_length(rows: Sequence[Row], name: str, path: Path) -> None:
     """One PNG for one formulation: a column per dtype; top rel_err vs T (log-log) with the floor and
     the textbook guides, bottom excess vs T; a line per implementation (hollow markers, so that
@@ -406,8 +652,7 @@ def plot_error_vs_length(rows: Sequence[Row], name: str, path: Path) -> None:
 
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
     impl_names = list(dict.fromkeys(r["impl"] for r in rows))
-    style = {impl: dict(color=plt.get_cmap("tab10")(i % 10), marker=MARKERS[i % len(MARKERS)], ms=10 - 1.5 * (i % 4),
-                        mfc="none", mew=1.4, lw=1.4) for i, impl in enumerate(impl_names)}
+    style = _impl_styles(impl_names)
     fig, axes = plt.subplots(2, len(dtypes), figsize=(5.2 * len(dtypes) + 2.4, 7.4), squeeze=False,
                              gridspec_kw={"height_ratios": (2.2, 1)}, sharex="col")
     for column, dtype in enumerate(dtypes):
@@ -459,15 +704,63 @@ def plot_error_vs_length(rows: Sequence[Row], name: str, path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(T) for T in lengths])
             ax.grid(True, which="major", alpha=0.3)
-    handles = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8, frameon=False)
-    fig.suptitle(f"{name}: error vs T against the float64 oracle ({formulation(name).title})")
-    fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save_figure(fig, axes[0], f"{name}: error vs T against the float64 oracle ({formulation(name).title})", path)
+
+
+def plot_gradient_error_vs_length(rows: Sequence[Row], name: str, path: Path) -> None:
+    """One PNG for one formulation's backward pass: a panel per gradient (columns) and dtype (rows), rel_err vs T
+    (log-log) with the rounding floor (and the floor with conditioning where it is larger), a line per
+    implementation; X marks non-finite gradients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured_rows = [r for r in rows if r.get("gradient")]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    gradients = list(dict.fromkeys(r["gradient"] for r in measured_rows)) or ["(none)"]
+    impl_names = list(dict.fromkeys(r["impl"] for r in rows))
+    style = _impl_styles(impl_names)
+    fig, axes = plt.subplots(len(dtypes), len(gradients), figsize=(3.6 * len(gradients) + 2.4, 3.4 * len(dtypes) + 0.8),
+                             squeeze=False, sharex=True)
+    for i, dtype in enumerate(dtypes):
+        failed = sorted({r["impl"] for r in rows if r["dtype"] == dtype and r["error"]})
+        for j, gradient in enumerate(gradients):
+            ax = axes[i][j]
+            sub = [r for r in measured_rows if r["dtype"] == dtype and r["gradient"] == gradient]
+            lengths = sorted({r["T"] for r in sub}) or sorted({r["T"] for r in rows})
+            floors = [_median(r["floor_round"] for r in sub if r["T"] == T and r["floor_round"] is not None)
+                      for T in lengths]
+            judged = [_median(r["floor"] for r in sub if r["T"] == T and r["floor"] is not None) for T in lengths]
+            shown = [v for r in sub for v in (r["rel_err"], r["floor"], r["floor_round"]) if v is not None and v > 0]
+            low, high = min(shown, default=1e-8) / 2, min(max(shown, default=1.0), 1e3) * 3
+            ax.plot(lengths, floors, color="black", ls="--", lw=1.6, label="rounding floor")
+            if any(a > 1.05 * b for a, b in zip(judged, floors) if math.isfinite(a) and math.isfinite(b)):
+                ax.plot(lengths, judged, color="black", ls=":", lw=1.6, label="floor with conditioning")
+            for impl in impl_names:
+                mine = sorted((r for r in sub if r["impl"] == impl), key=lambda r: r["T"])
+                measured = [r for r in mine if r["rel_err"] is not None]
+                broken = [r["T"] for r in mine if r["rel_err"] is None]
+                if measured:
+                    ax.plot([r["T"] for r in measured], [r["rel_err"] for r in measured], label=impl, **style[impl])
+                if broken:
+                    ax.plot(broken, [high / 1.6] * len(broken), ls="none", marker="X", ms=10,
+                            color=style[impl]["color"], label=f"{impl}: non-finite gradient")
+            if failed and j == 0:
+                ax.text(0.02, 0.02, "failed (see index.md): " + ", ".join(failed), transform=ax.transAxes,
+                        fontsize=7, color="firebrick", va="bottom")
+            ax.set_yscale("log")
+            ax.set_ylim(low, high)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(T) for T in lengths])
+            ax.grid(True, which="major", alpha=0.3)
+            ax.set_title(f"d{gradient}, {dtype}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel("rel_err = |g − ref|_F / |ref|_F")
+            if i == len(dtypes) - 1:
+                ax.set_xlabel("sequence length T")
+    _save_figure(fig, axes.flat, f"{name}: gradient error vs T against float64 autograd ({formulation(name).title})",
+                 path)
 
 
 # --- index.md ---------------------------------------------------------------------
@@ -619,7 +912,9 @@ def write_index(out: Path) -> Path:
     report_path = out / "report.json"
     if report_path.exists():
         report = json.loads(report_path.read_text())
-        rows, settings = report["rows"], report["settings"]
+        settings = report["settings"]
+        rows = [r for r in report["rows"] if not is_backward(r)]
+        backward = [r for r in report["rows"] if is_backward(r)]
         versions_text = ", ".join(f"{k} {v}" for k, v in report["versions"].items())
         oracle_info = report["oracle"]
         check = oracle_info["mpmath_check"]
@@ -632,7 +927,8 @@ def write_index(out: Path) -> Path:
             f"- Reference: {oracle_info['reference']}, at every T ({', '.join(map(str, oracle_info['reference_lengths']))}).",
             "- Oracle check: " + (f"float64 agrees with mpmath to {check['max_rel_diff']:.1e} (max rel diff) at "
                                   f"T={', '.join(map(str, check['lengths']))}." if check["max_rel_diff"] is not None
-                                  else "none (no length within the mpmath limit)."),
+                                  else "none (no length within the mpmath limit)." if rows
+                                  else "none (the forward pass was not run)."),
             f"- Reproduce: `{settings['command']}`" + (f" ({len(report['runs'])} runs merged with --append)"
                                                        if len(report["runs"]) > 1 else ""),
             "",
@@ -647,32 +943,102 @@ def write_index(out: Path) -> Path:
             "the accuracy bound, *imprecise* above it up to the correctness bound (the right function, less "
             "accurately than one rounding allows), *failed* above the correctness bound, with a non-finite output, "
             "or when the point raised (attnlab.registry.BOUNDS: "
-            + bounds_text(r["dtype"] for r in rows) + "). The naive baselines are graded too.",
-            "",
-            "## Summary",
-            "",
-            *headline(rows),
-            "",
-            "## Excess by length",
-            "",
-            *summary_table(rows),
-            "",
-            "## Error vs T",
-            "",
-            "Log-log; dashed: the rounding floor (the exact answer rounded once to the dtype); grey: the textbook "
-            "guides γ_T = Tu/(1−Tu) (recursive summation, worst case) and √T·u (random rounding errors); "
-            "X: non-finite output.",
+            + bounds_text(r["dtype"] for r in report["rows"]) + "). The naive baselines are graded too.",
             "",
         ]
-        for name in dict.fromkeys(r["formulation"] for r in rows):
-            lines += [f"### {name}: {formulation(name).title}", "", f"![{name}: error vs T]({name}.png)", ""]
-        problems = failures(rows)
-        if problems:
-            lines += ["## Failures", "", *problems, ""]
+        if rows:
+            lines += forward_sections(rows)
+        if backward or report.get("backward"):
+            lines += backward_sections(backward, report.get("backward") or {})
     lines += map_sections(out)
     path = out / "index.md"
     path.write_text("\n".join(lines).rstrip() + "\n")
     return path
+
+
+def forward_sections(rows: Sequence[Row]) -> list[str]:
+    """index.md's sections of the forward pass: the summary, the excess table, the plots and the failures."""
+    lines = [
+        "## Summary",
+        "",
+        *headline(rows),
+        "",
+        "## Excess by length",
+        "",
+        *summary_table(rows),
+        "",
+        "## Error vs T",
+        "",
+        "Log-log; dashed: the rounding floor (the exact answer rounded once to the dtype); grey: the textbook "
+        "guides γ_T = Tu/(1−Tu) (recursive summation, worst case) and √T·u (random rounding errors); "
+        "X: non-finite output.",
+        "",
+    ]
+    for name in dict.fromkeys(r["formulation"] for r in rows):
+        lines += [f"### {name}: {formulation(name).title}", "", f"![{name}: error vs T]({name}.png)", ""]
+    problems = failures(rows)
+    if problems:
+        lines += ["## Failures", "", *problems, ""]
+    return lines
+
+
+def gradient_table(rows: Sequence[Row]) -> list[str]:
+    """Markdown lines: one row per (formulation, implementation, dtype, gradient), its excess at each T, the worst
+    verdict, worst error, floor and non-finite entries; a point that raised is a line of its own (gradient —)."""
+    lengths = sorted({r["T"] for r in rows})
+    header = ["formulation", "impl", "dtype", "gradient", *[f"T={T}" for T in lengths], "verdict", "worst rel_err",
+              "floor", "non-finite"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, impl, dtype, gradient in dict.fromkeys((r["formulation"], r["impl"], r["dtype"], r["gradient"])
+                                                     for r in rows):
+        mine = {r["T"]: r for r in rows if (r["formulation"], r["impl"], r["dtype"], r["gradient"])
+                == (name, impl, dtype, gradient)}
+        errors = [r["rel_err"] for r in mine.values() if r["rel_err"] is not None]
+        floors = [r["floor"] for r in mine.values() if r["floor"] is not None]
+        cells = [name, f"`{impl}`", dtype, f"d{gradient}" if gradient else "—",
+                 *[_format_excess(mine.get(T)) for T in lengths], verdict_cell(mine.values()),
+                 _format_number(max(errors)) if errors else "", _format_number(max(floors)) if floors else "",
+                 str(sum(r["nonfinite"] or 0 for r in mine.values()))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def backward_sections(rows: Sequence[Row], about: dict[str, Any]) -> list[str]:
+    """index.md's sections of the backward pass (``rows``; ``about``: report.json's "backward" entry)."""
+    lines = ["## Backward pass", "",
+             "Each gradient of each differentiable implementation, measured as the forward output is: `rel_err` over "
+             "`floor = max(floor_round, floor_cond)`, graded by the same bounds.", ""]
+    for key, label in (("reference", "Reference"), ("cotangents", "Cotangents"), ("gradients", "Gradients"),
+                       ("floors", "Floors"), ("bounds", "Bounds")):
+        if about.get(key):
+            lines.append(f"- {label}: {about[key]}.")
+    missing = about.get("no_backward") or []
+    if missing:
+        lines.append("- No backward (not differentiable, so not measured; not a failure): "
+                     + ", ".join(f"{e['formulation']} `{e['impl']}`" for e in missing)
+                     + f" ({'; '.join(dict.fromkeys(e['why'] for e in missing))}).")
+    lines.append("")
+    if not rows:
+        return [*lines, "No implementation had a backward to measure.", ""]
+    counts = {v: sum(row_verdict(r) == v for r in rows) for v in VERDICTS}
+    measured = [r for r in rows if r["excess"] is not None]
+    lines += ["### Summary", "",
+              f"- Verdicts over {len(rows)} gradient rows: " + ", ".join(f"{v} {n}" for v, n in counts.items() if n) + "."]
+    if measured:
+        worst = max(measured, key=lambda r: r["excess"])
+        lines.append(f"- Worst excess: **{worst['excess']:.3g}** ({worst['formulation']}, `{worst['impl']}`, "
+                     f"{worst['dtype']}, d{worst['gradient']}, T={worst['T']}).")
+    lines += ["", "### Gradient excess by length", "", *gradient_table(rows), "", "### Gradient error vs T", "",
+              "Log-log, a panel per gradient and dtype; dashed: the rounding floor (the float64 gradient rounded once "
+              "to the dtype it is returned in); dotted: the floor with conditioning, where larger; X: non-finite "
+              "gradient.", ""]
+    for name in dict.fromkeys(r["formulation"] for r in rows):
+        lines += [f"#### {name}: {formulation(name).title}", "",
+                  f"![{name}: gradient error vs T]({backward_figure(name)})", ""]
+    problems = failures(rows)
+    if problems:
+        lines += ["### Backward failures", "", *problems, ""]
+    return lines
 
 
 # --- command line -----------------------------------------------------------------
@@ -694,14 +1060,20 @@ def formulations_arg(text: str) -> list[str]:
     return chosen
 
 
-def dtypes_arg(text: str) -> list[str]:
-    """argparse type: a comma-separated list of float16, bfloat16, float32."""
+def _choices(text: str, allowed: Iterable[str], what: str) -> list[str]:
+    """A non-empty comma-separated list of some of ``allowed``; else an argparse error naming the unknown ``what``."""
+    allowed = list(allowed)
     chosen = _comma_list(text)
-    unknown = [d for d in chosen if d not in DTYPES]
+    unknown = [c for c in chosen if c not in allowed]
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(
-            f"unknown dtype(s) {', '.join(unknown) or repr(text)}; expected some of {', '.join(DTYPES)}")
+            f"unknown {what} {', '.join(unknown) or repr(text)}; expected some of {', '.join(allowed)}")
     return chosen
+
+
+def dtypes_arg(text: str) -> list[str]:
+    """argparse type: a comma-separated list of float16, bfloat16, float32."""
+    return _choices(text, DTYPES, "dtype(s)")
 
 
 def lengths_arg(text: str) -> list[int]:
@@ -713,6 +1085,12 @@ def lengths_arg(text: str) -> list[int]:
     if not lengths or any(T <= 0 for T in lengths):
         raise argparse.ArgumentTypeError(f"lengths must be positive integers, comma-separated; got {text!r}")
     return sorted(set(lengths))
+
+
+def passes_arg(text: str) -> list[str]:
+    """argparse type: a comma-separated list of forward, backward (returned in that order)."""
+    chosen = _choices(text, PASSES, "pass(es)")
+    return [p for p in PASSES if p in chosen]
 
 
 def shape_arg(text: str) -> Sizes:
@@ -780,6 +1158,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="comma-separated sequence lengths (default: 16,32,64,128 on the CPU, 64,256,...,65536 on a GPU)")
     parser.add_argument("--mpmath-check-max-T", type=int, default=MPMATH_CHECK_MAX_T, metavar="T",
                         help=f"check the float64 oracle against mpmath at lengths up to T (default {MPMATH_CHECK_MAX_T}; 0: never)")
+    parser.add_argument("--passes", type=passes_arg, default=[FORWARD], metavar="PASSES",
+                        help="comma-separated, from forward, backward (default: forward). backward: every gradient "
+                             "of every differentiable implementation (the naive recurrences; attnlab's kernels have "
+                             "no backward yet and are listed as such) against float64 autograd through the "
+                             "chunkwise oracle, with a seeded random cotangent of o and of the final state")
     parser.add_argument("--append", action="store_true",
                         help="merge into the folder's report.json (rows recomputed here replace the old ones), "
                              "for a gallery built in several runs")
@@ -802,8 +1185,9 @@ def cmd_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     )
     out = args.out or Path("reports") / device_slug(device)
     started = time.time()
-    index = run_report(settings, out, append=args.append)
-    rows = json.loads((out / "report.json").read_text())["rows"]
+    index = run_report(settings, out, append=args.append, passes=args.passes)
+    report = json.loads((out / "report.json").read_text())
+    rows = report["rows"]
     raised = [r for r in rows if r["error"]]
     counts = ", ".join(f"{sum(row_verdict(r) == v for r in rows)} {v}" for v in VERDICTS)
     print(f"report: {index} ({len(rows)} rows: {counts}; {len(raised)} raised; {time.time() - started:.0f} s); "
@@ -811,4 +1195,7 @@ def cmd_report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     for name, impl, dtype, error in dict.fromkeys((r["formulation"], r["impl"], r["dtype"], r["error"])
                                                   for r in raised):
         print(f"  raised: {name} {impl} {dtype}: {error}", file=sys.stderr)
+    missing = (report.get("backward") or {}).get("no_backward") or []
+    if missing:
+        print(f"  no backward (not measured): {', '.join(e['formulation'] + ' ' + e['impl'] for e in missing)}")
     return exit_status(rows)
