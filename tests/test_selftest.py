@@ -85,3 +85,20 @@ def test_imprecise_is_neither_a_catch_nor_a_pass(monkeypatch: pytest.MonkeyPatch
     out = capsys.readouterr().out
     assert "ESCAPED" in out and "FLAGGED" in out and "matches_oracle IMPRECISE" in out
     assert "property matches_oracle IMPRECISE for attnlab:retnet/ideal" in out
+
+
+def test_a_backward_specimen_whose_gradient_is_right_escapes(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """A backward specimen is caught only by its expected gradient property failing: the ideal kernel (the float64
+    oracle rounded once, differentiable by autograd) registered as one escapes, its forward and backward held."""
+    from attnlab.properties.targets import rounded_oracle_target
+
+    ideal = specimens.Specimen("retnet_gradient_right", "retnet", rounded_oracle_target("retnet").function, "none",
+                               "backward_matches_oracle[dq]", specimens.BACKWARD)
+    monkeypatch.setattr(specimens, "SPECIMENS", (ideal,))
+    assert _command("--only", "specimens", "--examples", "2") == 1
+    out = capsys.readouterr().out
+    assert "retnet_gradient_right" in out and "backward" in out and "ESCAPED" in out
+    row = selftest.run_job(selftest.Job("specimen", "retnet_gradient_right", torch.float32), 2, "cpu")
+    held = {f.property for f in row.findings if f.status == "held"}
+    assert {"matches_oracle", "backward_matches_oracle[dq]", "backward_causality[dv]"} <= held

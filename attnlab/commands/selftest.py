@@ -2,9 +2,10 @@
 
 Runs the default kernel property suite (attnlab.properties.suite) on every
 known-bad specimen (attnlab.properties.specimens: forward specimens, a wrong
-o; backward specimens, the right o and a wrong gradient, run once the suite
-holds gradient properties) and on every attnlab kernel that exists, in each
-dtype, and prints the sensitivity table: for each
+o, held to the forward's properties; backward specimens, the right o and a
+wrong gradient, held to the forward's and the backward's) and on every
+attnlab kernel that exists (the backward's properties where it is
+differentiable), in each dtype, and prints the sensitivity table: for each
 specimen, which properties caught it and after how many examples; for each
 correct kernel, whether any property flagged it. Verdicts are graded
 (attnlab.properties.checks): a specimen is caught when its expected property
@@ -33,6 +34,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
@@ -141,7 +143,7 @@ def run_job(job: Job, examples: int, device: str) -> Row:
     started = time.perf_counter()
     target, specimen = _target(job)
     findings = []
-    for prop in suite.applicable(target):
+    for prop in suite.applicable(target, _passes(specimen)):
         outcome = suite.run(prop, target, job.dtype, device, SELFTEST_SIZES, _selftest_settings(examples))
         if outcome.errors:
             finding = Finding(prop.name, "error", outcome.examples, None, "\n".join(outcome.errors))
@@ -170,12 +172,23 @@ def run_job(job: Job, examples: int, device: str) -> Row:
 
 
 def suite_passes() -> tuple[str, ...]:
-    """The passes the default suite checks: the forward always, the backward once it holds gradient properties
-    (named ``backward_*``). A specimen breaking a pass the suite does not check is not run."""
+    """The passes the default suite checks (attnlab.properties.suite.PASSES): a specimen breaking a pass the
+    suite does not check is not run."""
     from attnlab.properties import suite
-    from attnlab.properties.specimens import BACKWARD, FORWARD
 
-    return (FORWARD, *((BACKWARD,) if any(p.name.startswith("backward_") for p in suite.KERNEL_PROPERTIES) else ()))
+    return tuple(suite.PASSES)
+
+
+def _passes(specimen: Any) -> tuple[str, ...]:
+    """The passes a target is held to: a forward specimen the forward's properties only (its backward is
+    autograd through its wrong forward: no defect of its own); a backward specimen both (its forward must hold,
+    its backward is caught); a correct kernel every pass the suite checks (the backward's where it is
+    differentiable)."""
+    from attnlab.properties.specimens import FORWARD
+
+    if specimen is not None and specimen.broken_pass == FORWARD:
+        return (FORWARD,)
+    return suite_passes()
 
 
 def _jobs(dtypes: list[torch.dtype], include: str, names: list[str] | None) -> list[Job]:
