@@ -208,11 +208,28 @@ def _fla(function: str, label: str = "", bench: bool = False, our_options: tuple
 # normalize=False; when normalized, the tuple (S, z) with the normalizer z (running key sum) as [B, 1, H, K].
 _FLA_LINEAR_STATE = dict(feature_map_outside=True, carries=(("normalize=False", ("S",)),), part_unsqueeze={"z": 1})
 
-SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention",
-            Convention("torch:sdpa", layout="BHTD", positional=("q", "k", "v"), names={"causal": "is_causal"},
-                       state_keyword=None,
-                       final_state_flag=None, returns="o"),
-            label="torch SDPA", bench=True)
+# torch SDPA's calling convention: head-first [B, H, T, D], q, k, v positional, causal as is_causal, returns o.
+# Shared by SDPA itself and by attnlab.third_party's pinned backends and FlexAttention, which are called alike.
+SDPA_CONVENTION = Convention("torch:sdpa", layout="BHTD", positional=("q", "k", "v"), names={"causal": "is_causal"},
+                             state_keyword=None, final_state_flag=None, returns="o")
+
+SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention", SDPA_CONVENTION, label="torch SDPA",
+            bench=True)
+
+
+def _torch(function: str, label: str) -> Peer:
+    """attnlab.third_party's ``function``: one of torch's softmax kernels pinned, called like SDPA."""
+    return Peer("torch", f"attnlab.third_party:{function}", SDPA_CONVENTION, label=label)
+
+
+# SDPA with each backend pinned, and FlexAttention (compiled, causal block mask): validated forward and backward.
+TORCH_PINNED = (
+    _torch("sdpa_flash", "torch SDPA (flash)"),
+    _torch("sdpa_efficient", "torch SDPA (memory-efficient)"),
+    _torch("sdpa_cudnn", "torch SDPA (cuDNN)"),
+    _torch("sdpa_math", "torch SDPA (math)"),
+    _torch("flex_attention_causal", "torch FlexAttention (compiled, causal block mask)"),
+)
 
 
 def _aft_dims(B: int, T: int, H: int, K: int, V: int) -> dict[str, int]:
@@ -236,6 +253,7 @@ REGISTRY: tuple[Formulation, ...] = (
         bilinear_logits=True,
         peers=(
             SDPA,
+            *TORCH_PINNED,
             _fla("parallel_attn", implied={"causal": True}, state_keyword=None, final_state_flag=None, returns="o",
                  state_dtype=None),
         ),
