@@ -252,10 +252,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 EXCESS = "excess = rel_err / floor"
+GRADIENT_EXCESS = "gradient excess = rel_err / floor"  # attnlab.properties.checks.GRADIENT_MEASURE
+# The excess measures whose extremes are shown, each with the suffix of its line's label.
+EXTREME_MEASURES = {EXCESS: "", GRADIENT_EXCESS: " gradients"}
 
 
 def _figure(f: Finding) -> str:
-    return "" if f.figure is None else f" ({'excess ' if f.measure == EXCESS else ''}{f.figure:.3g})"
+    return "" if f.figure is None else f" ({'excess ' if f.measure in EXTREME_MEASURES else ''}{f.figure:.3g})"
 
 
 def _findings_text(row: Row) -> str:
@@ -269,15 +272,17 @@ def _findings_text(row: Row) -> str:
 
 
 def excess_extremes(rows: list[Row]) -> dict[str, dict[str, tuple[float, str] | None]]:
-    """Per dtype: the smallest finite excess (rel_err / floor) a caught specimen's defect produced where the property
-    first did not hold (imprecise or failed: a defect's figure, whatever the bounds), and the largest a correct
-    kernel reached, each with where: what the correctness bound is set between."""
+    """Per dtype (and per dtype for gradients, "float16 gradients"): the smallest finite excess (rel_err / floor) a
+    caught specimen's defect produced where the property first did not hold (imprecise or failed: a defect's
+    figure, whatever the bounds), and the largest a correct kernel reached, each with where: what the correctness
+    bound (the forward's, the gradients') is set between."""
     extremes: dict[str, dict[str, tuple[float, str] | None]] = {}
     for row in rows:
-        entry = extremes.setdefault(_dtype_name(row.job.dtype), {"smallest defect": None, "largest correct": None})
         for f in row.findings:
-            if f.measure != EXCESS or f.figure is None:
+            if f.measure not in EXTREME_MEASURES or f.figure is None:
                 continue
+            entry = extremes.setdefault(_dtype_name(row.job.dtype) + EXTREME_MEASURES[f.measure],
+                                        {"smallest defect": None, "largest correct": None})
             where = f"{row.job.name}, {f.property}"
             if row.job.kind == "specimen" and f.status == "failed":
                 figure = min(v for v in (f.figure, f.first_figure) if v is not None)
