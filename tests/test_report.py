@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import attnlab
 from attnlab.commands.report import (BACKWARD_KEYS, METRIC_KEYS, VERDICT_KEYS, Implementation, growth_exponent,
                                      measure_backward_point, textbook_guides)
 from attnlab.registry import BOUNDS
@@ -152,19 +153,20 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, tmp_path):
 
 # --- the backward pass (report --passes backward) ----------------------------------------------------------------
 
-GRADIENTS = {"gla": ["q", "k", "v", "g"], "rwkv4": ["w", "u", "k", "v"]}
+BACKWARD_FORMULATIONS = ("gla", "rwkv4")
+GRADIENTS = {n: [a.name for a in attnlab.formulation(n).args if a.differentiable] for n in BACKWARD_FORMULATIONS}
 
 
 def gradient_bounds(dtype: str) -> tuple[float, float]:
     """(accuracy, correctness) of gradients in ``dtype``: the registry's gradient bounds, where it has them."""
     b = BOUNDS[dtype]
-    return getattr(b, "gradients", (b.accuracy, b.correctness))
+    return b.gradients
 
 
 @pytest.fixture(scope="module")
 def backward_report(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("backward")
-    result = run_cli("report", "--passes", "backward", "--formulations", "gla,rwkv4", "--dtypes", "float32",
+    result = run_cli("report", "--passes", "backward", "--formulations", ",".join(BACKWARD_FORMULATIONS), "--dtypes", "float32",
                      "--lengths", "8,16", "--device", "cpu", "--out", str(out), *TINY)
     return out, result
 

@@ -292,12 +292,9 @@ class NoBackward(Exception):
 
 def backward_bounds(f: Formulation, dtype: str) -> Bounds:
     """The bounds a gradient in ``dtype`` is graded by: the registry's (attnlab.registry.bounds_for) gradient bounds
-    (spec.Bounds.gradients) where it has them, else the forward's."""
+    (spec.Bounds.gradients)."""
     b = bounds_for(f, dtype)
-    pair = getattr(b, "gradients", None)
-    if pair is None:
-        return b
-    accuracy, correctness = pair
+    accuracy, correctness = b.gradients
     return replace(b, accuracy=accuracy, correctness=correctness)
 
 
@@ -551,8 +548,7 @@ def backward_summary(settings: Settings, no_backward: dict[tuple[str, str], str]
         "floors": "floor_round: each float64 gradient rounded once to the dtype it is returned in; floor_cond: its "
                   "relative change with inputs and cotangents perturbed at fp32 roundoff (attnlab.gradients."
                   "gradient_floor)",
-        "bounds": ("the registry's gradient bounds (attnlab.registry.bounds_for, spec.Bounds.gradients)"
-                   if hasattr(Bounds, "gradients") else "the forward bounds (attnlab.registry.bounds_for)"),
+        "bounds": "the registry's gradient bounds (attnlab.registry.bounds_for, spec.Bounds.gradients)",
         "no_backward": [{"formulation": n, "impl": i, "why": why} for (n, i), why in no_backward.items()],
     }
 
