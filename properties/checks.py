@@ -54,7 +54,8 @@ from attnlab.registry import bounds_for, formulation
 from attnlab.spec import Bounds
 
 __all__ = [
-    "CheckResult", "HELD", "IMPRECISE", "FAILED", "VERDICTS", "IDENTITY_TOLERANCE", "bounds", "user_bound",
+    "CheckResult", "HELD", "IMPRECISE", "FAILED", "VERDICTS", "IDENTITY_TOLERANCE", "EXCESS_MEASURE", "GRADIENT_MEASURE",
+    "bounds", "user_bound",
     "set_user_bound", "grade", "worst_verdict",
     "check_matches_oracle", "check_overflow", "check_causality", "check_chunk_size_invariance",
     "check_split_and_resume", "check_convexity", "check_shift_invariance", "check_reduces_to_special_case",
@@ -62,6 +63,8 @@ __all__ = [
 ]
 
 IDENTITY_TOLERANCE = 1e-12
+# What an excess-graded check measures (CheckResult.measure), forward and backward.
+EXCESS_MEASURE = "excess = rel_err / floor"
 # The float64 reference: the chunkwise oracle (certified by mpmath in tests/test_oracles.py).
 ORACLE_CHUNK_SIZE = 64
 # The bound on |(I + L)^-1_ij| / (beta_i |k_i| |k_j|), with float64 slack.
@@ -246,7 +249,7 @@ def _judge(prop: str, target: Target, case: Case, dtype: torch.dtype, device: st
     bound, correctness = b.accuracy, b.correctness
     problem = _contract_problem(o, ref, dtype)
     if problem:
-        return CheckResult(prop, FAILED, math.inf, bound, "excess = rel_err / floor", target.label, case, dtype,
+        return CheckResult(prop, FAILED, math.inf, bound, EXCESS_MEASURE, target.label, case, dtype,
                            device, problem, correctness)
     m = measure(o, ref, dtype)
     if m.nonfinite == 0 and not m.excess <= bound:
@@ -258,7 +261,7 @@ def _judge(prop: str, target: Target, case: Case, dtype: torch.dtype, device: st
         detail += f"; the exact output is representable in {str(dtype).replace('torch.', '')}: off by up to {max_ulps(o, ref, dtype):.3g} ulps"
     if m.nonfinite:
         detail = "NaN or inf where the float64 oracle is finite; " + detail
-    return CheckResult(prop, graded, m.excess, bound, "excess = rel_err / floor", target.label, case, dtype, device,
+    return CheckResult(prop, graded, m.excess, bound, EXCESS_MEASURE, target.label, case, dtype, device,
                        detail, correctness)
 
 
@@ -460,7 +463,7 @@ def check_split_and_resume(target: Target, case: Case, dtype: torch.dtype, devic
                                f"(the output after the split depends on it); {note}")
     if not all(isinstance(o, torch.Tensor) for o in (o_head, o_tail)):
         return CheckResult("split_and_resume", FAILED, math.inf, bounds(target.formulation, dtype).accuracy,
-                           "excess = rel_err / floor",
+                           EXCESS_MEASURE,
                            target.label, case, dtype, device, "did not return (o, state) with return_state=True")
     result = _judge("split_and_resume", target, case, dtype, device, torch.cat([o_head, o_tail], dim=1), ref,
                     lambda: _conditioning_floor(case.name, reference, x), note)
@@ -952,6 +955,17 @@ def _gradient_failure(prop: str, target: Target, case: Case, dtype: torch.dtype,
     return None
 
 
+def _prepared(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, gradient: str,
+              mode: str) -> tuple[GradientRun, CheckResult | None]:
+    """The run of ``mode`` (:func:`gradient_run`), and the result to return at once, if any: failed when the run
+    raised or the gradient is missing or malformed, held when ``gradient`` is not an input of the case."""
+    run = gradient_run(target, case, dtype, device, mode)
+    early = _gradient_failure(prop, target, case, dtype, device, run, gradient)
+    if early is None and gradient not in run.reference:
+        early = _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    return run, early
+
+
 def _vacuous(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, why: str) -> CheckResult:
     return CheckResult(prop, HELD, 0.0, gradient_bounds(target.formulation, dtype)[0], GRADIENT_MEASURE, target.label,
                        case, dtype, device, why)
@@ -978,12 +992,9 @@ def check_backward_matches_oracle(target: Target, case: Case, dtype: torch.dtype
     """Gradient ``gradient`` against float64 autograd through the oracle (with a drawn initial state and a
     final-state cotangent when the target takes a state): excess within the gradient bounds, finite where it is."""
     prop = prop or f"backward_matches_oracle[{gradient}]"
-    run = gradient_run(target, case, dtype, device, "full")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
-    if gradient not in run.reference:
-        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "full")
+    if early is not None:
+        return early
     return _judge_gradient(prop, target, case, dtype, device, run, gradient, run.grads[gradient],
                            run.reference[gradient], lambda: run.floor(gradient))
 
@@ -992,12 +1003,9 @@ def check_backward_finite(target: Target, case: Case, dtype: torch.dtype, device
                           gradient: str = "dq") -> CheckResult:
     """Gradient ``gradient`` has no NaN or inf where the float64 gradient is finite."""
     prop = f"backward_finite[{gradient}]"
-    run = gradient_run(target, case, dtype, device, "full")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
-    if gradient not in run.reference:
-        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "full")
+    if early is not None:
+        return early
     count = nonfinite_count(run.grads[gradient], run.reference[gradient])
     return CheckResult(prop, exact(count == 0), float(count), 0.0, "non-finite entries where the oracle is finite",
                        target.label, case, dtype, device, f"{gradient}; {run.note}".rstrip("; "))
@@ -1022,10 +1030,9 @@ def check_backward_query_identity(target: Target, case: Case, dtype: torch.dtype
     f = formulation(case.name)
     if not f.is_linear_in_query(dict(case.options)):
         return _vacuous(prop, target, case, dtype, device, "o is not linear in q under these options")
-    run = gradient_run(target, case, dtype, device, "full")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "full")
+    if early is not None:
+        return early
     query = f.args_with_role("query")[0].name
     q, dq, o = run.inputs[query], run.grads[gradient], run.o
     residual = abs(_dot(q, dq) - _dot(o, run.do))
@@ -1053,10 +1060,9 @@ def check_backward_shift_identity(target: Target, case: Case, dtype: torch.dtype
     ``u sqrt(T) |dk|`` (one rounding of dk), graded by the gradient bounds."""
     prop = f"backward_shift_identity[{gradient}]"
     f = formulation(case.name)
-    run = gradient_run(target, case, dtype, device, "plain")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "plain")
+    if early is not None:
+        return early
     axis = traits.time_axes(f.arg(gradient[1:]))[0]
     dk = run.grads[gradient].detach().double().cpu()
     residual = float(dk.sum(dim=axis).norm()) if bool(torch.isfinite(dk).all()) else math.inf
@@ -1080,12 +1086,9 @@ def check_backward_causality(target: Target, case: Case, dtype: torch.dtype, dev
     prop = f"backward_causality[{gradient}]"
     assert case.cut is not None, "backward causality needs a case with a cut"
     f = formulation(case.name)
-    run = gradient_run(target, case, dtype, device, "causal")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
-    if gradient not in run.reference:
-        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "causal")
+    if early is not None:
+        return early
     g = run.grads[gradient]
     axes = traits.time_axes(f.arg(gradient[1:]))
     prefix = g
@@ -1111,12 +1114,9 @@ def check_backward_split_and_resume(target: Target, case: Case, dtype: torch.dty
     rounded once to its dtype: its floor is at least ``u (|g_head| + |g_tail|) / |g|``."""
     prop = f"backward_split_and_resume[{gradient}]"
     assert case.cut is not None, "split_and_resume needs a case with a cut"
-    run = gradient_run(target, case, dtype, device, "split")
-    failure = _gradient_failure(prop, target, case, dtype, device, run, gradient)
-    if failure is not None:
-        return failure
-    if gradient not in run.reference:
-        return _vacuous(prop, target, case, dtype, device, f"{gradient[1:]} is not an input of this case")
+    run, early = _prepared(prop, target, case, dtype, device, gradient, "split")
+    if early is not None:
+        return early
     mine, floor, note = run.grads[gradient], (lambda: run.floor(gradient)), ""
     if isinstance(mine, tuple):  # an input of both calls: the sum of their gradients, each rounded once
         parts = [p.detach().double().cpu() for p in mine]

@@ -29,9 +29,6 @@ def test_selftest_catches_every_specimen_and_flags_no_correct_kernel() -> None:
     failures = [f"{row.label} {row.job.dtype}: " + "; ".join(f.message.splitlines()[0] for f in row.caught_by + row.errors)
                 for row in rows if not row.passed]
     assert not failures, table + "\n\n" + "\n".join(failures)
-    from attnlab.properties.checks import GRADIENT_MEASURE
-
-    assert selftest.GRADIENT_EXCESS == GRADIENT_MEASURE
     assert "float16 gradients: smallest defect" in table  # the backward specimens' excess, below the forward's lines
 
 

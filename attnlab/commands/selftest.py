@@ -41,6 +41,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from attnlab.commands.report import dtypes_arg, formulations_arg
 from attnlab.evaluate import parse_dtype
+from attnlab.properties.checks import EXCESS_MEASURE, GRADIENT_MEASURE
 from attnlab.properties.strategies import Sizes
 
 __all__ = ["add_parser", "run_selftest", "Row", "SELFTEST_SIZES", "DEFAULT_EXAMPLES", "suite_passes"]
@@ -251,10 +252,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-EXCESS = "excess = rel_err / floor"
-GRADIENT_EXCESS = "gradient excess = rel_err / floor"  # attnlab.properties.checks.GRADIENT_MEASURE
 # The excess measures whose extremes are shown, each with the suffix of its line's label.
-EXTREME_MEASURES = {EXCESS: "", GRADIENT_EXCESS: " gradients"}
+EXTREME_MEASURES = {EXCESS_MEASURE: "", GRADIENT_MEASURE: " gradients"}
 
 
 def _figure(f: Finding) -> str:
