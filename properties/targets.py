@@ -81,26 +81,35 @@ class Target:
         return as_formulation(self.formulation)
 
 
-# The tiny inputs the differentiability probe calls a target on.
-PROBE_SIZES = dict(B=1, T=3, H=1, K=4, V=4)
+# The inputs the differentiability probe calls a target on: tiny first, then head dims a tiled kernel accepts.
+PROBE_SIZES = (dict(B=1, T=3, H=1, K=4, V=4), dict(B=1, T=16, H=1, K=16, V=16), dict(B=1, T=64, H=2, K=64, V=64))
+# What the probe last found for a target's label when no probe input ran: the error, for a usage message.
+PROBE_NOTES: dict[str, str] = {}
 
 
 def probe_differentiable(target: Target) -> bool:
-    """Call ``target`` once on tiny inputs that require grad (float32, on the GPU when there is one, else the CPU;
-    then bfloat16); differentiable when the output it returns requires grad. A target that raises is not."""
+    """Call ``target`` on small inputs that require grad (float32, bfloat16, float16; on the GPU when there is one,
+    else the CPU; tiny shapes first); differentiable when the output of the first call that runs requires grad. A
+    target that raises on every probe is not (:data:`PROBE_NOTES` keeps its last error)."""
     f = target.entry
-    x = f.sample(**PROBE_SIZES, seed=0)
     devices = ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",)
-    for device in devices:
-        for dtype in (torch.float32, torch.bfloat16):
-            inputs = {n: t.to(device=device, dtype=dtype).requires_grad_(f.arg(n).differentiable) for n, t in x.items()}
-            try:
-                with torch.enable_grad():
-                    out = target(**inputs)
-            except Exception:  # noqa: BLE001 - a target that cannot run here is not probed further
-                continue
-            o = out[0] if isinstance(out, (tuple, list)) else out
-            return isinstance(o, torch.Tensor) and o.requires_grad
+    last = ""
+    for sizes in PROBE_SIZES:
+        x = f.sample(**sizes, seed=0)
+        for device in devices:
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                inputs = {n: t.to(device=device, dtype=dtype).requires_grad_(f.arg(n).differentiable)
+                          for n, t in x.items()}
+                try:
+                    with torch.enable_grad():
+                        out = target(**inputs)
+                except Exception as error:  # noqa: BLE001 - a target that cannot run here is probed further
+                    last = f"{type(error).__name__}: {error}"
+                    continue
+                o = out[0] if isinstance(out, (tuple, list)) else out
+                PROBE_NOTES.pop(target.label, None)
+                return isinstance(o, torch.Tensor) and o.requires_grad
+    PROBE_NOTES[target.label] = f"it raised on every probe input ({last})"
     return False
 
 

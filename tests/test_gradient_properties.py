@@ -224,6 +224,21 @@ def test_a_target_is_differentiable_when_its_output_requires_grad(kernels: Any) 
     target = function_target(counted, "gla", "counted")
     assert target.differentiable and target.differentiable and len(calls) == 1  # probed once
 
+    def tiled(q, k, v, g, scale=None):  # noqa: ANN001, ANN202 - like a Triton kernel that wants K >= 16
+        if q.shape[-1] < 16:
+            raise ValueError("K must be at least 16")
+        return kernels.good(q, k, v, g, scale)
+
+    assert function_target(tiled, "gla", "tiled").differentiable  # the probe tries larger head dims
+
+    def broken(**x: Any) -> Any:
+        raise RuntimeError("no kernel image")
+
+    assert not function_target(broken, "gla", "broken").differentiable
+    from attnlab.properties.targets import PROBE_NOTES
+
+    assert "raised on every probe input (RuntimeError: no kernel image)" in PROBE_NOTES["broken"]
+
 
 def test_the_suite_adds_one_backward_property_per_check_and_gradient(kernels: Any) -> None:
     good = function_target(kernels.good, "gla", "good")

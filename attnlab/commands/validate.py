@@ -698,9 +698,11 @@ def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | Non
     if passes is None:
         passes = ["forward", "backward"] if target.differentiable else ["forward"]
     elif "backward" in passes and not target.differentiable:
-        raise UsageError(f"--passes backward: {kernel_spec} is not differentiable (called on inputs that require "
-                         "grad, its output does not require grad), so it has no backward to judge; use --passes "
-                         "forward")
+        from attnlab.properties.targets import PROBE_NOTES
+
+        why = PROBE_NOTES.get(target.label, "called on inputs that require grad, its output does not require grad")
+        raise UsageError(f"--passes backward: {kernel_spec} is not differentiable ({why}), so it has no backward to "
+                         "judge; use --passes forward")
     validation.passes = list(passes)
     say(f"passes: {', '.join(passes)} (the kernel is {'' if target.differentiable else 'not '}differentiable)")
     plan = [(dtype, strategy, prop) for dtype in dtypes for strategy in strategies
