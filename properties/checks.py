@@ -1053,10 +1053,20 @@ def check_backward_query_identity(target: Target, case: Case, dtype: torch.dtype
                        "|<q, dq> - <o, do>| / rounding floor", target.label, case, dtype, device, detail, correctness)
 
 
+def keys_shift_invariant(f: Any, name: str) -> bool:
+    """Whether adding one constant to every key ``name`` of ``f`` (every position) leaves ``o`` unchanged, so that
+    the sum over positions of its gradient is zero: the entry's ``shift_invariant`` arguments (RWKV-4, AFT: the
+    constant multiplies every weight of a normalized average), and the key of bilinear logits (softmax: one vector
+    added to every key adds ``scale q_t.a`` to every logit of row t, which the row's normalization cancels)."""
+    f = formulation(f) if isinstance(f, str) else f
+    keys = [a.name for a in f.args_with_role("key")]
+    return name in f.shift_invariant or (f.bilinear_logits and name in keys)
+
+
 def check_backward_shift_identity(target: Target, case: Case, dtype: torch.dtype, device: str = "cpu",
                                   gradient: str = "dk") -> CheckResult:
     """The sum over positions of ``dk`` is zero where one constant added to every key changes nothing
-    (Formulation.shift_invariant: RWKV-4, AFT); no initial state. Figure: ``|sum_t dk_t|`` over
+    (:func:`keys_shift_invariant`: RWKV-4, AFT, softmax per batch and head); no initial state. Figure: ``|sum_t dk_t|`` over
     ``u sqrt(T) |dk|`` (one rounding of dk), graded by the gradient bounds."""
     prop = f"backward_shift_identity[{gradient}]"
     f = formulation(case.name)
@@ -1171,7 +1181,7 @@ BACKWARD_CHECKS = {
     "backward_chunk_size_invariance": check_backward_chunk_size_invariance,
     "backward_split_and_resume": check_backward_split_and_resume,
 }
-__all__ += ["BACKWARD_RAISED", "BACKWARD_CHECKS", "GradientRun", "gradient_run", "gradient_names", "gradient_bounds",
+__all__ += ["keys_shift_invariant", "BACKWARD_RAISED", "BACKWARD_CHECKS", "GradientRun", "gradient_run", "gradient_names", "gradient_bounds",
             "check_backward_matches_oracle", "check_backward_finite", "check_backward_query_identity",
             "check_backward_shift_identity", "check_backward_causality", "check_backward_split_and_resume",
             "check_backward_chunk_size_invariance"]

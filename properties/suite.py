@@ -112,7 +112,7 @@ BACKWARD_KINDS: tuple[tuple[str, str, Callable[[Target, str], bool], CaseStrateg
      lambda t, g: t.entry.linear_in_query_when is not None and g == "d" + t.entry.args_with_role("query")[0].name,
      lambda t, d, s: cases(t.formulation, d, s, options=t.entry.linear_in_query_when or ())),
     ("backward_shift_identity", "the sum over positions of dk is zero (shift invariance)",
-     lambda t, g: g[1:] in t.entry.shift_invariant, lambda t, d, s: cases(t.formulation, d, s)),
+     lambda t, g: checks.keys_shift_invariant(t.entry, g[1:]), lambda t, d, s: cases(t.formulation, d, s)),
     ("backward_causality", "with do zero from c on, every gradient at positions >= c exactly zero; before c, the "
      "prefix run's", lambda t, g: g != checks.STATE_GRADIENT,
      lambda t, d, s: cases(t.formulation, d, s, with_cut=True, causal=True)),

@@ -252,7 +252,8 @@ def test_the_suite_adds_one_backward_property_per_check_and_gradient(kernels: An
     assert "backward_causality[dinitial_state]" not in backward
     assert not suite.applicable(function_target(kernels.forward_only, "gla", "f"), ("backward",))
     assert "backward_shift_identity[dk]" in [p.name for p in suite.applicable(rounded_oracle_target("rwkv4"), ("backward",))]
-    assert not any("query_identity" in p.name for p in suite.applicable(rounded_oracle_target("softmax"), ("backward",)))
+    softmax = [p.name for p in suite.applicable(rounded_oracle_target("softmax"), ("backward",))]
+    assert not any("query_identity" in n for n in softmax) and "backward_shift_identity[dk]" in softmax
     with pytest.raises(ValueError, match="passes must be among forward, backward"):
         suite.applicable(good, ("sideways",))
 
@@ -307,8 +308,9 @@ def test_a_backward_that_raises_or_gives_a_bad_gradient_is_failed_with_its_messa
     assert not_differentiable.failed and "does not require grad" in not_differentiable.detail
 
 
-def test_the_shift_identity_catches_a_dk_that_does_not_sum_to_zero() -> None:
-    ideal = rounded_oracle_target("rwkv4")
+@pytest.mark.parametrize("name", [f.name for f in REGISTRY if any(checks.keys_shift_invariant(f, a.name) for a in f.args)])
+def test_the_shift_identity_catches_a_dk_that_does_not_sum_to_zero(name: str) -> None:
+    ideal = rounded_oracle_target(name)
 
     class ShiftedDk(torch.autograd.Function):
         @staticmethod
@@ -319,8 +321,8 @@ def test_the_shift_identity_catches_a_dk_that_does_not_sum_to_zero() -> None:
         def backward(ctx: Any, dk: torch.Tensor) -> torch.Tensor:
             return dk + 0.05 * dk.abs().max()
 
-    broken = Target("rwkv4 dk shifted", "rwkv4", lambda **x: ideal(**{**x, "k": ShiftedDk.apply(x["k"])}), False)
-    case = Case(name="rwkv4", seed=2, **SMALL)
+    broken = Target(f"{name} dk shifted", name, lambda **x: ideal(**{**x, "k": ShiftedDk.apply(x["k"])}), False)
+    case = Case(name=name, seed=2, **SMALL)
     assert checks.check_backward_shift_identity(ideal, case, torch.float16, gradient="dk").held
     result = checks.check_backward_shift_identity(broken, case, torch.float16, gradient="dk")
     assert result.failed and "sum_t dk_t" in result.measure
