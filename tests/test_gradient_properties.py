@@ -375,6 +375,9 @@ def test_validate_holds_a_correct_backward_with_one_row_per_gradient(kernels: An
     assert not any(" FAILED " in line for line in table.values())
     data = json.loads((out / "report.json").read_text())
     assert data["passes"] == ["forward", "backward"] and data["differentiable"] is True
+    rows_of = {(r["pass"], r["property"], r["gradient"]) for r in data["verdicts"]}
+    assert ("forward", "matches_oracle", None) in rows_of
+    assert ("backward", "backward_matches_oracle[dg]", "dg") in rows_of
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])

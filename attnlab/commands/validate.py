@@ -383,6 +383,15 @@ class Verdict:
         return self.status == "held"
 
     @property
+    def gradient(self) -> str | None:
+        """The gradient a backward property's row is about (``dq`` of ``backward_matches_oracle[dq]``), else None."""
+        return self.property.partition("[")[2].rstrip("]") or None
+
+    @property
+    def pass_name(self) -> str:
+        return "backward" if self.property.startswith("backward_") else "forward"
+
+    @property
     def failed(self) -> bool:
         """Failed, refused (the backward raised), broke the harness or was not run: what makes ``attnlab validate``
         exit 1 whatever --strict says."""
@@ -914,7 +923,8 @@ def write_outputs(v: Validation, out: Path) -> dict[str, Path]:
         "device": {"type": v.device, "name": device_name(v.device)},
         "dtypes": v.dtypes, "strategies": v.strategies, "examples": v.examples, "sizes": v.sizes,
         "env": environment(), "versions": all_versions(v.kernel), "command": v.command, "seconds": v.seconds,
-        "verdicts": [{**asdict(x), "held": x.held, "figure_text": x.figure_text()} for x in v.verdicts],
+        "verdicts": [{**asdict(x), "held": x.held, "figure_text": x.figure_text(), "pass": x.pass_name,
+                      "gradient": x.gradient} for x in v.verdicts],
         "repro": v.repro,
         "curve": {**v.curve_settings, "rows": v.curve},
     }
