@@ -449,3 +449,23 @@ def test_the_plugin_judges_a_backward_as_a_user_meets_it(kernels: Any) -> None:
     assert "1 failed, 1 passed" in broken.stdout
     usage = _plugin(kernels.folder, "--attnlab-kernel", "gradkernels:forward_only", "--attnlab-passes", "backward")
     assert usage.returncode == 4 and "is not differentiable" in usage.stderr
+
+
+def test_an_argument_the_kernel_derives_gets_no_gradient_row() -> None:
+    """fla's chunk_retention computes retnet's g itself: validate judges dq, dk, dv and the state's gradient only."""
+    from attnlab.commands.validate import properties_for
+
+    def retention(q, k, v, scale=None, initial_state=None, output_final_state=False):  # noqa: ANN001, ANN202
+        g = formulation("retnet").sample(H=q.shape[2], K=1, V=1, T=1)["g"]
+        o, state = attnlab.oracle("retnet", "recurrent", "float32")(
+            q=q.float(), k=k.float(), v=v.float(), g=g.float(), scale=scale,
+            initial_state=None if initial_state is None else initial_state.float(), return_state=True)
+        return o.to(q.dtype), (state if output_final_state else None)
+
+    convention = FLA["retnet"]["chunk_retention"]
+    target = make_target(retention, "retnet", "fla-style retention", convention)
+    names = [p.name for p in properties_for(target, convention, "default", None, ("backward",))]
+    assert "backward_matches_oracle[dq]" in names and not any("[dg]" in n for n in names)
+    case = Case(name="retnet", seed=1, **SMALL)
+    for gradient in ("dq", "dk", "dinitial_state"):
+        assert checks.check_backward_matches_oracle(target, case, torch.float32, gradient=gradient).held

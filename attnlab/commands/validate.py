@@ -553,6 +553,9 @@ def properties_for(target: Any, convention: Convention, strategy: str, only: Seq
             continue
         if prop.name == "reduces_to_special_case" and convention.derived:
             continue  # the special case sets an argument this kernel computes itself
+        gradient = prop.name.partition("[")[2].rstrip("]")
+        if gradient and gradient[1:] in convention.derived:
+            continue  # no gradient for an argument the kernel computes itself (fla's chunk_retention's g)
         if only and prop.name not in only and suite.base_name(prop.name) not in only:
             continue
         chosen.append(prop)
