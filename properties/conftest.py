@@ -25,7 +25,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         for target in session.targets:
             for dtype in session.dtypes:
                 for prop in suite.applicable(target, session.selection.passes_or_default):
-                    if long_only and prop.name not in LONG_SEQUENCE_PROPERTIES:
+                    if long_only and suite.base_name(prop.name) not in LONG_SEQUENCE_PROPERTIES:
                         continue
                     marks = () if dtype in target.dtypes else (
                         pytest.mark.skip(reason=f"{target.label} cannot run {_dtype_id(dtype)} here (Triton interpreter)"),)

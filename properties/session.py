@@ -80,4 +80,4 @@ def session_of(config: pytest.Config) -> Session:
 
 
 # The properties whose failures grow with the sequence: the ones the long-sequence GPU test runs.
-LONG_SEQUENCE_PROPERTIES = ("matches_oracle", "overflow", "split_and_resume")
+LONG_SEQUENCE_PROPERTIES = ("matches_oracle", "overflow", "split_and_resume", "backward_matches_oracle")
