@@ -372,3 +372,18 @@ def test_fla_linear_attn_convention_carries_s_or_s_and_z(normalize: bool) -> Non
     _, state = target(**case.call(torch.float32, "cpu"), return_state=True)
     assert state[0].shape == (2, 2, 8, 8)
     assert (state[1] is None) != normalize and (not normalize or state[1].shape == (2, 2, 8))
+
+
+def test_convention_peer_calls_a_registered_peer_as_the_registry_declares():
+    """torch's SDPA (math backend) in its own head-first convention, from the softmax entry's peers."""
+    code, out, _ = run("--kernel", "attnlab.third_party:sdpa_math", "--formulation", "softmax", "--convention", "peer",
+                       "--dtype", "float32", "--device", "cpu", "--examples", "2", "--no-progress", "--no-compare",
+                       "--lengths", "8")
+    assert code == EXIT_HELD, out
+    assert "convention torch:sdpa" in out and "backward_matches_oracle[dq]" in out
+
+
+def test_convention_peer_refuses_a_function_the_registry_does_not_list():
+    code, _, err = run("--kernel", "attnlab.third_party:sdpa_math", "--formulation", "gla", "--convention", "peer",
+                       *FAST)
+    assert code == EXIT_USAGE and "not a peer of gla" in err and "fla.ops:chunk_gla" in err

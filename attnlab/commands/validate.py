@@ -8,7 +8,9 @@ The kernel (``MODULE:FUNCTION``, MODULE importable or a path to a ``.py``
 file) is called in its own convention, translated by an adapter
 (attnlab.conventions): ``attnlab`` (FORMULATIONS.md keywords, the plugin's
 convention), ``fla`` (flash-linear-attention 0.6.0's convention of the fla
-function of that name, or of ``--fla-op``, or the one its signature fits) or
+function of that name, or of ``--fla-op``, or the one its signature fits),
+``peer`` (the convention the registry declares for that function among the
+formulation's peers: torch's SDPA backends in attnlab.third_party, say) or
 ``auto`` (tried on small inputs against the oracle: gates log or linear,
 scale passed, ``K**-0.5`` or 1, returns, keywords or FORMULATIONS.md's
 positional order, state ``[K, V]`` or ``[V, K]``, the final-state flag; the
@@ -95,7 +97,7 @@ __all__ = ["EXIT_HELD", "EXIT_FAILED", "EXIT_USAGE", "STRATEGIES", "UsageError",
 
 EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 STRATEGIES = ("default", "adversarial")
-CONVENTIONS = ("attnlab", "fla", "auto")
+CONVENTIONS = ("attnlab", "fla", "peer", "auto")
 # Examples per (strategy, dtype, property) when --examples is not given, by --profile (the plugin's profiles).
 PROFILE_EXAMPLES = {"ci": 25, "dev": 50, "gpu": 200, "thorough": 2000}
 # --convention auto: the inputs candidates are tried on (K != V, so a transposed state cannot pass), and the
@@ -187,6 +189,17 @@ def choose_fla_convention(name: str, kernel: Callable[..., Any], function: str, 
         return fitting[0]
     raise UsageError(f"cannot tell which of fla's {name} kernels {function} is called like; "
                      f"pass --fla-op with one of {', '.join(table)}")
+
+
+def peer_convention(name: str, kernel_spec: str) -> Convention:
+    """``--convention peer``: the calling convention the registry declares for ``kernel_spec`` among ``name``'s
+    peers (``Formulation.peers``: torch's SDPA backends and FlexAttention, fla's kernels)."""
+    f = formulation(name)
+    for peer in f.peers:
+        if peer.function == kernel_spec:
+            return peer.convention
+    known = ", ".join(p.function for p in f.peers) or "none"
+    raise UsageError(f"--convention peer: {kernel_spec} is not a peer of {name} in the registry; its peers: {known}")
 
 
 def _returns_state(kernel: Callable[..., Any], convention: Convention) -> bool:
@@ -689,6 +702,8 @@ def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | Non
         chosen: Convention | None = ATTNLAB
     elif convention == "fla":
         chosen = choose_fla_convention(name, kernel, function, fla_op)
+    elif convention == "peer":
+        chosen = peer_convention(name, kernel_spec)
     elif convention == "auto":
         found = detect_convention(kernel, name, dtypes[0], device)
         validation.detection = {"errors": {k: _finite(v) for k, v in found.errors.items()},
@@ -1011,7 +1026,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="an fla 0.6.0 kernel name: alone, validates fla.ops's OP in fla's convention; with "
                              "--kernel and --convention fla, says whose fla convention the kernel follows")
     parser.add_argument("--convention", choices=CONVENTIONS, default=None,
-                        help="how the kernel is called (default attnlab; fla with --fla-op alone)")
+                        help="how the kernel is called (default attnlab; fla with --fla-op alone; peer: the "
+                             "convention the registry declares for this MODULE:FUNCTION among the formulation's peers)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when present")
     parser.add_argument("--dtype", default=None,
                         help="comma-separated, from float16, bfloat16, float32 (default: float16,float32 on the CPU, "
