@@ -309,3 +309,24 @@ def test_a_run_records_each_jobs_status_from_its_report_else_its_exit_code(tmp_p
                         "chunk_kda": "failed", "fused_recurrent_rwkv4": "error"}
     assert summary["strict"] is True and json.loads((tmp_path / "campaign.json").read_text())["strict"] is True
     assert "5 jobs: 1 held, 1 imprecise, 2 failed, 1 error" in capsys.readouterr().out
+
+
+def test_a_refused_backward_renders_refused_with_the_kernels_message_and_exits_1(tmp_path: Path) -> None:
+    """fla's gated ops refuse their backward on Hopper with older Triton: a finding, rendered, never a crash."""
+    folder = tmp_path / "campaign-fla"
+    message = "chunk_gla's backward is disabled on this GPU"
+    data = report("gla", "fla.ops:chunk_gla", [
+        verdict("default", "matches_oracle", "held", 1.2, 1.5, "Case(name='gla', seed=0, B=1, T=1, H=1, K=1, V=1)"),
+        verdict("default", "backward_matches_oracle[dq]", "refused", None, 1.5, detail=message,
+                measure="the kernel's backward raised")], excess=1.4, graded="failed")
+    (folder / "gla.chunk_gla-bfloat16").mkdir(parents=True)
+    (folder / "gla.chunk_gla-bfloat16" / "report.json").write_text(json.dumps(data))
+    (folder / "campaign.json").write_text(json.dumps({
+        "target": "fla", "version": "0.6.0", "command": "attnlab campaign fla", "budget_s": 400.0, "jobs": 1,
+        "examples": 6, "lengths": "64", "curve_shape": "1,2,64,64", "started": "2026-11-25T10:00:00+0000",
+        "records": [{"formulation": "gla", "op": "chunk_gla", "dtype": "bfloat16", "folder": "gla.chunk_gla-bfloat16",
+                     "status": "failed", "rc": 1}]}))
+    code, stdout, stderr = run("--render", str(folder))
+    assert code == 1, stdout + stderr
+    text = (folder / "campaign.md").read_text()
+    assert "1 held, 1 refused (backward)" in text and "**REFUSED**" in text and message in text

@@ -292,6 +292,8 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
     detail, measure = v.get("detail") or "", v.get("measure") or ""
     if v["status"] == "error":
         return "error", "the check could not run (attnlab's side): " + detail.splitlines()[0][:200] if detail else "the check could not run"
+    if v["status"] == "refused":
+        return "limitation", "the kernel refuses its backward: " + (detail.splitlines()[0][:200] if detail else "it raised")
     if "raised" in measure:
         return "bug", "the kernel raised on a valid input"
     if measure == "state parts carried":
@@ -393,6 +395,7 @@ def _runs_cell(verdicts: list[dict[str, Any]]) -> str:
     count = lambda *statuses: sum(v["status"] in statuses for v in verdicts)  # noqa: E731
     parts = [f"{count(HELD)} held" if count(HELD) else "", _imprecise_text(verdicts) if count(IMPRECISE) else "",
              f"{count(FAILED, 'error')} failed" if count(FAILED, "error") else "",
+             f"{count('refused')} refused (backward)" if count("refused") else "",
              f"{count('skipped', 'not run')} not run" if count("skipped", "not run") else ""]
     return ", ".join(p for p in parts if p)
 
@@ -445,7 +448,7 @@ def render(target: Target, results: Path, destination: Path, strict: bool = Fals
             continue
         verdicts = rep["verdicts"]
         rows = rep["curve"].get("rows", [])
-        failed = sorted({v["property"] for v in verdicts if v["status"] == FAILED})
+        failed = sorted({v["property"] for v in verdicts if v["status"] in (FAILED, "refused")})
         imprecise = sorted({v["property"] for v in verdicts if v["status"] == IMPRECISE})
         own = sorted({x["impl"] for x in rows if x["impl"].startswith("attnlab:")})
         properties = "; ".join(part for part in (", ".join(failed), f"imprecise: {', '.join(imprecise)}" if imprecise else "",
@@ -486,7 +489,7 @@ def render(target: Target, results: Path, destination: Path, strict: bool = Fals
         if verdicts:
             lines += ["### Properties", "", *_md_table(
                 ["strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "input"],
-                [[v["strategy"], v["dtype"], v["property"], {"held": "held", "imprecise": "imprecise", "failed": "**FAILED**",
+                [[v["strategy"], v["dtype"], v["property"], {"held": "held", "imprecise": "imprecise", "failed": "**FAILED**", "refused": "**REFUSED**",
                   "error": "ERROR", "skipped": "not run"}[v["status"]], str(v["examples"]), v["figure_text"],
                   f"`{v['case']}`" if v["case"] else v["detail"][:120]]
                  for _, v in verdicts]), ""]
@@ -497,7 +500,7 @@ def render(target: Target, results: Path, destination: Path, strict: bool = Fals
             lines += [f"- **{v['property']}** ({v['strategy']}, {v['dtype']}): {v['figure_text']}"
                       + (f"; worst input `{v['case']}`" if v.get("case") else "") + "." for v in imprecise]
             lines.append("")
-        failures = [(rep, v) for rep, v in verdicts if v["status"] in ("failed", "error")]
+        failures = [(rep, v) for rep, v in verdicts if v["status"] in ("failed", "refused", "error")]
         if failures:
             lines += ["### Failures", ""]
             for rep, v in failures:
