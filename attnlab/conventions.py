@@ -25,7 +25,7 @@ import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -35,7 +35,9 @@ from attnlab.registry import REGISTRY
 from attnlab.spec import Convention, Formulation, Peer
 
 __all__ = ["Convention", "ATTNLAB", "Adapted", "BoundCall", "adapt", "peer_adapter", "load_function", "fixed_scale",
-           "FLA", "FLA_NUMERICS_ENV", "fla_convention", "candidates", "Detection", "detect"]
+           "FLA", "FLA_NUMERICS_ENV", "fla_convention", "candidates", "Detection", "detect", "ConventionError",
+           "CONVENTION_CHOICES", "DETECT_SIZES", "DETECT_TOLERANCE", "choose_fla_convention", "peer_convention",
+           "detect_convention", "describe_detection", "detection_caveat", "choose_convention"]
 
 # Environment variables that change flash-linear-attention's numerics; reports record them.
 FLA_NUMERICS_ENV = ("FLA_DISABLE_BACKEND_DISPATCH", "FLA_TRIL_PRECISION", "FLA_USE_FAST_OPS")
@@ -321,9 +323,11 @@ class Detection:
 
     convention: Convention | None
     errors: dict[str, float]  # candidate name -> relative error against the oracle (inf when it raised)
+    raised: dict[str, str] = field(default_factory=dict)  # candidate name -> what it raised (when it did)
 
 
-def _error(kernel: Callable[..., Any], convention: Convention, f: Formulation, inputs: Mapping[str, Any]) -> float:
+def _error(kernel: Callable[..., Any], convention: Convention, f: Formulation, inputs: Mapping[str, Any],
+           raised: dict[str, str] | None = None) -> float:
     from attnlab.metrics import rel_err
     from attnlab.oracle import oracle
 
@@ -334,8 +338,14 @@ def _error(kernel: Callable[..., Any], convention: Convention, f: Formulation, i
     try:
         adapted = adapt(kernel, convention, f)
         o = adapted(**inputs)  # with an initial state, only the output is compared: the final state comes later
-        return rel_err(o, reference(**inputs)) if isinstance(o, torch.Tensor) else math.inf
-    except Exception:
+        if not isinstance(o, torch.Tensor):
+            if raised is not None:
+                raised[convention.name] = f"returned {type(o).__name__}, not a tensor"
+            return math.inf
+        return rel_err(o, reference(**inputs))
+    except Exception as error:  # noqa: BLE001 - a candidate that does not fit the kernel: recorded, not raised
+        if raised is not None:
+            raised[convention.name] = f"{type(error).__name__}: {error}"
         return math.inf
 
 
@@ -353,18 +363,19 @@ def detect(kernel: Callable[..., Any], name: str | Formulation, inputs: Mapping[
     """
     f = as_formulation(name)
     errors: dict[str, float] = {}
+    raised: dict[str, str] = {}
     for convention in candidates(f):
-        errors[convention.name] = _error(kernel, convention, f, inputs)
+        errors[convention.name] = _error(kernel, convention, f, inputs, raised)
         if errors[convention.name] <= tolerance:
             break
     else:
-        return Detection(None, errors)
+        return Detection(None, errors, raised)
     if f.state is None or not any({"K", "V"} <= set(dims) for _, dims in f.state.parts):
-        return Detection(convention, errors)  # no [K, V] matrix in the state: no layout to find
+        return Detection(convention, errors, raised)  # no [K, V] matrix in the state: no layout to find
     keyword = next((k for k in STATE_KEYWORDS if _named_parameter(kernel, k)), convention.state_keyword)
     convention = replace(convention, state_keyword=keyword)
     if not adapt(kernel, convention, f).supports_state:
-        return Detection(convention, errors)
+        return Detection(convention, errors, raised)
     dims = _state_dims(f, inputs)
     device = next(t.device for t in inputs.values() if isinstance(t, torch.Tensor))
     generator = torch.Generator().manual_seed(0)
@@ -372,10 +383,11 @@ def detect(kernel: Callable[..., Any], name: str | Formulation, inputs: Mapping[
                   for shape in f.state.shapes(dims))
     for layout in ("KV", "VK"):
         with_layout = replace(convention, name=f"{convention.name[:-1]}, state={layout})", state=layout)
-        errors[with_layout.name] = _error(kernel, with_layout, f, {**inputs, "initial_state": f.state.join(state)})
+        errors[with_layout.name] = _error(kernel, with_layout, f, {**inputs, "initial_state": f.state.join(state)},
+                                          raised)
         if errors[with_layout.name] <= tolerance:
-            return Detection(_final_state_flag(kernel, with_layout, f, inputs, tolerance, errors), errors)
-    return Detection(None, errors)
+            return Detection(_final_state_flag(kernel, with_layout, f, inputs, tolerance, errors), errors, raised)
+    return Detection(None, errors, raised)
 
 
 # Names a kernel may give its initial state, tried in this order among its named parameters.
@@ -441,3 +453,149 @@ def _parameters(kernel: Callable[..., Any]) -> list[inspect.Parameter]:
 
 def _named(kernel: Callable[..., Any], keyword: str) -> bool:
     return any(p.name == keyword for p in _parameters(kernel))
+
+
+# ----------------------------------------------------------------------------- choosing a kernel's convention
+# Shared by ``attnlab validate --convention`` and the pytest plugin's ``--attnlab-convention``.
+
+
+class ConventionError(ValueError):
+    """A convention that cannot be chosen as asked (unknown fla kernel, not a registry peer, ambiguous): a usage
+    error of the command or the plugin that asked."""
+
+
+CONVENTION_CHOICES = ("attnlab", "fla", "peer", "auto")
+# ``auto``: the inputs candidates are tried on (K != V, so a transposed state cannot pass), and the relative error
+# against the oracle under which a candidate matches (a wrong convention is off by O(1)).
+DETECT_SIZES = dict(B=1, T=20, H=2, K=8, V=6)
+DETECT_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
+
+
+def _parameter_names(kernel: Callable[..., Any]) -> set[str] | None:
+    """The keywords ``kernel`` accepts; None when it takes any (``**kwargs``) or has no signature."""
+    try:
+        parameters = inspect.signature(kernel).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name for p in parameters}
+
+
+def _same_convention(a: Convention, b: Convention) -> bool:
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(Convention) if f.name != "name")
+
+
+def choose_fla_convention(name: str, kernel: Callable[..., Any], function: str, fla_op: str | None) -> Convention:
+    """The fla 0.6.0 convention a kernel follows: ``fla_op``'s (``--fla-op``), else that of the fla function of the
+    same name, else the one whose keywords the kernel's signature takes (the one passing the most arguments)."""
+    table = FLA.get(name)
+    if not table:
+        known = ", ".join(f"{n} ({', '.join(t)})" for n, t in FLA.items())
+        raise ConventionError(f"fla 0.6.0 has no kernel of {name}; --convention fla knows: {known}")
+    if fla_op is not None:
+        if fla_op not in table:
+            raise ConventionError(f"--fla-op {fla_op!r}: fla's kernels of {name} are {', '.join(table)}")
+        return table[fla_op]
+    if function in table:
+        return table[function]
+    f = as_formulation(name)
+    accepted = _parameter_names(kernel)
+
+    def passed(c: Convention) -> list[str]:
+        return [c.names.get(a.name, a.name) for a in f.args
+                if a.name not in c.derived and a.name not in c.positional and not a.optional]
+
+    fitting = [c for c in table.values() if accepted is None or all(k in accepted for k in passed(c))]
+    if fitting:
+        most = max(len(passed(c)) for c in fitting)
+        fitting = [c for c in fitting if len(passed(c)) == most]
+    if fitting and all(_same_convention(fitting[0], c) for c in fitting):
+        return fitting[0]
+    raise ConventionError(f"cannot tell which of fla's {name} kernels {function} is called like; "
+                          f"pass --fla-op with one of {', '.join(table)}")
+
+
+def peer_convention(name: str, kernel_spec: str) -> Convention:
+    """``peer``: the calling convention the registry declares for ``kernel_spec`` (``MODULE:FUNCTION``) among
+    ``name``'s peers (``Formulation.peers``: torch's SDPA backends and FlexAttention, fla's kernels)."""
+    f = as_formulation(name)
+    for peer in f.peers:
+        if peer.function == kernel_spec:
+            return peer.convention
+    known = ", ".join(p.function for p in f.peers) or "none"
+    raise ConventionError(f"--convention peer: {kernel_spec} is not a peer of {f.name} in the registry; "
+                          f"its peers: {known}")
+
+
+def detect_convention(kernel: Callable[..., Any], name: str | Formulation, dtype: torch.dtype,
+                      device: str) -> Detection:
+    """``auto``: :func:`detect` on small inputs (:data:`DETECT_SIZES`) of ``dtype`` on ``device``."""
+    x = as_formulation(name).sample(**DETECT_SIZES, seed=0)
+    inputs = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
+    return detect(kernel, name, inputs, DETECT_TOLERANCE[dtype])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _candidate_label(name: str) -> str:
+    """``auto(gates=log, scale=pass, ...)`` -> ``gates=log, scale=pass, ...``."""
+    return name.removeprefix("auto(").removesuffix(")")
+
+
+def describe_detection(found: Detection, dtype: torch.dtype, flag: str = "--convention") -> str:
+    """Plain words: which convention matched; or that none did, what was tried, and the closest candidate with its
+    error (or, when every candidate raised, what the first one raised), so that a user can tell a kernel called in a
+    convention attnlab does not try from a kernel that computes something else."""
+    tolerance = DETECT_TOLERANCE[dtype]
+    tried = len(found.errors)
+    if found.convention is not None:
+        return (f"{flag} auto: found {found.convention.describe().split(': ', 1)[1]} "
+                f"({tried} candidates tried on {DETECT_SIZES}, {_dtype_name(dtype)}; matched the oracle within "
+                f"{tolerance:g} relative)")
+    ranked = sorted(((label, error) for label, error in found.errors.items() if math.isfinite(error)),
+                    key=lambda item: item[1])
+    if ranked:
+        closest = "closest: " + "; then ".join(f"{_candidate_label(label)}: rel_err {error:.3g}"
+                                               for label, error in ranked[:3]) + ". "
+        verdict = (f"The closest ran and was off by {ranked[0][1]:.3g} (a wrong convention is typically off by O(1); "
+                   f"a kernel in the right convention with a small defect comes closer than that, yet above "
+                   f"{tolerance:g}). ")
+    else:
+        first = next(iter(found.raised.items()), None)
+        closest = ("Every candidate raised or returned no tensor"
+                   + (f"; the first ({_candidate_label(first[0])}) raised {first[1]}" if first else "") + ". ")
+        verdict = ""
+    return (f"{flag} auto: NO convention matched: none of the {tried} candidates tried (gates log or linear, scale "
+            f"passed, K**-0.5 or 1, returns o, (o, state) or attnlab's, keywords or FORMULATIONS.md's positional "
+            f"order, state [K,V] or [V,K]) gave the oracle's output within {tolerance:g} relative on "
+            f"{DETECT_SIZES} in {_dtype_name(dtype)}; " + closest + verdict
+            + "Either the kernel computes something else (a bug, or another formulation), or it is called in a "
+              "convention attnlab does not try: describe it with attnlab.conventions.Convention.")
+
+
+def detection_caveat(flag: str = "--convention") -> str:
+    """What a failed property means when the convention was detected (``auto``) rather than given."""
+    return (f"the convention was detected on T={DETECT_SIZES['T']}, K={DETECT_SIZES['K']}, V={DETECT_SIZES['V']} "
+            f"probe inputs; a failure may also mean the detection was wrong: pass {flag} explicitly to rule it out")
+
+
+def choose_convention(which: str, kernel: Callable[..., Any], name: str | Formulation, spec: str, *,
+                      fla_op: str | None = None, dtype: torch.dtype = torch.float32,
+                      device: str = "cpu") -> tuple[Convention | None, Detection | None]:
+    """The convention ``which`` (one of :data:`CONVENTION_CHOICES`) means for ``kernel`` (named ``spec``,
+    ``MODULE:FUNCTION``) computing ``name``: ``(convention, detection)``, the detection only under ``auto`` (its
+    convention None when no candidate matched). A ConventionError says why one cannot be chosen."""
+    f = as_formulation(name)
+    if which == "attnlab":
+        return ATTNLAB, None
+    if which == "fla":
+        return choose_fla_convention(f.name, kernel, spec.rpartition(":")[2].split(".")[-1], fla_op), None
+    if which == "peer":
+        return peer_convention(f.name, spec), None
+    if which == "auto":
+        found = detect_convention(kernel, f, dtype, device)
+        return found.convention, found
+    raise ConventionError(f"convention must be one of {', '.join(CONVENTION_CHOICES)}; got {which!r}")

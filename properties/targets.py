@@ -31,11 +31,13 @@ import torch
 # Importing attnlab.kernel sets TRITON_INTERPRET (no GPU) before any kernel module is imported.
 from attnlab.kernel import Kernel, interpreter_active
 from attnlab.kernel import kernel as attnlab_kernel
+from attnlab.conventions import ATTNLAB, Convention, Detection, adapt, choose_convention, describe_detection  # noqa: I001
 from attnlab.oracle import as_formulation
 from attnlab.registry import REGISTRY
 from attnlab.spec import Formulation
 
-__all__ = ["Target", "own_kernel_target", "own_kernel_targets", "function_target", "resolve", "rounded_oracle_target"]
+__all__ = ["Target", "own_kernel_target", "own_kernel_targets", "function_target", "convention_target", "resolve",
+           "resolve_in_convention", "Resolved", "smoke_check", "rounded_oracle_target"]
 
 # Chunk sizes tried by the chunk-size property, when the target takes any.
 PREFERRED_CHUNK_SIZES = (16, 32, 64)
@@ -199,6 +201,94 @@ def load_callable(spec: str, flag: str) -> Callable[..., Any]:
 def resolve(spec: str, name: str | Formulation) -> Target:
     """The target named ``MODULE:FUNCTION`` (load_callable), checked against formulation ``name``."""
     return function_target(load_callable(spec, "--attnlab-kernel"), name, spec)
+
+
+def _returns_state(kernel: Callable[..., Any], convention: Convention) -> bool:
+    if convention.returns == "o_state":
+        return True
+    if convention.returns == "attnlab" and convention.final_state_flag is not None:
+        try:
+            parameters = inspect.signature(kernel).parameters.values()
+        except (TypeError, ValueError):
+            return True
+        return (any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+                or convention.final_state_flag in {p.name for p in parameters})
+    return False
+
+
+def convention_target(kernel: Callable[..., Any], name: str | Formulation, label: str, convention: Convention) -> Target:
+    """The Target for ``kernel``, called in ``convention``.
+
+    attnlab's own convention needs no adapter (and keeps ``chunk_size``, so
+    the chunk-size property runs when the kernel takes one); any other goes
+    through attnlab.conventions.adapt, and the state properties run when the
+    adapted kernel both takes an initial state and returns its final one.
+    """
+    if convention == ATTNLAB:
+        return function_target(kernel, name, label)
+    f = as_formulation(name)
+    adapted = adapt(kernel, convention, f)
+    accepts_state = f.state is not None and adapted.supports_state and _returns_state(kernel, convention)
+    return Target(label, f.name, adapted, accepts_state, ())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A kernel resolved in a convention: the target, the convention (None when ``auto`` found none), the
+    detection (under ``auto``) and its plain-words description."""
+
+    target: Target | None
+    convention: Convention | None
+    detection: Detection | None = None
+    detection_text: str = ""
+
+
+def resolve_in_convention(spec: str, name: str | Formulation, convention: str = "attnlab", *,
+                          fla_op: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                          flag: str = "--attnlab-kernel", convention_flag: str = "--attnlab-convention") -> Resolved:
+    """The kernel ``spec`` (``MODULE:FUNCTION``) as a Target for ``name``, called in ``convention`` (attnlab,
+    fla, peer or auto: attnlab.conventions.choose_convention; auto detects it on small ``dtype`` inputs on
+    ``device``). A ValueError says what is wrong with the spec or the convention; ``auto`` finding none gives
+    a Resolved without a target, whose ``detection_text`` says what was tried and what came closest."""
+    f = as_formulation(name)
+    kernel = load_callable(spec, flag)
+    chosen, found = choose_convention(convention, kernel, f, spec, fla_op=fla_op, dtype=dtype, device=device)
+    text = describe_detection(found, dtype, convention_flag) if found is not None else ""
+    if chosen is None:
+        return Resolved(None, None, found, text)
+    return Resolved(convention_target(kernel, f, spec, chosen), chosen, found, text)
+
+
+def smoke_check(target: Target, inputs: dict[str, Any], convention: Convention,
+                hint: str = "check --convention / --fla-op, or try --convention auto") -> None:
+    """One call of ``target`` on small ``inputs``: a TypeError, or an output that is not a tensor of the
+    oracle's shape, means the kernel is not called the way ``convention`` says (a ValueError saying so); anything
+    else the kernel raises is left to the properties to report."""
+    try:
+        out = target(**inputs)
+    except TypeError as error:
+        raise ValueError(f"{target.label} cannot be called in convention {convention.name}: TypeError: {error}; "
+                         f"{hint}") from error
+    except Exception:  # noqa: BLE001 - anything else is the kernel's to answer for, in the properties
+        return
+    from attnlab.oracle import oracle
+
+    if isinstance(out, torch.Tensor):
+        try:
+            expected = oracle(target.entry, "recurrent")(**{n: t.double() if isinstance(t, torch.Tensor) else t
+                                                           for n, t in inputs.items()})
+        except Exception:  # noqa: BLE001 - the oracle refusing these inputs is not the kernel's convention
+            return
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        if tuple(out.shape) == tuple(expected.shape):
+            return
+        what = f"an output of shape {tuple(out.shape)} where the oracle's is {tuple(expected.shape)}"
+    else:
+        what = (f"a {type(out).__name__} of {len(out)} items" if isinstance(out, (tuple, list))
+                else f"a {type(out).__name__}")
+    returns = "o alone (and (o, state) only with return_state=True)" if convention == ATTNLAB else "o"
+    raise ValueError(f"{target.label} does not follow convention {convention.name}: called without return_state "
+                     f"it returned {what}, where the convention returns {returns}; {hint}")
 
 
 def rounded_oracle_target(name: str | Formulation) -> Target:

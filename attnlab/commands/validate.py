@@ -87,7 +87,10 @@ from typing import Any
 import torch
 
 from attnlab.commands import report
-from attnlab.conventions import ATTNLAB, FLA, FLA_NUMERICS_ENV, Convention, Detection, adapt, detect, fixed_scale
+from attnlab.conventions import (ATTNLAB, CONVENTION_CHOICES, DETECT_SIZES, DETECT_TOLERANCE, FLA, FLA_NUMERICS_ENV,
+                                 ConventionError, Convention, choose_convention, choose_fla_convention,
+                                 describe_detection, detect_convention, detection_caveat, fixed_scale,
+                                 peer_convention)
 from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 without a GPU
 from attnlab.registry import formulation, names
 
@@ -97,13 +100,10 @@ __all__ = ["EXIT_HELD", "EXIT_FAILED", "EXIT_USAGE", "STRATEGIES", "UsageError",
 
 EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 STRATEGIES = ("default", "adversarial")
-CONVENTIONS = ("attnlab", "fla", "peer", "auto")
+CONVENTIONS = CONVENTION_CHOICES
 # Examples per (strategy, dtype, property) when --examples is not given, by --profile (the plugin's profiles).
 PROFILE_EXAMPLES = {"ci": 25, "dev": 50, "gpu": 200, "thorough": 2000}
-# --convention auto: the inputs candidates are tried on (K != V, so a transposed state cannot pass), and the
-# relative error against the oracle under which a candidate matches (a wrong convention is off by O(1)).
-DETECT_SIZES = dict(B=1, T=20, H=2, K=8, V=6)
-DETECT_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-3}
+# --convention auto: DETECT_SIZES and DETECT_TOLERANCE (attnlab.conventions, shared with the pytest plugin).
 # The error-vs-length curve when --lengths / --curve-shape are not given.
 CURVE_DEFAULTS = {
     "cpu": ((16, 32, 64, 128), report.Sizes(B=1, H=2, K=16, V=16)),
@@ -116,8 +116,9 @@ DISTRIBUTION = {"gate_low": None, "beta_low": None, "beta_high": None, "key_norm
                 "spread": 1.0, "logit_max": None, "key_shift": 0.0}
 
 
-class UsageError(ValueError):
-    """A bad command line: exit status 2."""
+# A bad command line: exit status 2. The conventions' own errors (attnlab.conventions.choose_convention, shared
+# with the pytest plugin) are usage errors too.
+UsageError = ConventionError
 
 
 # ----------------------------------------------------------------------------- resolving the kernel
@@ -146,112 +147,11 @@ def fla_kernel(op: str, name: str | None = None) -> tuple[str, str]:
     return name, formulation(name).peer("fla", op).function
 
 
-def _parameter_names(kernel: Callable[..., Any]) -> set[str] | None:
-    """The keywords ``kernel`` accepts; None when it takes any (``**kwargs``) or has no signature."""
-    try:
-        parameters = inspect.signature(kernel).parameters.values()
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
-        return None
-    return {p.name for p in parameters}
-
-
-def _same_convention(a: Convention, b: Convention) -> bool:
-    return all(getattr(a, f.name) == getattr(b, f.name) for f in fields(Convention) if f.name != "name")
-
-
-def choose_fla_convention(name: str, kernel: Callable[..., Any], function: str, fla_op: str | None) -> Convention:
-    """The fla 0.6.0 convention a kernel follows: ``--fla-op``'s, else that of the fla function of the
-    same name, else the one whose keywords the kernel's signature takes (the one passing the most arguments)."""
-    table = FLA.get(name)
-    if not table:
-        known = ", ".join(f"{n} ({', '.join(t)})" for n, t in FLA.items())
-        raise UsageError(f"fla 0.6.0 has no kernel of {name}; --convention fla knows: {known}")
-    if fla_op is not None:
-        if fla_op not in table:
-            raise UsageError(f"--fla-op {fla_op!r}: fla's kernels of {name} are {', '.join(table)}")
-        return table[fla_op]
-    if function in table:
-        return table[function]
-    f = formulation(name)
-    accepted = _parameter_names(kernel)
-
-    def passed(c: Convention) -> list[str]:
-        return [c.names.get(a.name, a.name) for a in f.args
-                if a.name not in c.derived and a.name not in c.positional and not a.optional]
-
-    fitting = [c for c in table.values() if accepted is None or all(k in accepted for k in passed(c))]
-    if fitting:
-        most = max(len(passed(c)) for c in fitting)
-        fitting = [c for c in fitting if len(passed(c)) == most]
-    if fitting and all(_same_convention(fitting[0], c) for c in fitting):
-        return fitting[0]
-    raise UsageError(f"cannot tell which of fla's {name} kernels {function} is called like; "
-                     f"pass --fla-op with one of {', '.join(table)}")
-
-
-def peer_convention(name: str, kernel_spec: str) -> Convention:
-    """``--convention peer``: the calling convention the registry declares for ``kernel_spec`` among ``name``'s
-    peers (``Formulation.peers``: torch's SDPA backends and FlexAttention, fla's kernels)."""
-    f = formulation(name)
-    for peer in f.peers:
-        if peer.function == kernel_spec:
-            return peer.convention
-    known = ", ".join(p.function for p in f.peers) or "none"
-    raise UsageError(f"--convention peer: {kernel_spec} is not a peer of {name} in the registry; its peers: {known}")
-
-
-def _returns_state(kernel: Callable[..., Any], convention: Convention) -> bool:
-    if convention.returns == "o_state":
-        return True
-    if convention.returns == "attnlab" and convention.final_state_flag is not None:
-        accepted = _parameter_names(kernel)
-        return accepted is None or convention.final_state_flag in accepted
-    return False
-
-
 def make_target(kernel: Callable[..., Any], name: str, label: str, convention: Convention):
-    """The property suite's Target for ``kernel``, called in ``convention``.
+    """The property suite's Target for ``kernel``, called in ``convention`` (attnlab.properties.targets.convention_target)."""
+    from attnlab.properties.targets import convention_target
 
-    attnlab's own convention needs no adapter (and keeps ``chunk_size``, so
-    the chunk-size property runs when the kernel takes one); any other goes
-    through attnlab.conventions.adapt, and the state properties run when the
-    adapted kernel both takes an initial state and returns its final one.
-    """
-    from attnlab.properties.targets import Target, function_target
-
-    if convention == ATTNLAB:
-        return function_target(kernel, name, label)
-    adapted = adapt(kernel, convention, name)
-    accepts_state = formulation(name).state is not None and adapted.supports_state and _returns_state(kernel, convention)
-    return Target(label, name, adapted, accepts_state, ())
-
-
-def detect_convention(kernel: Callable[..., Any], name: str, dtype: torch.dtype, device: str) -> Detection:
-    """``--convention auto``: attnlab.conventions.detect on small inputs of ``dtype`` on ``device``."""
-    x = formulation(name).sample(**DETECT_SIZES, seed=0)
-    inputs = {n: t.to(device=device, dtype=dtype) for n, t in x.items()}
-    return detect(kernel, name, inputs, DETECT_TOLERANCE[dtype])
-
-
-def describe_detection(found: Detection, dtype: torch.dtype) -> str:
-    """Plain words: which convention matched, or that none did and which came closest."""
-    tolerance = DETECT_TOLERANCE[dtype]
-    tried = len(found.errors)
-    if found.convention is not None:
-        return (f"--convention auto: found {found.convention.describe().split(': ', 1)[1]} "
-                f"({tried} candidates tried on {DETECT_SIZES}, {_dtype_name(dtype)}; matched the oracle within "
-                f"{tolerance:g} relative)")
-    ranked = sorted(found.errors.items(), key=lambda item: item[1])
-    closest = ", ".join(f"{label}: rel_err {error:.3g}" for label, error in ranked[:3] if math.isfinite(error))
-    return (f"--convention auto: NO convention matched: none of the {tried} candidates (gates log or linear, scale "
-            f"passed, K**-0.5 or 1, returns o, (o, state) or attnlab's, keywords or FORMULATIONS.md's positional "
-            f"order, state [K,V] or [V,K]) gave the oracle's output within {tolerance:g} relative on "
-            f"{DETECT_SIZES} in {_dtype_name(dtype)}. "
-            + (f"Closest: {closest}. " if closest else "Every candidate raised or returned no tensor. ")
-            + "Either the kernel computes something else (a bug, or another formulation), or it is called in a "
-              "convention attnlab does not try: describe it with attnlab.conventions.Convention.")
+    return convention_target(kernel, name, label, convention)
 
 
 # ----------------------------------------------------------------------------- cases
@@ -538,20 +438,20 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
 
 def smoke_call(target: Any, name: str, dtype: torch.dtype, device: str, convention: Convention,
                dims: Sequence[int] | None = None) -> None:
-    """One call on small default inputs: a TypeError there means the kernel is not called like ``convention`` says
-    (a usage error, not a property of the kernel)."""
+    """One call on small default inputs (attnlab.properties.targets.smoke_check): a TypeError there, or an output
+    that is not a tensor of the oracle's shape, means the kernel is not called like ``convention`` says (a usage
+    error, not a property of the kernel)."""
     fit = make_fit(name, convention, "default", "matches_oracle", None)
     from attnlab.properties.strategies import Case
+
+    from attnlab.properties.targets import smoke_check
 
     size = dims[0] if dims else 16  # a head dim the search draws anyway: no extra Triton compile
     case = fit(Case(name=name, T=4, H=1, K=size, V=size))
     try:
-        target(**case.call(dtype, device))
-    except TypeError as error:
-        raise UsageError(f"{target.label} cannot be called in convention {convention.name}: TypeError: {error}; "
-                         "check --convention / --fla-op, or try --convention auto") from error
-    except Exception:  # noqa: BLE001 - anything else is the kernel's to answer for, in the properties
-        pass
+        smoke_check(target, case.call(dtype, device), convention)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def properties_for(target: Any, convention: Convention, strategy: str, only: Sequence[str] | None,
@@ -608,13 +508,26 @@ def error_curve(name: str, call: Callable[..., Any], label: str, dtypes: Sequenc
     return rows
 
 
+REPRO_CUT = "# ---8<--- cut here: the reproducing script starts on the next line ---"
+REPRO_END = "# ---8<--- cut here: the reproducing script ends on the line above ---"
+
+
 def _kernel_import(spec: str) -> tuple[str, str]:
-    """Lines importing the kernel in a standalone script, and the expression naming it."""
+    """Lines importing the kernel in a standalone script, and the expression naming it. A module that is not
+    installed (found on the current directory or PYTHONPATH) gets its folder put on sys.path, so the script runs
+    from anywhere."""
     module_name, _, attribute = spec.rpartition(":")
     first = attribute.split(".")[0]
     if module_name.endswith(".py") or "/" in module_name:
         path = Path(module_name).resolve()
         return (f"import sys\nsys.path.insert(0, {str(path.parent)!r})\nfrom {path.stem} import {first}", attribute)
+    module = sys.modules.get(module_name)
+    source = getattr(module, "__file__", None)
+    if source and "site-packages" not in source and "dist-packages" not in source:
+        root = Path(source).resolve().parent
+        for _ in range(module_name.count(".") + (Path(source).name == "__init__.py")):
+            root = root.parent
+        return f"import sys\nsys.path.insert(0, {str(root)!r})\nfrom {module_name} import {first}", attribute
     return f"from {module_name} import {first}", attribute
 
 
@@ -654,6 +567,8 @@ def repro_script(validation: Validation, verdict: Verdict, accepts_state: bool) 
         f"case = {verdict.case}",
         f"result = {call}",
         "print(result.message())",
+        "if __name__ == \"__main__\":",
+        "    raise SystemExit(1 if result.failed else 0)  # 1: the failure reproduces",
         "",
     ])
 
@@ -694,29 +609,20 @@ def _validate(kernel_spec: str, name: str, *, convention: str, fla_op: str | Non
     if name not in names():
         raise UsageError(f"unknown formulation {name!r}; expected one of {', '.join(names())}")
     kernel = load_kernel(kernel_spec)
-    function = kernel_spec.rpartition(":")[2].split(".")[-1]
     sizes = sizes or sizes_for(device, "ci")
     validation = Validation(kernel_spec, name, None, device, [_dtype_name(d) for d in dtypes], list(strategies), examples,
                             asdict(sizes), command=command, strict=strict, bound=bound)
-    if convention == "attnlab":
-        chosen: Convention | None = ATTNLAB
-    elif convention == "fla":
-        chosen = choose_fla_convention(name, kernel, function, fla_op)
-    elif convention == "peer":
-        chosen = peer_convention(name, kernel_spec)
-    elif convention == "auto":
-        found = detect_convention(kernel, name, dtypes[0], device)
-        validation.detection = {"errors": {k: _finite(v) for k, v in found.errors.items()},
+    chosen, found = choose_convention(convention, kernel, name, kernel_spec, fla_op=fla_op, dtype=dtypes[0],
+                                      device=device)
+    if found is not None:
+        validation.detection = {"errors": {k: _finite(v) for k, v in found.errors.items()}, "raised": found.raised,
                                 "tolerance": DETECT_TOLERANCE[dtypes[0]], "dtype": _dtype_name(dtypes[0]),
                                 "sizes": DETECT_SIZES}
         validation.detection_text = describe_detection(found, dtypes[0])
         say(validation.detection_text)
-        chosen = found.convention
-        if chosen is None:
-            validation.seconds = round(time.perf_counter() - started, 1)
-            return validation
-    else:
-        raise UsageError(f"--convention must be one of {', '.join(CONVENTIONS)}; got {convention!r}")
+    if chosen is None:
+        validation.seconds = round(time.perf_counter() - started, 1)
+        return validation
     validation.convention = chosen
     say(f"kernel: {kernel_spec} as {name}; convention {chosen.describe()}")
     target = make_target(kernel, name, kernel_spec, chosen)
@@ -896,6 +802,8 @@ def summary_markdown(v: Validation, data: dict[str, Any]) -> str:
     lines = [f"# attnlab validate: `{v.kernel}` ({v.formulation})", "", f"**{verdict}** (exit {v.exit_code}).", "",
              f"- Convention: {v.convention.describe() if v.convention else 'none matched'}",
              *([f"- Detection: {v.detection_text}"] if v.detection_text else []),
+             *([f"- Note: {detection_caveat()}"] if v.detection is not None and v.convention is not None
+               and v.verdict != "held" else []),
              f"- Device: {data['device']['name']}; dtypes {', '.join(v.dtypes)}; strategies {', '.join(v.strategies)}; "
              f"{v.examples} examples per property; sizes {v.sizes}; passes {', '.join(v.passes)}",
              f"- Bounds (excess, multiples of the floor): {bounds_words(v)}" + ("; --strict" if v.strict else ""),
@@ -1154,8 +1062,9 @@ def command(args: argparse.Namespace) -> int:
                 if v.found and v.found != v.case:
                     print(f"  found first: {v.found} (example {v.first_failure}); minimized in {v.minimize_checks} checks")
                 if verdict_key(v) in validation.repro:
-                    print("  reproduce (standalone script):\n" + "\n".join(
-                        "    " + line for line in validation.repro[verdict_key(v)].rstrip().splitlines()))
+                    print(f"  reproduce: the standalone script between the cut lines (save it as a .py file, run it "
+                          f"with python: it prints the figure and exits 1 while the failure reproduces)\n"
+                          f"{REPRO_CUT}\n{validation.repro[verdict_key(v)].rstrip()}\n{REPRO_END}")
     if args.out is not None:
         paths = write_outputs(validation, args.out)
         print(f"\nreport: {', '.join(str(p) for p in paths.values())}")
@@ -1165,6 +1074,8 @@ def command(args: argparse.Namespace) -> int:
     elif validation.verdict != "held":
         where = f" ({', '.join(sorted({v.property for v in bad}))})" if bad else ""
         print(f"\nverdict: {verdict_words(validation)}{where}; {validation.seconds:.0f} s")
+        if validation.detection is not None:
+            print(f"note: {detection_caveat()}")
     else:
         print(f"\nverdict: PASS: all {len(validation.verdicts)} property runs held; {validation.seconds:.0f} s")
     return validation.exit_code
