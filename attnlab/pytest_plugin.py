@@ -3,13 +3,23 @@
     pytest --pyargs attnlab.properties --attnlab-formulation gla --attnlab-kernel mypkg.ops:my_gla \\
         [--attnlab-device cpu|cuda] [--attnlab-dtype float16|bfloat16|float32] [--attnlab-profile ci|dev|gpu|thorough]
         [--attnlab-strict] [--attnlab-bound X] [--attnlab-passes forward,backward]
+        [--attnlab-convention attnlab|fla|peer|auto]
 
 A kernel given with ``--attnlab-kernel MODULE:FUNCTION`` follows the attnlab
-convention (attnlab.properties.targets): it is called with the
+convention (attnlab.properties.targets) by default: it is called with the
 formulation's inputs as keyword arguments (FORMULATIONS.md names) and
 returns ``o``; the state properties run when its signature names
 ``initial_state`` and ``return_state``, the chunk-size property when it
-names ``chunk_size``. Without ``--attnlab-kernel`` the suites run on
+names ``chunk_size``. ``--attnlab-convention`` means what ``attnlab validate
+--convention`` means (attnlab.conventions.choose_convention): ``fla``
+(flash-linear-attention 0.6.0's convention of the fla function of that name,
+or the one its signature fits), ``peer`` (the convention the registry declares
+for that MODULE:FUNCTION among the formulation's peers) or ``auto`` (detected
+on small inputs against the oracle; the convention found is printed in the
+header, and a failure's summary recalls that the detection may be what is
+wrong); the kernel is then called through attnlab.conventions.adapt. A kernel
+that cannot be called in the convention, or returns something else than it
+says (a tuple where attnlab's convention returns ``o``), is a usage error. Without ``--attnlab-kernel`` the suites run on
 attnlab's own kernels (those that exist) and oracles. pytest exits 0 when
 every property holds and 1 when one fails; the failure report names the
 property, the measured figure, its bound and the reproducing input.
@@ -56,6 +66,9 @@ PROFILES: dict[str, dict[str, Any]] = {
     "thorough": {"max_examples": 2000},
 }
 DTYPE_NAMES = ("float16", "bfloat16", "float32")
+# attnlab.conventions.CONVENTION_CHOICES, written out: the plugin loads in every pytest run, and imports torch and
+# attnlab only when a session asks for attnlab's suites (tests/test_plugin.py checks the two agree).
+CONVENTION_CHOICES = ("attnlab", "fla", "peer", "auto")
 # attnlab.properties: beside this module once installed, at the repository's top level in a source tree.
 _PROPERTIES_DIR = next(p for p in (Path(__file__).resolve().parent / "properties",
                                    Path(__file__).resolve().parent.parent / "properties") if p.is_dir())
@@ -77,6 +90,11 @@ class Selection:
     strict: bool = False
     bound: float | None = None
     passes: tuple[str, ...] | None = None  # None: forward and, where the kernel is differentiable, backward
+    convention: str | None = None  # how --attnlab-kernel is called (attnlab.conventions.CONVENTION_CHOICES); None: attnlab
+
+    @property
+    def convention_or_default(self) -> str:
+        return self.convention or "attnlab"
 
     @property
     def passes_or_default(self) -> tuple[str, ...]:
@@ -101,6 +119,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attnlab-bound", metavar="X", type=float, default=None,
                     help="accuracy bound (excess, a multiple of the floor) in place of the registry's, for the dtype "
                          "given with --attnlab-dtype")
+    group.addoption("--attnlab-convention", choices=CONVENTION_CHOICES, default=None,
+                    help="how --attnlab-kernel is called, as attnlab validate --convention: attnlab (default), fla, "
+                         "peer (the registry's convention for this MODULE:FUNCTION) or auto (detected on small inputs)")
     group.addoption("--attnlab-passes", metavar="forward,backward", default=None,
                     help="passes to judge: forward, backward or both (default: both, backward where the kernel is "
                          "differentiable)")
@@ -116,7 +137,7 @@ def selection(config: pytest.Config) -> Selection:
     return Selection(config.getoption("attnlab_formulation", None), config.getoption("attnlab_kernel", None),
                      device, config.getoption("attnlab_dtype", None), profile,
                      bool(config.getoption("attnlab_strict", None)), config.getoption("attnlab_bound", None),
-                     parse_passes(config.getoption("attnlab_passes", None)))
+                     parse_passes(config.getoption("attnlab_passes", None)), config.getoption("attnlab_convention", None))
 
 
 def parse_passes(text: str | None) -> tuple[str, ...] | None:
@@ -145,15 +166,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
     if chosen.formulation is not None and chosen.formulation not in names():
         raise pytest.UsageError(f"--attnlab-formulation {chosen.formulation!r}: expected one of {', '.join(names())}")
+    if chosen.convention is not None and chosen.kernel is None:
+        raise pytest.UsageError(f"--attnlab-convention {chosen.convention} needs --attnlab-kernel MODULE:FUNCTION "
+                                "(attnlab's own kernels follow attnlab's convention)")
     if chosen.kernel is not None:
         if chosen.formulation is None:
             raise pytest.UsageError("--attnlab-kernel needs --attnlab-formulation NAME (which function the kernel computes)")
-        from attnlab.properties.targets import resolve
-
-        try:
-            target = resolve(chosen.kernel, chosen.formulation)
-        except ValueError as error:
-            raise pytest.UsageError(str(error)) from None
+        target = _resolve_kernel(config, chosen)
         if chosen.passes is not None and "backward" in chosen.passes and not target.differentiable:
             raise pytest.UsageError(f"--attnlab-passes backward: {chosen.kernel} is not differentiable (called on "
                                     "inputs that require grad, its output does not require grad); judge its forward "
@@ -177,9 +196,55 @@ def pytest_configure(config: pytest.Config) -> None:
     checks.set_user_bound(chosen.bound)
 
 
+# The session's --attnlab-kernel, resolved in its convention (attnlab.properties.targets.Resolved), once.
+RESOLVED = pytest.StashKey[Any]()
+SMOKE_SIZES = dict(B=1, T=4, H=1, K=16, V=16)
+
+
+def default_dtypes(device: str) -> tuple[str, ...]:
+    """The dtypes the suites run in when --attnlab-dtype is not given."""
+    return ("bfloat16", "float16") if device == "cuda" else ("float16", "float32")
+
+
+def _resolve_kernel(config: pytest.Config, chosen: Selection) -> Any:
+    """The --attnlab-kernel target in --attnlab-convention (detected on the session's first dtype under auto), after
+    one call on small inputs: a kernel that cannot be called so, or returns something else than the convention says,
+    is a usage error."""
+    import torch
+
+    from attnlab.conventions import fixed_scale
+    from attnlab.evaluate import parse_dtype
+    from attnlab.properties.targets import resolve_in_convention, smoke_check
+    from attnlab.registry import formulation
+
+    if chosen.device == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--attnlab-device cuda: no CUDA device is available")
+    dtype = parse_dtype(chosen.dtype or default_dtypes(chosen.device)[0])
+    try:
+        resolved = resolve_in_convention(chosen.kernel, chosen.formulation, chosen.convention_or_default, dtype=dtype,
+                                         device=chosen.device)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    if resolved.target is None:
+        raise pytest.UsageError(resolved.detection_text)
+    convention = resolved.convention
+    f = formulation(chosen.formulation)
+    inputs: dict[str, Any] = {n: t.to(device=chosen.device, dtype=dtype) for n, t in f.sample(**SMOKE_SIZES, seed=0).items()}
+    if "scale" in f.option_names and convention.scale != "pass":
+        inputs["scale"] = fixed_scale(convention, SMOKE_SIZES["K"])
+    inputs.update({k: v for k, v in convention.implied.items() if k in f.option_names})
+    try:
+        smoke_check(resolved.target, inputs, convention,
+                    hint="pass --attnlab-convention fla, peer or auto (attnlab validate --convention auto finds it too)")
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    config.stash[RESOLVED] = resolved
+    return resolved.target
+
+
 def _options_given(config: pytest.Config) -> bool:
     return any(config.getoption(f"attnlab_{o}", None) is not None
-               for o in ("formulation", "kernel", "device", "dtype", "profile", "strict", "bound", "passes"))
+               for o in ("formulation", "kernel", "device", "dtype", "profile", "strict", "bound", "passes", "convention"))
 
 
 def _own_tree(config: pytest.Config) -> bool:
@@ -191,11 +256,33 @@ def _in_scope(config: pytest.Config, item: pytest.Item) -> bool:
     return _own_tree(config) or _PROPERTIES_DIR in Path(str(item.path)).resolve().parents
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
     if not (_own_tree(config) or _options_given(config) or any("attnlab.properties" in a for a in config.args)):
         return None
     chosen = selection(config)
+    resolved = config.stash.get(RESOLVED, None)
+    lines = [_header(chosen)]
+    if resolved is not None and resolved.detection is not None:
+        lines.append(f"attnlab: {resolved.detection_text}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Under --attnlab-convention auto: the convention found (the header says it too, unless -q hides it), and, when a
+    test failed, that the failure may be the detection's."""
+    resolved = config.stash.get(RESOLVED, None)
+    if resolved is None or resolved.detection is None:
+        return
+    from attnlab.conventions import detection_caveat
+
+    terminalreporter.write_line(f"attnlab: {resolved.detection_text}")
+    if terminalreporter.stats.get("failed"):
+        terminalreporter.write_line(f"attnlab: {detection_caveat('--attnlab-convention')}")
+
+
+def _header(chosen: Selection) -> str:
     return (f"attnlab: formulation={chosen.formulation or 'all'} kernel={chosen.kernel or 'attnlab'} "
+            f"convention={chosen.convention_or_default} "
             f"device={chosen.device} dtype={chosen.dtype or 'default'} profile={PROFILE_PREFIX + chosen.profile} "
             f"strict={'yes' if chosen.strict else 'no'} "
             f"bound={'registry' if chosen.bound is None else f'{chosen.bound:g}'} "

@@ -17,8 +17,8 @@ from hypothesis import Phase, settings
 from attnlab.evaluate import parse_dtype
 from attnlab.properties import suite
 from attnlab.properties.strategies import Sizes
-from attnlab.properties.targets import Target, own_kernel_targets, resolve
-from attnlab.pytest_plugin import Selection, selection
+from attnlab.properties.targets import Target, own_kernel_targets, resolve_in_convention
+from attnlab.pytest_plugin import RESOLVED, Selection, default_dtypes, selection
 
 # Examples per (property, target, dtype) for kernels under the Triton interpreter, whatever the profile's count:
 # an interpreted call takes a good fraction of a second.
@@ -66,14 +66,18 @@ _SESSION = pytest.StashKey[Session]()
 def session_of(config: pytest.Config) -> Session:
     if _SESSION not in config.stash:
         chosen = selection(config)
-        if chosen.kernel is not None:
-            targets: tuple[Target, ...] = (resolve(chosen.kernel, chosen.formulation),)
+        dtypes = tuple(parse_dtype(d) for d in ((chosen.dtype,) if chosen.dtype is not None
+                                               else default_dtypes(chosen.device)))
+        resolved = config.stash.get(RESOLVED, None)  # the plugin's --attnlab-kernel in --attnlab-convention
+        if resolved is None and chosen.kernel is not None:
+            resolved = resolve_in_convention(chosen.kernel, chosen.formulation, chosen.convention_or_default,
+                                             dtype=dtypes[0], device=chosen.device)
+        if resolved is not None:
+            if resolved.target is None:
+                raise ValueError(resolved.detection_text)
+            targets: tuple[Target, ...] = (resolved.target,)
         else:
             targets = tuple(own_kernel_targets([chosen.formulation] if chosen.formulation else None))
-        if chosen.dtype is not None:
-            dtypes = (parse_dtype(chosen.dtype),)
-        else:
-            dtypes = (torch.bfloat16, torch.float16) if chosen.device == "cuda" else (torch.float16, torch.float32)
         config.stash[_SESSION] = Session(chosen, targets, dtypes)
     return config.stash[_SESSION]
 

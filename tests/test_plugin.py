@@ -113,3 +113,84 @@ def test_bad_options_are_usage_errors(tmp_path: Path, options: list[str], messag
     result = run_properties(tmp_path, *options)
     assert result.returncode == 4, result.stdout[-2000:] + result.stderr[-2000:]
     assert message in result.stderr
+
+
+FLA_STYLE_KERNELS = '''
+"""GLA as flash-linear-attention calls it: positional-or-keyword, gates as decay factors exp(g), (o, state) returned."""
+import torch
+
+
+def gla_linear_gates(q, k, v, g, scale=None, initial_state=None, output_final_state=False, lag=0):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q32, k32, v32, g32 = (x.float().transpose(1, 2) for x in (q, k, v, g))
+    B, H, T, K = q32.shape
+    S = torch.zeros(B, H, K, v32.shape[-1], device=q.device) if initial_state is None else initial_state.float().clone()
+    outputs = []
+    for t in range(T):
+        S = g32[:, :, max(t - lag, 0), :, None] * S + k32[:, :, t, :, None] * v32[:, :, t, None, :]
+        outputs.append((scale * q32[:, :, t, None, :] @ S)[:, :, 0])
+    return torch.stack(outputs, dim=2).transpose(1, 2).to(q.dtype), (S if output_final_state else None)
+
+
+def fla_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    return gla_linear_gates(q, k, v, g, scale, initial_state, output_final_state)
+
+
+def late_drift(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    """Broken past T=24 only: --attnlab-convention auto's T=20 probe matches, the properties then fail."""
+    o, S = gla_linear_gates(q, k, v, g, scale, initial_state, output_final_state)
+    if o.shape[1] > 24:
+        o = torch.cat([o[:, :24], 1.1 * o[:, 24:]], dim=1)
+    return o, S
+
+
+def zeros(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    return torch.zeros_like(v), None
+'''
+
+
+def run_fla_style(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    (tmp_path / "flastyle.py").write_text(textwrap.dedent(FLA_STYLE_KERNELS))
+    return run_properties(tmp_path, "--attnlab-formulation", "gla", "--attnlab-dtype", "float32", *options)
+
+
+def test_the_plugins_conventions_are_validates() -> None:
+    from attnlab.conventions import CONVENTION_CHOICES
+    from attnlab.pytest_plugin import CONVENTION_CHOICES as plugin_choices
+
+    assert plugin_choices == CONVENTION_CHOICES
+
+
+def test_convention_auto_finds_an_fla_style_kernel_and_attnlab_refuses_it(tmp_path: Path) -> None:
+    found = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:fla_gla", "--attnlab-convention", "auto", "-rA")
+    assert found.returncode == 0, found.stdout[-4000:] + found.stderr[-2000:]
+    assert ("attnlab: --attnlab-convention auto: found gates='linear', final_state_flag='output_final_state', "
+            "returns='o_state'") in found.stdout
+    passed = [line for line in found.stdout.splitlines() if line.startswith("PASSED ")]
+    for prop in ("matches_oracle", "causality", "split_and_resume"):  # through the adapter, its state too
+        assert any(f"[{prop}-flastyle:fla_gla-float32]" in line for line in passed), passed
+    assert "detection was wrong" not in found.stdout
+    # In attnlab's convention (the default) it returns a tuple where o is due: a usage error that says so.
+    default = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:fla_gla")
+    assert default.returncode == 4, default.stdout[-2000:] + default.stderr[-2000:]
+    assert ("flastyle:fla_gla does not follow convention attnlab: called without return_state it returned a tuple "
+            "of 2 items") in default.stderr
+    assert "pass --attnlab-convention fla, peer or auto" in default.stderr
+
+
+def test_convention_auto_in_the_plugin_says_what_it_tried_and_what_a_failure_may_mean(tmp_path: Path) -> None:
+    none = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:zeros", "--attnlab-convention", "auto")
+    assert none.returncode == 4, none.stdout[-2000:] + none.stderr[-2000:]
+    assert "--attnlab-convention auto: NO convention matched: none of the 36 candidates tried" in none.stderr
+    assert "closest: gates=log, scale=pass, returns=o_state, keywords: rel_err 1" in none.stderr
+    drift = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:late_drift", "--attnlab-convention", "auto",
+                          "-k", "matches_oracle")
+    assert drift.returncode == 1, drift.stdout[-4000:] + drift.stderr[-2000:]
+    assert "attnlab: --attnlab-convention auto: found gates='linear'" in drift.stdout
+    assert ("attnlab: the convention was detected on T=20, K=8, V=6 probe inputs; a failure may also mean the "
+            "detection was wrong: pass --attnlab-convention explicitly to rule it out") in drift.stdout
+
+
+def test_convention_without_a_kernel_is_a_usage_error(tmp_path: Path) -> None:
+    result = run_properties(tmp_path, "--attnlab-formulation", "gla", "--attnlab-convention", "auto")
+    assert result.returncode == 4 and "--attnlab-convention auto needs --attnlab-kernel" in result.stderr

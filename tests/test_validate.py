@@ -25,8 +25,8 @@ import torch
 from attnlab.cli import main
 from attnlab.conventions import FLA, FLA_NUMERICS_ENV, detect
 from attnlab.registry import formulation
-from attnlab.commands.validate import (EXIT_FAILED, EXIT_HELD, EXIT_USAGE, UsageError, choose_fla_convention, fla_kernel,
-                              load_kernel)
+from attnlab.commands.validate import (EXIT_FAILED, EXIT_HELD, EXIT_USAGE, REPRO_CUT, REPRO_END, UsageError,
+                                      choose_fla_convention, fla_kernel, load_kernel)
 
 KERNELS = '''
 """GLA in flash-linear-attention's convention, plain torch (fp32 inside)."""
@@ -78,6 +78,14 @@ def h0_gla(q, k, v, decay, h0=None):
 
 def not_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     return torch.zeros_like(v), None
+
+
+def late_drift_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
+    """Broken past T=24 (beyond --convention auto's T=20 probe): later outputs drift by 10%."""
+    o, S = _gla(q, k, v, g, scale, initial_state)
+    if o.shape[1] > 24:
+        o = torch.cat([o[:, :24], 1.1 * o[:, 24:]], dim=1)
+    return o, (S if output_final_state else None)
 '''
 
 # The forward pass only: these kernels are differentiable (plain torch), and tests/test_gradient_properties.py judges
@@ -180,6 +188,15 @@ def test_a_broken_kernel_fails_through_the_command_line(kernels: Path, tmp_path:
         sys.path.remove(str(kernels.parent))
     assert "property matches_oracle FAILED" in printed.getvalue()
     assert "## Failures" in (out / "summary.md").read_text()
+    # The script as printed: unindented between the cut lines, a file that runs from anywhere and reproduces it.
+    printed_script = result.stdout.split(REPRO_CUT + "\n", 1)[1].split("\n" + REPRO_END, 1)[0]
+    assert printed_script.strip() == script.strip() and not printed_script.startswith(" ")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "repro.py").write_text(printed_script + "\n")
+    rerun = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path / "elsewhere", capture_output=True, text=True,
+                           timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert rerun.returncode == 1, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "property matches_oracle FAILED" in rerun.stdout and "excess = rel_err / floor = " in rerun.stdout
 
 
 def test_a_kernel_that_ignores_the_initial_state_fails_split_and_resume(kernels: Path) -> None:
@@ -225,6 +242,9 @@ def test_auto_says_plainly_when_no_convention_matches(kernels: Path, tmp_path: P
                           "--dtype", "float16", "--lengths", "none", "--out", str(out), *FAST)
     assert code == EXIT_FAILED
     assert "--convention auto: NO convention matched: none of the 36 candidates" in stdout
+    # What was tried and the closest candidate with its error: "wrong convention" told from "wrong kernel".
+    assert "closest: gates=log, scale=pass, returns=o_state, keywords: rel_err 1" in stdout
+    assert "(gates log or linear, scale passed, K**-0.5 or 1" in stdout
     assert "verdict: FAIL (no convention matched; nothing validated)" in stdout
     assert table_lines(stdout) == {}
     data = json.loads((out / "report.json").read_text())
@@ -387,3 +407,24 @@ def test_convention_peer_refuses_a_function_the_registry_does_not_list():
     code, _, err = run("--kernel", "attnlab.third_party:sdpa_math", "--formulation", "gla", "--convention", "peer",
                        *FAST)
     assert code == EXIT_USAGE and "not a peer of gla" in err and "fla.ops:chunk_gla" in err
+
+
+def test_auto_says_a_failure_may_be_the_detections(kernels: Path, tmp_path: Path) -> None:
+    """A kernel right on the small probe inputs (so a convention matches) but wrong at longer T: the verdict
+    output says the convention was detected on the probe's sizes, and how to rule the detection out."""
+    out = tmp_path / "out"
+    code, stdout, stderr = run("--formulation", "gla", "--kernel", f"{kernels}:late_drift_gla", "--convention", "auto",
+                               "--dtype", "float32", "--strategy", "default", "--properties", "matches_oracle",
+                               "--examples", "12", "--lengths", "none", "--out", str(out),
+                               *[a for a in FAST if a not in ("--examples", "3")])
+    assert code == EXIT_FAILED, stdout + stderr
+    assert "--convention auto: found" in stdout and " FAILED " in stdout
+    caveat = ("note: the convention was detected on T=20, K=8, V=6 probe inputs; a failure may also mean the "
+              "detection was wrong: pass --convention explicitly to rule it out")
+    assert caveat in stdout
+    assert caveat.removeprefix("note: ") in (out / "summary.md").read_text()
+    # A kernel that holds under auto gets no such note.
+    code, stdout, _ = run("--formulation", "gla", "--kernel", f"{kernels}:my_gla", "--convention", "auto",
+                          "--dtype", "float32", "--strategy", "default", "--properties", "matches_oracle",
+                          "--lengths", "none", *FAST)
+    assert code == EXIT_HELD and "detection was wrong" not in stdout
