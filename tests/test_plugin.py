@@ -116,29 +116,20 @@ def test_bad_options_are_usage_errors(tmp_path: Path, options: list[str], messag
 
 
 FLA_STYLE_KERNELS = '''
-"""GLA as flash-linear-attention calls it: positional-or-keyword, gates as decay factors exp(g), (o, state) returned."""
+"""GLA as flash-linear-attention calls it: gates as decay factors exp(g), (o, state or None) returned."""
 import torch
 
-
-def gla_linear_gates(q, k, v, g, scale=None, initial_state=None, output_final_state=False, lag=0):
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q32, k32, v32, g32 = (x.float().transpose(1, 2) for x in (q, k, v, g))
-    B, H, T, K = q32.shape
-    S = torch.zeros(B, H, K, v32.shape[-1], device=q.device) if initial_state is None else initial_state.float().clone()
-    outputs = []
-    for t in range(T):
-        S = g32[:, :, max(t - lag, 0), :, None] * S + k32[:, :, t, :, None] * v32[:, :, t, None, :]
-        outputs.append((scale * q32[:, :, t, None, :] @ S)[:, :, 0])
-    return torch.stack(outputs, dim=2).transpose(1, 2).to(q.dtype), (S if output_final_state else None)
+from mykernels import gla
 
 
 def fla_gla(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
-    return gla_linear_gates(q, k, v, g, scale, initial_state, output_final_state)
+    o, S = gla(q=q, k=k, v=v, g=torch.log(g.float()), scale=scale, initial_state=initial_state, return_state=True)
+    return o, (S if output_final_state else None)
 
 
 def late_drift(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     """Broken past T=24 only: --attnlab-convention auto's T=20 probe matches, the properties then fail."""
-    o, S = gla_linear_gates(q, k, v, g, scale, initial_state, output_final_state)
+    o, S = fla_gla(q, k, v, g, scale, initial_state, output_final_state)
     if o.shape[1] > 24:
         o = torch.cat([o[:, :24], 1.1 * o[:, 24:]], dim=1)
     return o, S
@@ -150,6 +141,7 @@ def zeros(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
 
 
 def run_fla_style(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    """run_properties on FLA_STYLE_KERNELS (built on THIRD_PARTY_KERNELS' gla, which run_properties writes)."""
     (tmp_path / "flastyle.py").write_text(textwrap.dedent(FLA_STYLE_KERNELS))
     return run_properties(tmp_path, "--attnlab-formulation", "gla", "--attnlab-dtype", "float32", *options)
 

@@ -42,7 +42,14 @@ past an imprecise input looking for a failure.
 
 Printed: the convention, then the verdict table (strategy, dtype, property,
 verdict, examples, the worst figure against its bounds, the reproducing
-Case), then each failure's report with a script that reproduces it. Written
+Case), then each failure's report with a standalone script that reproduces it
+(unindented between two cut lines: saved as a file and run with python, it
+calls the kernel in its own convention, prints the figure and exits 1 while
+the failure reproduces). Under ``auto``, when no candidate matches, what was
+tried and the closest candidates with their errors (or what the first raised);
+when one matched but a property then fails, a note that the convention was
+detected on the small probe inputs and that ``--convention`` given explicitly
+rules the detection out. Written
 to ``--out DIR``: ``report.json`` (verdicts, convention, detection, device,
 versions, the FLA_* environment variables that change fla's numerics, the
 curve's rows), ``summary.md`` (the same, readable), and ``curve/`` (the
