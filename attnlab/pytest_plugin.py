@@ -19,7 +19,10 @@ on small inputs against the oracle; the convention found is printed in the
 header, and a failure's summary recalls that the detection may be what is
 wrong); the kernel is then called through attnlab.conventions.adapt. A kernel
 that cannot be called in the convention, or returns something else than it
-says (a tuple where attnlab's convention returns ``o``), is a usage error. Without ``--attnlab-kernel`` the suites run on
+says (a tuple where attnlab's convention returns ``o``), is a usage error; so
+is one whose convention fixes the scale or an option, or derives an argument
+itself (the suites draw those: ``attnlab validate`` fits its cases to such a
+kernel). Without ``--attnlab-kernel`` the suites run on
 attnlab's own kernels (those that exist) and oracles. pytest exits 0 when
 every property holds and 1 when one fails; the failure report names the
 property, the measured figure, its bound and the reproducing input.
@@ -212,7 +215,6 @@ def _resolve_kernel(config: pytest.Config, chosen: Selection) -> Any:
     is a usage error."""
     import torch
 
-    from attnlab.conventions import fixed_scale
     from attnlab.evaluate import parse_dtype
     from attnlab.properties.targets import resolve_in_convention, smoke_check
     from attnlab.registry import formulation
@@ -229,10 +231,17 @@ def _resolve_kernel(config: pytest.Config, chosen: Selection) -> Any:
         raise pytest.UsageError(resolved.detection_text)
     convention = resolved.convention
     f = formulation(chosen.formulation)
+    fixed = [what for what, present in (
+        (f"scale={convention.scale}", "scale" in f.option_names and convention.scale != "pass"),
+        (", ".join(f"{k}={v!r}" for k, v in convention.implied.items()), bool(convention.implied)),
+        (f"{', '.join(convention.derived)} computed by the kernel itself", bool(convention.derived))) if present]
+    if fixed:
+        # The suites draw every scale, option and argument; attnlab validate fits its cases to such a kernel.
+        raise pytest.UsageError(f"{chosen.kernel} in convention {convention.name} always computes with "
+                                f"{'; '.join(fixed)}: the plugin's suites draw other values, so judge it with "
+                                f"attnlab validate --formulation {f.name} --kernel {chosen.kernel} --convention "
+                                f"{chosen.convention_or_default}, which draws its cases to fit the kernel")
     inputs: dict[str, Any] = {n: t.to(device=chosen.device, dtype=dtype) for n, t in f.sample(**SMOKE_SIZES, seed=0).items()}
-    if "scale" in f.option_names and convention.scale != "pass":
-        inputs["scale"] = fixed_scale(convention, SMOKE_SIZES["K"])
-    inputs.update({k: v for k, v in convention.implied.items() if k in f.option_names})
     try:
         smoke_check(resolved.target, inputs, convention,
                     hint="pass --attnlab-convention fla, peer or auto (attnlab validate --convention auto finds it too)")

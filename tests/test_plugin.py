@@ -137,6 +137,11 @@ def late_drift(q, k, v, g, scale=None, initial_state=None, output_final_state=Fa
 
 def zeros(q, k, v, g, scale=None, initial_state=None, output_final_state=False):
     return torch.zeros_like(v), None
+
+
+def unit_scale(q, k, v, g):
+    """Always scale 1: a convention the plugin's suites cannot draw cases for."""
+    return fla_gla(q, k, v, g, scale=1.0)[0]
 '''
 
 
@@ -162,6 +167,9 @@ def test_convention_auto_finds_an_fla_style_kernel_and_attnlab_refuses_it(tmp_pa
     for prop in ("matches_oracle", "causality", "split_and_resume"):  # through the adapter, its state too
         assert any(f"[{prop}-flastyle:fla_gla-float32]" in line for line in passed), passed
     assert "detection was wrong" not in found.stdout
+    unit = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:unit_scale", "--attnlab-convention", "auto")
+    assert unit.returncode == 4, unit.stdout[-2000:] + unit.stderr[-2000:]
+    assert "always computes with scale=1.0" in unit.stderr and "attnlab validate --formulation gla" in unit.stderr
     # In attnlab's convention (the default) it returns a tuple where o is due: a usage error that says so.
     default = run_fla_style(tmp_path, "--attnlab-kernel", "flastyle:fla_gla")
     assert default.returncode == 4, default.stdout[-2000:] + default.stderr[-2000:]

@@ -423,6 +423,12 @@ def test_auto_says_a_failure_may_be_the_detections(kernels: Path, tmp_path: Path
               "detection was wrong: pass --convention explicitly to rule it out")
     assert caveat in stdout
     assert caveat.removeprefix("note: ") in (out / "summary.md").read_text()
+    # The reproducer of a detected convention writes it out (attnlab.conventions.Convention(...)) and runs as a file.
+    script = stdout.split(REPRO_CUT + "\n", 1)[1].split("\n" + REPRO_END, 1)[0]
+    assert "Convention(name='auto(gates=log, scale=pass, returns=o_state, keywords" in script
+    (tmp_path / "repro.py").write_text(script + "\n")
+    rerun = subprocess.run([sys.executable, str(tmp_path / "repro.py")], capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 1 and "property matches_oracle FAILED" in rerun.stdout, rerun.stdout + rerun.stderr
     # A kernel that holds under auto gets no such note.
     code, stdout, _ = run("--formulation", "gla", "--kernel", f"{kernels}:my_gla", "--convention", "auto",
                           "--dtype", "float32", "--strategy", "default", "--properties", "matches_oracle",
