@@ -9,9 +9,10 @@ call); bad values raise ValueError naming the argument and what was expected.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -153,6 +154,22 @@ def _check_option(f: Formulation, name: str, value: Any, dims: Dims) -> Any:
     return value
 
 
+def _citing_the_contract(check: Callable[..., Call]) -> Callable[..., Call]:
+    """``check`` whose TypeErrors and ValueErrors end with the section of the contract to read."""
+
+    @functools.wraps(check)
+    def checked(f: Formulation, inputs: Mapping[str, Any], **options: Any) -> Call:
+        try:
+            return check(f, inputs, **options)
+        except (TypeError, ValueError) as error:
+            if CONTRACT in str(error):
+                raise
+            raise type(error)(f"{error} {contract_reference(f.name)}") from None
+
+    return checked
+
+
+@_citing_the_contract
 def validate(
     f: Formulation,
     inputs: Mapping[str, Any],
@@ -180,27 +197,9 @@ def validate(
     ``defer_values``: return with the value checks queued but not yet read;
     the caller must call ``call.values.wait()`` before it launches anything
     on the inputs (see ValueScan).
+
+    Every error ends with the section of the contract (docs/FORMULATIONS.md) to read.
     """
-    try:
-        return _validate(f, inputs, dtypes=dtypes, device_type=device_type, extra_keywords=extra_keywords, scan=scan,
-                         defer_values=defer_values)
-    except (TypeError, ValueError) as error:
-        if CONTRACT in str(error):
-            raise
-        raise type(error)(f"{error} {contract_reference(f.name)}") from None
-
-
-def _validate(
-    f: Formulation,
-    inputs: Mapping[str, Any],
-    *,
-    dtypes: tuple[torch.dtype, ...] | None = None,
-    device_type: str | None = None,
-    extra_keywords: tuple[str, ...] = (),
-    scan: str = "all",
-    defer_values: bool = False,
-) -> Call:
-    """The checks of :func:`validate`, whose errors it completes with the contract's section."""
     if scan not in ("all", "ranges"):
         raise ValueError(f"scan must be 'all' or 'ranges'; got {scan!r}")
     allowed = set(f.arg_names) | set(f.option_names) | set(extra_keywords)
