@@ -68,12 +68,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attnlab.commands import EXIT_FAILED, EXIT_HELD, EXIT_USAGE, usage_error
 from attnlab.conventions import FLA_NUMERICS_ENV
 from attnlab.metrics import FAILED, HELD, IMPRECISE, VERDICTS
 from attnlab.registry import BOUNDS, REGISTRY
 from attnlab.spec import Peer
-
-EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -561,8 +560,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _usage(message: str) -> int:
-    print(f"attnlab campaign: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return usage_error("campaign", message)
 
 
 def _target(name: str | None) -> Target | str:

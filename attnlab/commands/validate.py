@@ -98,6 +98,7 @@ from attnlab.conventions import (ATTNLAB, CONVENTION_CHOICES, DETECT_SIZES, DETE
                                  ConventionError, Convention, choose_convention, choose_fla_convention,
                                  describe_detection, detect_convention, detection_caveat, fixed_scale,
                                  peer_convention)
+from attnlab.commands import EXIT_FAILED, EXIT_HELD, EXIT_USAGE, usage_error
 from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 without a GPU
 from attnlab.registry import formulation, names
 
@@ -105,7 +106,6 @@ __all__ = ["EXIT_HELD", "EXIT_FAILED", "EXIT_USAGE", "STRATEGIES", "UsageError",
            "fla_kernel", "choose_fla_convention", "make_target", "validate", "verdict_table", "write_outputs",
            "add_parser"]
 
-EXIT_HELD, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 STRATEGIES = ("default", "adversarial")
 CONVENTIONS = CONVENTION_CHOICES
 # Examples per (strategy, dtype, property) when --examples is not given, by --profile (the plugin's profiles).
@@ -993,8 +993,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _usage(message: str) -> int:
-    print(f"attnlab validate: error: {message}", file=sys.stderr)
-    return EXIT_USAGE
+    return usage_error("validate", message)
 
 
 def command(args: argparse.Namespace) -> int:
