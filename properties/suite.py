@@ -18,8 +18,9 @@ on looking for a failure, keeps the worst imprecise result, and warns
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -193,6 +194,7 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     imprecise: CheckResult | None = None
     first_not_held: CheckResult | None = None
+    budget_spent: bool = False  # the search stopped drawing at its deadline, before max_examples
 
     @property
     def verdict(self) -> str:
@@ -215,7 +217,8 @@ class Outcome:
 def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
            settings: hypothesis.settings | None = None, outcome: Outcome | None = None, *,
            fit: Callable[[Case], Case] | None = None, regressions: bool = True,
-           strict: bool | None = None, warn: bool = True) -> Callable[[], None]:
+           strict: bool | None = None, warn: bool = True, replay: Sequence[Case] = (),
+           deadline: float | None = None) -> Callable[[], None]:
     """A hypothesis test that checks ``prop`` on ``target``: call it; it raises AssertionError on a failure
     (and on an imprecise result under ``strict``, default :data:`POLICY`.strict).
 
@@ -223,7 +226,12 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     given, is filled in as the search runs. ``fit``, if given, edits every
     case (drawn or kept regression) before it is checked (``attnlab
     validate``: a kernel's fixed scale, its head dims); ``regressions=False``
-    leaves the kept regressions out. Not strict, an imprecise result is kept
+    leaves the kept regressions out. ``replay`` cases run first, before the
+    regressions and the drawn cases (``attnlab campaign`` replays the
+    counterexamples it stored). Past ``deadline`` (``time.monotonic()``), once
+    the replayed cases and one more have run, the search rejects every further
+    draw, so that it ends within about one check of its time
+    (``outcome.budget_spent``). Not strict, an imprecise result is kept
     in ``outcome.imprecise`` and, with ``warn``, an :class:`ImpreciseWarning`
     names the worst one when the search ends without a failure.
     """
@@ -231,6 +239,9 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     strict = POLICY.strict if strict is None else strict
 
     def check_one(case: Case) -> None:
+        if deadline is not None and record.examples > len(replay) and time.monotonic() > deadline:
+            record.budget_spent = True
+            hypothesis.assume(False)
         if fit is not None:
             case = fit(case)
         result = prop.check(target, case, dtype, device)
@@ -250,7 +261,8 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
             raise AssertionError(result.message())
 
     test = given(case=prop.cases(target, dtype, sizes))(check_one)
-    for regression in REGRESSIONS.get(prop.name, ()) if regressions else ():
+    kept = [*(REGRESSIONS.get(prop.name, ()) if regressions else ()), *reversed(replay)]
+    for regression in kept:  # the last decorator's example runs first
         if prop.fits(target, regression):
             test = example(case=regression)(test)
     if settings is not None:
@@ -272,13 +284,14 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
 
 def run(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
         settings: hypothesis.settings | None = None, *, fit: Callable[[Case], Case] | None = None,
-        regressions: bool = True, strict: bool = False) -> Outcome:
+        regressions: bool = True, strict: bool = False, replay: Sequence[Case] = (),
+        deadline: float | None = None) -> Outcome:
     """Run one search to its end and return its Outcome instead of raising (or warning). Not ``strict`` (the
     default here), the search goes on past imprecise results looking for a failure."""
     outcome = Outcome(prop.name, target.label, dtype)
     try:
         search(prop, target, dtype, device, sizes, settings, outcome, fit=fit, regressions=regressions, strict=strict,
-               warn=False)()
+               warn=False, replay=replay, deadline=deadline)()
     except AssertionError as error:
         if outcome.failure is None:  # an assertion of the harness, not a failed property
             outcome.errors.append(f"AssertionError: {error}")

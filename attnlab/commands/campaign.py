@@ -1,54 +1,56 @@
-"""``attnlab campaign``: ``attnlab validate`` on every kernel of a third-party library, rendered as one report.
+"""``attnlab campaign``: the property suite on every kernel of a library, as pytest items spread by pytest-xdist.
 
-    attnlab campaign fla [--budget 400] [--jobs 10] [--examples 6] [--ops chunk_gla,...] [--strict] [--out DIR]
-    attnlab campaign --render DIR [--report PATH] [--strict]   (re-render fetched results; no GPU)
+    attnlab campaign TARGET [--gpus N|all] [--workers-per-gpu N] [--workers N] [--device cpu|cuda]
+                            [--budget S] [--item-budget S] [--examples N] [--dtypes a,b] [--strategies a,b]
+                            [--passes forward,backward] [--ops a,b] [--lengths a,b|none] [--strict] [--fresh] [--out DIR]
+    attnlab campaign --render DIR [--report PATH] [--strict]     (re-render a results folder, anywhere)
 
-A target is a library the registry's peers name (``Peer.library``) that has a
-campaign (``TARGETS``: fla). Its kernels are every registry entry's peers of
-that library, in registry order; the job list never names a formulation.
+TARGET is a library whose conventions attnlab ships (``fla``: flash-linear-attention's kernels; ``torch``: SDPA,
+its backends pinned, FlexAttention), i.e. every registry peer of that ``Peer.library``, or a campaign file
+(``.toml`` or ``.json``) naming a user's own kernels::
 
-Running (on the GPU, the library importable) starts one ``attnlab validate``
-per (kernel, dtype), bf16 and fp16, both strategies (default and
-adversarial), in parallel subprocesses (compiling and autotuning the
-library's Triton kernels is CPU-bound), each into ``DIR/<formulation>.<op>-<dtype>/``
-(report.json, summary.md, curve/, log.txt), writes ``DIR/campaign.json``,
-then renders ``DIR/campaign.md``. Everything is bounded by ``--budget``
-seconds, shared fairly: the jobs run in waves of ``--jobs``, and every job
-gets the same slot, budget / waves (the first campaign spent the budget on
-the first jobs, and half never started); within it ``attnlab validate``
-measures the curve first (``--curve-first``), then stops starting searches
-``SLOT_MARGIN`` seconds before the slot ends, and is killed at the slot's end
-(plus ``KILL_GRACE``); ``--strict`` is passed on to every ``attnlab validate``. The dtypes of one kernel are adjacent and the kernels
-that compile most go first (the target's rule over function names: fla's
-``chunk_*``). Head dims are fixed at 64 and heads at most 2 (fla autotunes
-per K, V and H), T up to 1024; the curve runs T = 64..4096 at B=1, H=2,
-K=V=64 beside attnlab's own kernels and the naive recurrences (the gallery
-has the long curves: the naive same-dtype recurrences are Python loops, and
-T = 16384 cost chunk_gla and chunk_kda their curve).
+    title = "mylib"                  # the report's name
+    distribution = "mylib"           # optional: the pip distribution whose version the report records
+    [[kernel]]
+    formulation = "gla"              # what it computes (FORMULATIONS.md name)
+    function = "mylib.ops:gla"       # MODULE:FUNCTION, MODULE importable or a path to a .py file
+    convention = "attnlab"           # attnlab (default), fla, peer or auto: as attnlab validate --convention
 
-A job's status is its report.json's overall verdict where it wrote one
-(``attnlab validate``'s three grades: *held* within the accuracy bound,
-*imprecise* above it up to the correctness bound, i.e. the right function
-less accurately, *failed* above that, erring or not run), else what its exit
-code or the clock says: held (0, no report), failed (1), error (another
-code), timed out (killed at its slot's end), not started (the budget spent).
+The plan. The controller resolves every kernel once (its convention, one smoke call, whether it is
+differentiable), then lists the items: per (kernel, dtype) one error-vs-length ``curve`` item and one item per
+(strategy, property) of the passes asked for, exactly the property runs of ``attnlab validate``; a backward
+property (``backward_matches_oracle``...; only for a differentiable kernel) is one item that judges every gradient
+in turn (one verdict row per gradient, ``backward_matches_oracle[dq]``...), so that its gradients share each drawn
+case's backward pass (attnlab.properties.checks' cache) in one process. It writes ``DIR/plan.json``; the
+items are ordered round-robin over the cells (kernel, dtype), so that every cell gets its first items before
+any cell gets its last.
 
-Rendering (anywhere, from the fetched DIR) writes the Markdown report: the
-jobs counted by status, a summary row per job (its verdict, the property
-runs per strategy by grade, the worst imprecise figure against both bounds),
-and per kernel the excess by length (the library beside attnlab), every
-property's verdict, the imprecise ones with their worst figure and input,
-every property that failed with its minimal counterexample, each classified
-(``classify``: bug, rounding on an exactly representable output, accuracy
-finding, does not apply), and for the bugs alone a standalone script
-reproducing them.
+The run. ``python -m pytest`` runs :mod:`attnlab.commands.campaign_items` under pytest-xdist: one worker per
+GPU (``--workers-per-gpu`` more), each pinned to its GPU by ``CUDA_VISIBLE_DEVICES`` in its execnet spec, so
+before anything in it starts CUDA; on the CPU ``--workers`` processes. Each item is one property search
+(``attnlab validate``'s: derandomized, seeded by the item itself, so that a result does not depend on which
+worker ran it) of at most ``--examples`` examples within ``--item-budget`` seconds (past it the search stops
+drawing; a failure is minimized within what is left), and it appends its result to
+``DIR/results/<worker>.jsonl`` as soon as it ends: a run cut short keeps what it did. An item that starts
+after ``--budget`` seconds records "not run" and why; the controller stops pytest at the budget plus
+``KILL_GRACE``. While it runs, a progress bar counts items and every finding (failed, refused, error,
+imprecise) is printed as it lands.
 
-Exit status: 0 when every job ran and none failed (imprecise ones pass,
-unless ``--strict``: given to the run or the render, or recorded in
-campaign.json by a run with it); 1 when a job failed a property, erred, was
-killed or did not start, or under ``--strict`` was imprecise; 2 on a usage
-error (unknown target or op, bad number, no CUDA GPU or the library missing
-for a run, no results to render).
+Resuming. A re-run with the same ``--out`` skips every item with a result (held, imprecise, failed, refused)
+and runs the rest (not run, killed, crashed, or new: another dtype, another pass); each search first replays
+the counterexamples stored in the folder for that kernel and property (every dtype and strategy), then draws.
+``--fresh`` discards the stored results. The results are merged by item key, so folders from several hosts
+(each given a share of the kernels with ``--ops``) merge by copying their ``results/`` together and
+re-rendering.
+
+The report (attnlab.commands.campaign_report): ``DIR/campaign.json`` (the plan, the merged results, the wall
+time) and ``DIR/campaign.md``: a summary table, one row per cell, then one section per kernel with its
+error-vs-length table, every property's verdict, the imprecise ones, the failures with their minimal
+counterexamples (classified) and a standalone reproducer for each bug.
+
+Exit status: 0 when every cell ran completely and none failed (imprecise ones pass, unless ``--strict``);
+1 when an item failed, was refused, erred or did not run; 2 on a usage error (unknown target, bad campaign
+file, bad number, no GPU for ``--gpus``, pytest-xdist missing, no results to render).
 """
 
 from __future__ import annotations
@@ -56,474 +58,465 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
-import re
 import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from attnlab.commands import EXIT_FAILED, EXIT_HELD, EXIT_USAGE, usage_error
-from attnlab.conventions import FLA_NUMERICS_ENV
-from attnlab.metrics import FAILED, HELD, IMPRECISE, VERDICTS
-from attnlab.registry import BOUNDS, REGISTRY
-from attnlab.spec import Peer
+from attnlab.commands import usage_error
+from attnlab.commands.campaign_report import (CURVE, PLAN_NAME, REPORT_NAME, RESULTS_DIR, SUMMARY_NAME,
+                                              read_results, render_and_say, render_command, summarize)
+from attnlab.commands.validate import STRATEGIES, UsageError
+from attnlab.conventions import CONVENTION_CHOICES, FLA_NUMERICS_ENV
+from attnlab.registry import REGISTRY, names
+
+PLAN_ENV = "ATTNLAB_CAMPAIGN_PLAN"  # the workers find the plan through it (xdist workers inherit the environment)
+ITEMS_MODULE = Path(__file__).resolve().parent / "campaign_items.py"
+# Seconds pytest may run past --budget (an item started just before it finishes) before it is stopped.
+KILL_GRACE = 30
+MINIMIZE_CHECKS = 12
+PROBE_PROCESSES = 16  # kernels probed at once
+DEFAULT_DTYPES = {"cuda": ("bfloat16", "float16"), "cpu": ("float32", "float16")}
+DEFAULT_LENGTHS = {"cuda": (64, 256, 1024, 4096), "cpu": (16, 64)}
+CURVE_SHAPE = {"cuda": dict(B=1, H=2, K=64, V=64), "cpu": dict(B=1, H=1, K=16, V=16)}
+# On the GPU the searches keep head dims at 64 (fla recompiles and autotunes per K and V) and T up to 1024.
+GPU_SEARCH = dict(max_T=1024, max_dim=64, max_B=2, max_H=2)
+GPU_DIMS = (64,)
+# Item statuses from best to worst: attnlab validate's verdict statuses, then what kept an item from a verdict.
+DONE = ("held", "imprecise", "failed", "refused", "error")
+
+
+# ----------------------------------------------------------------------------- what is campaigned
 
 
 @dataclass(frozen=True)
-class Target:
-    """A library with a campaign: what its kernels are called through and how its report reads.
+class CampaignKernel:
+    """One kernel of a campaign: what it computes, where it is, how it is called."""
 
-    ``library`` is the ``Peer.library`` its kernels carry; ``convention`` is ``attnlab validate
-    --convention``'s name for its calling convention; ``slow_prefixes`` are the function-name prefixes of
-    the kernels that compile and autotune most (their jobs start first); ``env`` the environment variables
-    that change its numerics (recorded); ``calling`` the report's paragraph on how its kernels are called.
-    """
-
-    library: str
-    title: str
-    distribution: str
-    convention: str
-    slow_prefixes: tuple[str, ...]
-    env: tuple[str, ...]
-    calling: str
-
-
-TARGETS: dict[str, Target] = {
-    "fla": Target(
-        library="fla", title="flash-linear-attention", distribution="fla-core", convention="fla",
-        slow_prefixes=("chunk_",), env=FLA_NUMERICS_ENV,
-        calling="Each kernel is called in its own convention (the registry's peers: fla's keywords, log gates, "
-                "`(o, final_state)` with `output_final_state`, fp32 states, RWKV-4's `log w` and `[B, 3, 1, C]` "
-                "state, linear attention's feature map applied outside) through the adapter, so that attnlab's "
-                "oracles and properties apply unchanged."),
-}
-
-DTYPES = ("bfloat16", "float16")
-LENGTHS = "64,256,1024,4096"
-CURVE_SHAPE = "1,2,64,64"
-# Seconds kept at the end of a job's slot: a search started just before the --time-budget runs on into it, and
-# the report is written after it.
-SLOT_MARGIN = 25
-# Seconds a job may run past its slot before it is killed (a killed job writes no report).
-KILL_GRACE = 10
-# A job with less time than this left is not started.
-MIN_START = 30
-REPORT_NAME = "campaign.md"
-# A job's statuses, from best to worst: validate's verdicts (its report.json), then what stopped a job without one.
-STATUSES = (*VERDICTS, "error", "timed out", "not started")
-
-
-def known_targets() -> list[str]:
-    """The libraries named by the registry's peers that have a campaign, in registry order."""
-    libraries = dict.fromkeys(p.library for f in REGISTRY for p in f.peers)
-    return [library for library in libraries if library in TARGETS]
-
-
-@dataclass(frozen=True)
-class Job:
     formulation: str
-    peer: Peer
-    dtype: str
+    function: str  # MODULE:FUNCTION
+    convention: str  # attnlab.conventions.CONVENTION_CHOICES
+    label: str = ""
 
     @property
     def op(self) -> str:
-        return self.peer.attribute
+        return self.function.rpartition(":")[2]
 
     @property
-    def folder(self) -> str:
-        return f"{self.formulation}.{self.op}-{self.dtype}"
+    def id(self) -> str:
+        return f"{self.formulation}.{self.op}"
 
 
-def kernels(target: Target, ops: list[str] | None = None) -> list[tuple[str, Peer]]:
-    """(formulation, peer) of every registry peer of the target's library, in registry order (``ops``: only those)."""
-    return [(f.name, p) for f in REGISTRY for p in f.peers
-            if p.library == target.library and (ops is None or p.attribute in ops)]
+@dataclass(frozen=True)
+class Library:
+    """What a campaign judges: its kernels, and how its report reads (``calling``: how the kernels are called;
+    ``env``: the environment variables that change its numerics, recorded)."""
+
+    name: str
+    title: str
+    kernels: tuple[CampaignKernel, ...]
+    distribution: str | None = None
+    env: tuple[str, ...] = ()
+    calling: str = ""
 
 
-def job_order(target: Target, chosen: list[tuple[str, Peer]], dtypes: list[str]) -> list[Job]:
-    """Every (kernel, dtype): the slow-compiling kernels first, registry order otherwise, one kernel's dtypes adjacent."""
-    def slow(item: tuple[str, Peer]) -> bool:
-        return item[1].attribute.startswith(target.slow_prefixes)
-
-    ordered = [k for k in chosen if slow(k)] + [k for k in chosen if not slow(k)]
-    return [Job(name, peer, dtype) for name, peer in ordered for dtype in dtypes]
-
-
-def slot_seconds(budget: float, jobs: int, count: int) -> float:
-    """Each job's share of the budget: the jobs run in ceil(count / jobs) waves of ``jobs``."""
-    waves = max(1, -(-count // max(1, jobs)))
-    return (budget - KILL_GRACE) / waves
-
-
-def job_command(target: Target, job: Job, out: Path, examples: int, time_budget: float, strict: bool = False) -> list[str]:
-    return [sys.executable, "-m", "attnlab.cli", "validate", "--kernel", job.peer.function,
-            "--convention", target.convention, "--formulation", job.formulation,
-            "--device", "cuda", "--dtype", job.dtype, "--strategy", "both", "--examples", str(examples),
-            "--dims", "64", "--max-T", "1024", "--max-H", "2", "--max-B", "2", "--minimize", "12",
-            "--lengths", LENGTHS, "--curve-shape", CURVE_SHAPE, "--curve-first", "--time-budget", f"{time_budget:.0f}",
-            "--out", str(out), "--no-progress", *(["--strict"] if strict else [])]
+# The libraries whose conventions attnlab ships: the registry's peers of that Peer.library.
+SHIPPED = {
+    "fla": dict(title="flash-linear-attention", distribution="fla-core", env=FLA_NUMERICS_ENV, convention="peer",
+                calling="Each kernel is called in its own convention (the registry's peers: fla's keywords, log gates, "
+                        "`(o, final_state)` with `output_final_state`, fp32 states, RWKV-4's `log w` and `[B, 3, 1, C]` "
+                        "state, linear attention's feature map applied outside) through the adapter, so that attnlab's "
+                        "oracles and properties apply unchanged."),
+    "torch": dict(title="torch", distribution="torch", env=(), convention="peer",
+                  calling="Each kernel is called like `torch.nn.functional.scaled_dot_product_attention`: head-first "
+                          "`[B, H, T, D]`, `is_causal`, returning o (the registry's torch peers: SDPA as torch picks its "
+                          "backend, each backend pinned with `sdpa_kernel`, FlexAttention compiled with a causal block "
+                          "mask; attnlab.third_party)."),
+}
 
 
-def _version(distribution: str) -> str | None:
+def shipped_targets() -> list[str]:
+    """The libraries named by the registry's peers that attnlab ships a campaign for, in registry order."""
+    return [lib for lib in dict.fromkeys(p.library for f in REGISTRY for p in f.peers) if lib in SHIPPED]
+
+
+def shipped_library(name: str) -> Library:
+    meta = SHIPPED[name]
+    kernels = tuple(CampaignKernel(f.name, p.function, str(meta["convention"]), p.label)
+                    for f in REGISTRY for p in f.peers if p.library == name)
+    return Library(name, str(meta["title"]), kernels, str(meta["distribution"]), tuple(meta["env"]), str(meta["calling"]))
+
+
+def load_campaign_file(path: Path) -> Library:
+    """A user's campaign file (the module docstring's format); a UsageError says what is wrong with it."""
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(path.read_text())
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+        else:
+            raise UsageError(f"campaign file {path}: expected a .toml or .json file")
+    except (OSError, ValueError) as error:
+        raise UsageError(f"campaign file {path}: {error}") from error
+    entries = data.get("kernel", [])
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(f"campaign file {path}: no [[kernel]] entries (each: formulation, function, convention)")
+    kernels = []
+    for n, entry in enumerate(entries, 1):
+        missing = [k for k in ("formulation", "function") if k not in entry]
+        if missing:
+            raise UsageError(f"campaign file {path}: kernel {n} has no {' or '.join(missing)}")
+        if entry["formulation"] not in names():
+            raise UsageError(f"campaign file {path}: kernel {n}: unknown formulation {entry['formulation']!r}; "
+                             f"expected one of {', '.join(names())}")
+        convention = entry.get("convention", "attnlab")
+        if convention not in CONVENTION_CHOICES:
+            raise UsageError(f"campaign file {path}: kernel {n}: convention {convention!r}; expected one of "
+                             f"{', '.join(CONVENTION_CHOICES)}")
+        function = str(entry["function"])
+        module = function.rpartition(":")[0]
+        if module.endswith(".py") and not Path(module).is_absolute():  # a file path is relative to the campaign file
+            function = f"{(path.parent / module).resolve()}:{function.rpartition(':')[2]}"
+        kernels.append(CampaignKernel(entry["formulation"], function, convention, entry.get("label", "")))
+    ids = [k.id for k in kernels]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"campaign file {path}: two kernels share a name ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
+    title = str(data.get("title") or path.stem)
+    return Library(title, title, tuple(kernels), data.get("distribution"), tuple(data.get("env", ())),
+                   str(data.get("calling", "Each kernel is called in the convention its campaign file names.")))
+
+
+def library_for(target: str) -> Library:
+    """``fla``, ``torch`` or a campaign file's path; a UsageError names the choices."""
+    if target in SHIPPED and target in shipped_targets():
+        return shipped_library(target)
+    path = Path(target)
+    if path.suffix in (".toml", ".json"):
+        if not path.is_file():
+            raise UsageError(f"campaign file {target}: no such file")
+        return load_campaign_file(path)
+    raise UsageError(f"unknown target {target!r}; known: {', '.join(shipped_targets())}, or a campaign file "
+                     "(.toml or .json naming kernels and conventions)")
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def resolve(kernel: dict[str, Any], dtype: str, device: str) -> tuple[Any, Any]:
+    """(Target, Convention) of a plan's kernel, as attnlab validate resolves it; a UsageError or ValueError says why
+    it cannot be called so."""
+    from attnlab.commands.validate import load_kernel, make_target
+    from attnlab.conventions import choose_convention, describe_detection
+    from attnlab.evaluate import parse_dtype
+
+    function = load_kernel(kernel["function"])
+    convention, found = choose_convention(kernel["convention"], function, kernel["formulation"], kernel["function"],
+                                          dtype=parse_dtype(dtype), device=device)
+    if convention is None:
+        raise UsageError(describe_detection(found, parse_dtype(dtype)) if found is not None else
+                         f"no convention matched {kernel['function']}")
+    return make_target(function, kernel["formulation"], kernel["function"], convention), convention
+
+
+def _probe(kernel: CampaignKernel, dtypes: list[str], device: str, dims: list[int] | None, passes: list[str],
+           strategies: list[str]) -> dict[str, Any]:
+    """A plan's kernel entry: resolved once, one smoke call (in a process of its own: :func:`probe_all`), and the
+    properties judged per strategy; an entry with ``error`` when it cannot be called."""
+    from attnlab.commands.validate import convention_dict, properties_for, smoke_call
+    from attnlab.evaluate import parse_dtype
+
+    entry: dict[str, Any] = {**asdict(kernel), "id": kernel.id, "op": kernel.op}
+    try:
+        target, convention = resolve(entry, dtypes[0], device)
+        smoke_call(target, kernel.formulation, parse_dtype(dtypes[0]), device, convention, dims)
+        differentiable = bool(target.differentiable)
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot be called is the cell's finding, not a crash
+        entry["error"] = f"{type(error).__name__}: {error}".strip()
+        return entry
+    judged = [p for p in passes if p == "forward" or differentiable]
+    entry.update(resolved=convention_dict(convention), differentiable=differentiable, passes=judged,
+                 properties={s: _grouped([p.name for p in properties_for(target, convention, s, None, judged)])
+                             for s in strategies})
+    if "backward" in passes and not differentiable:
+        entry["note"] = "not differentiable (called on inputs that require grad, its output does not): backward not judged"
+    return entry
+
+
+def probe_all(kernels: tuple[CampaignKernel, ...], dtypes: list[str], device: str, dims: list[int] | None,
+              passes: list[str], strategies: list[str]) -> list[dict[str, Any]]:
+    """Every kernel's plan entry, probed in parallel processes (the first call compiles, and Triton's compiles are
+    CPU-bound; they land in its disk cache for the workers), one process per kernel so that a crash stays its own."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    from multiprocessing import get_context
+
+    def one(pool: ProcessPoolExecutor, kernel: CampaignKernel) -> Any:
+        return pool.submit(_probe, kernel, dtypes, device, dims, passes, strategies)
+
+    entries = []
+    with ProcessPoolExecutor(max_workers=max(1, min(len(kernels), os.cpu_count() or 1, PROBE_PROCESSES)),
+                             mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+        futures = [one(pool, k) for k in kernels]
+        for kernel, future in zip(kernels, futures):
+            try:
+                entries.append(future.result())
+            except BrokenProcessPool as error:
+                entries.append({**asdict(kernel), "id": kernel.id, "op": kernel.op,
+                                "error": f"the probe's process died calling it ({error})"})
+    return entries
+
+
+def _grouped(properties: list[str]) -> dict[str, list[str]]:
+    """Property names by item: a forward property alone, a backward check with its gradients' properties."""
+    items: dict[str, list[str]] = {}
+    for name in properties:
+        items.setdefault(name.partition("[")[0], []).append(name)
+    return items
+
+
+def item_key(kernel_id: str, dtype: str, strategy: str, prop: str) -> str:
+    return f"{kernel_id}/{dtype}/{strategy}/{prop}"
+
+
+def plan_items(kernels: list[dict[str, Any]], dtypes: list[str], strategies: list[str], curve: bool) -> list[dict[str, Any]]:
+    """Every item, round-robin over the cells (kernel, dtype): each cell's n-th item before any cell's (n+1)-th."""
+    cells = []
+    for k in kernels:
+        if "error" in k:
+            continue
+        for dtype in dtypes:
+            items = [{"kernel": k["id"], "dtype": dtype, "strategy": "default", "property": CURVE}] if curve else []
+            items += [{"kernel": k["id"], "dtype": dtype, "strategy": s, "property": p, "judges": judged}
+                      for s in strategies for p, judged in k["properties"][s].items()]
+            cells.append(items)
+    ordered = [cell[n] for n in range(max((len(c) for c in cells), default=0)) for cell in cells if n < len(cell)]
+    for item in ordered:
+        item["key"] = item_key(item["kernel"], item["dtype"], item["strategy"], item["property"])
+        item["pass"] = "backward" if item["property"].startswith("backward_") else "forward"
+    return ordered
+
+
+def stored_counterexamples(results: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """``kernel/property`` (a gradient's property for a backward check) -> the Cases (reprs) that failed or were
+    imprecise there, in any dtype and strategy."""
+    cases: dict[str, list[str]] = {}
+    for r in results.values():
+        for verdict in r.get("verdicts", []):
+            if verdict["status"] in ("failed", "imprecise") and verdict.get("case"):
+                listed = cases.setdefault(f"{r['kernel']}/{verdict['property']}", [])
+                if verdict["case"] not in listed:
+                    listed.append(verdict["case"])
+    return cases
+
+
+# ----------------------------------------------------------------------------- one item (in a worker)
+
+# This process's resolved kernels, by (kernel id, dtype): a worker resolves each kernel once.
+_RESOLVED: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+def load_plan(path: str | Path) -> dict[str, Any]:
+    plan = json.loads(Path(path).read_text())
+    plan["by_key"] = {item["key"]: item for item in plan["items"]}
+    plan["kernels_by_id"] = {k["id"]: k for k in plan["kernels"]}
+    plan["out"] = str(Path(path).parent)
+    return plan
+
+
+def _append(plan: dict[str, Any], record: dict[str, Any]) -> None:
+    """One result line in this worker's file, flushed to disk before the item ends (a killed run keeps it)."""
+    folder = Path(plan["out"]) / RESULTS_DIR
+    folder.mkdir(exist_ok=True)
+    with open(folder / f"{record['worker']}.jsonl", "a") as results:
+        results.write(json.dumps(record, default=str) + "\n")
+        results.flush()
+        os.fsync(results.fileno())
+
+
+def _curve(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convention: Any, dtype: str) -> dict[str, Any]:
+    from attnlab.commands import report
+    from attnlab.commands.validate import error_curve
+    from attnlab.conventions import fixed_scale
+    from attnlab.metrics import worst_verdict
+    from attnlab.registry import formulation
+
+    shape = report.Sizes(**plan["curve_shape"])
+    scale = fixed_scale(convention, shape.K) if "scale" in formulation(kernel["formulation"]).option_names else None
+    rows = error_curve(kernel["formulation"], lambda **x: target(**x), kernel["function"], [dtype], plan["lengths"],
+                       shape, plan["device"]["type"], compare=True, options={"scale": scale} if scale is not None else None)
+    own = [r for r in rows if r["impl"] == kernel["function"]]
+    excess = [r["excess"] for r in own if r.get("excess") is not None]
+    return {"status": worst_verdict(report.row_verdict(r) for r in own), "rows": rows,
+            "worst_excess": max(excess) if len(excess) == len(own) else None}
+
+
+# An item's status: the worst of its verdict rows, in this order.
+ITEM_ORDER = ("error", "refused", "failed", "imprecise", "held")
+
+
+def _property(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convention: Any, item: dict[str, Any]) -> dict[str, Any]:
+    """The item's verdict rows: its property, or each gradient of its backward check in turn, within the item's
+    budget (a gradient reached past it is searched on the cases already drawn: the cache makes those cheap)."""
+    from attnlab.commands.validate import Validation, repro_script, run_property
+    from attnlab.evaluate import parse_dtype
+    from attnlab.properties import suite
+    from attnlab.properties.strategies import Case, Sizes
+
+    by_name = {p.name: p for p in suite.applicable(target, tuple(kernel["passes"]))}
+    device = plan["device"]["type"]
+    deadline = time.monotonic() + plan["item_budget_s"]
+    verdicts, repro = [], {}
+    for name in item["judges"]:
+        replay = [eval(case, {"Case": Case}) for case in item.get("replay", {}).get(name, [])]  # noqa: S307 - reprs this campaign wrote
+        verdict = run_property(by_name[name], target, parse_dtype(item["dtype"]), device, Sizes(**plan["sizes"]),
+                               item["strategy"], plan["examples"], convention, plan["dims"], plan["minimize"],
+                               replay=replay, deadline=deadline)
+        verdicts.append({**asdict(verdict), "figure_text": verdict.figure_text(), "pass": verdict.pass_name,
+                         "gradient": verdict.gradient})
+        if verdict.status == "failed":
+            validation = Validation(kernel["function"], kernel["formulation"], convention, device, [item["dtype"]],
+                                    [item["strategy"]], plan["examples"], plan["sizes"])
+            repro[name] = repro_script(validation, verdict, target.accepts_state)
+    status = next(s for s in ITEM_ORDER if s == "held" or any(v["status"] == s for v in verdicts))
+    return {"status": status, "verdicts": verdicts, "repro": repro}
+
+
+def run_item(plan: dict[str, Any], key: str) -> dict[str, Any]:
+    """Run one item of the plan and append its result (attnlab.commands.campaign_items calls it); returns it."""
+    item = plan["by_key"][key]
+    kernel = plan["kernels_by_id"][item["kernel"]]
+    started = time.time()
+    record: dict[str, Any] = {k: v for k, v in item.items() if k not in ("replay", "judges")}
+    record.update(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if started > plan["deadline"]:
+        record.update(status="not run", detail=f"not started: the campaign's budget of {plan['budget_s']:g} s was spent")
+    else:
+        try:
+            cached = (kernel["id"], item["dtype"])
+            if cached not in _RESOLVED:
+                _RESOLVED[cached] = resolve(kernel, item["dtype"], plan["device"]["type"])
+            target, convention = _RESOLVED[cached]
+            if item["property"] == CURVE:
+                record.update(_curve(plan, kernel, target, convention, item["dtype"]))
+            else:
+                record.update(_property(plan, kernel, target, convention, item))
+        except Exception as error:  # noqa: BLE001 - the harness's error is this item's result, never a lost item
+            record.update(status="error", detail=f"{type(error).__name__}: {error}")
+    record.update(seconds=round(time.time() - started, 2), finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _append(plan, record)
+    return record
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _worker_specs(device: str, gpus: int, per_gpu: int, workers: int) -> list[str]:
+    """pytest-xdist's options: on the GPU one execnet spec per worker, each pinning its GPU before the worker starts."""
+    if device == "cuda":
+        specs = [f"--tx=popen//env:CUDA_VISIBLE_DEVICES={g}" for g in range(gpus) for _ in range(per_gpu)]
+        return ["--dist=load", *specs]
+    return [f"--numprocesses={workers}", "--dist=load"]
+
+
+def pytest_command(out: Path, specs: list[str]) -> list[str]:
+    """The pytest run of the campaign's items: an empty ini in ``out`` so the user's configuration stays out."""
+    ini = out / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    return [sys.executable, "-m", "pytest", str(ITEMS_MODULE), "-c", str(ini), "--rootdir", str(out),
+            "--confcutdir", str(ITEMS_MODULE.parent), "-p", "xdist", "-p", "no:cacheprovider", "-q",
+            "--junitxml", str(out / "junit.xml"), *specs]
+
+
+def findings(record: dict[str, Any]) -> list[str]:
+    """The lines printed as an item lands: one per verdict row that did not hold, or the item's own status."""
+    where = f"{record['kernel']} {record['dtype']} {record['strategy']}"
+    lines = [f"{v['status'].upper()}: {where} {v['property']}: {v.get('figure_text') or (v.get('detail') or '')[:160]}"
+             for v in record.get("verdicts", []) if v["status"] != "held"]
+    if not record.get("verdicts") and record["status"] != "held":
+        worst = record.get("worst_excess")
+        lines.append(f"{record['status'].upper()}: {where} {record['property']}: "
+                     + (f"worst excess {worst:.3g}" if worst else (record.get("detail") or "")[:160]))
+    return [line.rstrip(": ") for line in lines]
+
+
+def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs: list[str], progress: bool) -> dict[str, Any]:
+    """Run pytest-xdist on the plan (the items in ``todo``), following ``out/results`` as it runs; returns the run's
+    record (wall time, exit code, items pytest reported but that wrote no result)."""
+    from tqdm import tqdm
+
+    started = time.time()
+    keys = {item["key"] for item in todo}
+    seen = {k for k in read_results(out) if k not in keys}  # results of earlier runs: not this run's progress
+    bar = tqdm(total=len(todo), desc="attnlab campaign", unit="item", disable=not progress, file=sys.stderr)
+    env = {**os.environ, PLAN_ENV: str(out / PLAN_NAME)}
+    with open(out / "pytest.log", "w") as log:
+        proc = subprocess.Popen(pytest_command(out, specs), stdout=log, stderr=subprocess.STDOUT, env=env)
+        killed = False
+        while proc.poll() is None:
+            time.sleep(1.0)
+            seen |= _follow(out, keys, seen, bar)
+            if time.time() > plan["deadline"] + KILL_GRACE and not killed:
+                proc.terminate()
+                killed = True
+        seen |= _follow(out, keys, seen, bar)
+    bar.close()
+    return {"seconds": round(time.time() - started, 1), "pytest_exit": proc.returncode, "stopped": killed}
+
+
+def _follow(out: Path, keys: set[str], seen: set[str], bar: Any) -> set[str]:
+    """Report the results that landed since the last look; returns their keys."""
+    new = {k: r for k, r in read_results(out).items() if k in keys and k not in seen}
+    for record in new.values():
+        for line in findings(record):
+            bar.write(line)
+        bar.update()
+    return set(new)
+
+
+def _versions(library: Library) -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
+    from attnlab.commands import report
+
+    found = report.versions()
+    if library.distribution:
+        try:
+            found[library.distribution] = version(library.distribution)
+        except PackageNotFoundError:
+            pass
     try:
-        return version(distribution)
+        found["pytest-xdist"] = version("pytest-xdist")
     except PackageNotFoundError:
-        return None
+        pass
+    return found
 
 
-def read_report(path: Path) -> dict[str, Any] | None:
-    """A job's report.json, or None where there is none (or only part of one: the job was killed writing it)."""
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+def make_plan(library: Library, *, device: str, dtypes: list[str], strategies: list[str],
+              passes: list[str], examples: int, item_budget: float, budget: float, lengths: list[int],
+              strict: bool, command: str, workers: str) -> dict[str, Any]:
+    from attnlab.commands import report
+    from attnlab.properties.suite import sizes_for
 
-
-def job_status(record: dict[str, Any], report: dict[str, Any] | None) -> str:
-    """A job's status: its report's overall verdict (held, imprecise, failed) where it has a report, else the
-    record's (from the exit code or the clock)."""
-    if report is None:
-        return record["status"]
-    verdict = report.get("verdict")
-    if verdict in VERDICTS:
-        return verdict
-    return HELD if report.get("held") else FAILED  # a report.json from before the three verdicts
-
-
-def job_passed(status: str, strict: bool) -> bool:
-    """Whether a job's status lets the campaign exit 0: held, or imprecise unless ``strict``."""
-    return status == HELD or (status == IMPRECISE and not strict)
-
-
-def status_counts(statuses: list[str]) -> str:
-    """"3 jobs: 1 held, 1 imprecise, 1 timed out", in STATUSES' order (any other status last)."""
-    order = list(dict.fromkeys([*STATUSES, *statuses]))
-    return f"{len(statuses)} jobs: " + ", ".join(f"{statuses.count(s)} {s}" for s in order if s in statuses)
-
-
-def run_campaign(target: Target, out: Path, budget: float, jobs: int, examples: int, work: list[Job],
-                 command: str = "", strict: bool = False) -> dict[str, Any]:
-    """Run every job (see the module's docstring) and write ``out/campaign.json``; returns what it wrote."""
-    out.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    deadline = start + budget
-    slot = slot_seconds(budget, jobs, len(work))
-    records: dict[str, dict[str, Any]] = {}
-    print(f"campaign {target.library}: {len(work)} jobs, {jobs} at a time, {slot:.0f} s each (budget {budget:.0f} s)",
-          flush=True)
-
-    def one(job: Job) -> None:
-        folder = out / job.folder
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "report.json").unlink(missing_ok=True)  # an earlier run's: not this job's verdict
-        left = min(slot + KILL_GRACE, deadline + KILL_GRACE - time.time())
-        record: dict[str, Any] = {"formulation": job.formulation, "op": job.op, "function": job.peer.function,
-                                  "dtype": job.dtype, "folder": job.folder, "slot_s": round(slot)}
-        if left < MIN_START:
-            record.update(status="not started", detail=f"campaign budget of {budget:.0f} s spent")
-            records[job.folder] = record
-            return
-        argv = job_command(target, job, folder, examples, max(10.0, min(slot, left) - SLOT_MARGIN), strict)
-        record["command"] = " ".join(shlex.quote(c) for c in argv[1:]).replace("-m attnlab.cli", "attnlab", 1)
-        started = time.time()
-        with open(folder / "log.txt", "w") as log:
-            try:
-                rc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=left, check=False).returncode
-                record.update(status={EXIT_HELD: "held", EXIT_FAILED: "failed"}.get(rc, "error"), rc=rc)
-            except subprocess.TimeoutExpired:
-                record.update(status="timed out", rc=None, detail=f"killed after {left:.0f} s (its slot)")
-        record["status"] = job_status(record, read_report(folder / "report.json"))
-        record["seconds"] = round(time.time() - started, 1)
-        records[job.folder] = record
-        print(f"{job.folder}: {record['status']} ({record['seconds']} s)", flush=True)
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(one, work))
-    summary = {"what": f"attnlab validate on {target.title}'s kernels", "target": target.library,
-               "version": _version(target.distribution), "command": command, "budget_s": budget,
-               "slot_s": round(slot), "jobs": jobs, "examples": examples, "strict": strict, "lengths": LENGTHS, "curve_shape": CURVE_SHAPE,
-               "env": {k: os.environ.get(k) for k in target.env},
-               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(start)),
-               "records": [records[job.folder] for job in work if job.folder in records]}
-    (out / "campaign.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"campaign {target.library}: " + status_counts([r["status"] for r in records.values()]))
-    return summary
-
-
-# ----------------------------------------------------------------------------- render
-
-# Properties that are identities (any correct implementation keeps them, up to rounding), not accuracy bounds.
-IDENTITIES = {"causality", "split_and_resume", "chunk_size_invariance", "reduces_to_special_case", "convexity",
-              "shift_invariance"}
-# An excess at least this many times the bound is a bug wherever it shows; below ACCURACY_RATIO on the default
-# inputs it is an accuracy finding ("less accurate than the bound").
-BUG_RATIO = 10.0
-ACCURACY_RATIO = 4.0
-EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
-
-
-def _number(detail: str, key: str) -> float | None:
-    match = re.search(rf"{key}\s+([-+0-9.eE]+|inf|nan)", detail or "")
-    try:
-        return float(match.group(1)) if match else None
-    except ValueError:
-        return None
-
-
-def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
-    """(kind, why) of a failed or erroring verdict; kind is "bug", "representable", "accuracy", "limitation" or "error".
-
-    bug: the kernel raised, returned NaN/inf where the oracle is finite, broke an identity (causality; a
-    split-and-resumed final state, convexity or another identity by ACCURACY_RATIO times its rounding allowance or more) or
-    missed the bound by 10x or more. representable: the exact output is representable in the dtype (floor_round
-    0), so any rounding at all shows as an unbounded excess. accuracy: past the bound by less (on the default
-    inputs below 4x: "less accurate than the bound"). limitation: a property that cannot apply to this kernel
-    (its state omits a part the run needs). error: attnlab's check itself failed (not a finding about the kernel).
-    """
-    detail, measure = v.get("detail") or "", v.get("measure") or ""
-    if v["status"] == "error":
-        return "error", "the check could not run (attnlab's side): " + detail.splitlines()[0][:200] if detail else "the check could not run"
-    if v["status"] == "refused":
-        return "limitation", "the kernel refuses its backward: " + (detail.splitlines()[0][:200] if detail else "it raised")
-    if "raised" in measure:
-        return "bug", "the kernel raised on a valid input"
-    if measure == "state parts carried":
-        return "limitation", detail.split("; split at")[0]
-    figure, bound = v.get("figure"), v.get("bound")
-    if figure is None:
-        return "bug", "non-finite output where the float64 oracle is finite"
-    ratio = figure / bound if bound else math.inf
-    if v["property"] == "causality":
-        return "bug", "causality is an identity every correct implementation keeps (an output moved when only later inputs changed)"
-    if v["property"] == "split_and_resume" and "state" in measure:
-        if ratio >= ACCURACY_RATIO:
-            return "bug", f"the split-and-resumed final state differs from the oracle's by {ratio:.3g}x the rounding allowance ({figure:.3g} > {bound:.3g} relative)"
-        return "accuracy", f"the split-and-resumed final state is off by {ratio:.3g}x the rounding allowance ({figure:.3g} > {bound:.3g} relative)"
-    if v["property"] in IDENTITIES and "excess" not in measure:
-        if ratio >= ACCURACY_RATIO:
-            return "bug", f"{v['property']} is an identity, broken by {ratio:.3g}x its rounding allowance"
-        return "accuracy", f"{v['property']} is kept only up to {ratio:.3g}x its rounding allowance (a few ulps): less accurate than the bound"
-    floor_round = _number(detail, "floor_round")
-    if floor_round == 0.0 and "excess" in measure:
-        eps = EPS.get(v["dtype"], 2.0**-7)
-        ulps = re.search(r"off by up to ([0-9.eE+-]+) ulps", detail)
-        if ulps:
-            off = f"off by up to {float(ulps.group(1)):.3g} ulps"
-        else:
-            rel, max_err = _number(detail, "rel_err"), _number(detail, "max_err")
-            off = (f"off by {rel / eps:.2g} ulps norm-wise (rel_err {rel:.3g}, max_err {max_err:.3g})"
-                   if rel is not None and max_err is not None else "off by a few ulps")
-        return "representable", f"the exact output is representable in {v['dtype']}, so any rounding shows; {who} is {off}"
-    if ratio >= BUG_RATIO:
-        return "bug", f"{ratio:.3g}x the bound ({figure:.3g} > {bound:.3g})"
-    if v["strategy"] == "default":
-        if ratio < ACCURACY_RATIO:
-            return "accuracy", f"less accurate than the bound on the default inputs ({figure:.3g} vs {bound:.3g}, {ratio:.2g}x)"
-        return "accuracy", f"well past the bound on the default inputs ({ratio:.3g}x; below the {BUG_RATIO:g}x taken for a bug)"
-    return "accuracy", f"past the bound on adversarial inputs ({ratio:.3g}x)"
-
-
-KIND_WORDS = {"bug": "Bug", "representable": "Rounding on an exactly representable output",
-              "accuracy": "Accuracy finding", "limitation": "Does not apply", "error": "attnlab's check failed"}
-
-
-def _md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    esc = lambda c: str(c).replace("|", "\\|")  # noqa: E731
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(esc(c) for c in r) + " |" for r in rows)]
-
-
-def _excess_text(rows: list[dict[str, Any]], impl: str) -> str:
-    values = [r["excess"] for r in rows if r["impl"] == impl and r.get("excess") is not None]
-    broken = [r for r in rows if r["impl"] == impl and (r.get("error") or r.get("excess") is None)]
-    text = f"{max(values):.3g}" if values else "-"
-    return text + (f" ({len(broken)} point(s) failed)" if broken else "")
-
-
-def load_results(results: Path) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    """(campaign.json, its records, folder -> report.json) of a results folder.
-
-    Without a campaign.json (a run cut off before writing it), every subfolder holding a report.json is a
-    record, described from its report. Every record's status is :func:`job_status`'s (a campaign.json from
-    before the three verdicts recorded "held" for an imprecise job).
-    """
-    campaign = json.loads((results / "campaign.json").read_text()) if (results / "campaign.json").exists() else {"records": []}
-    records = campaign["records"]
-    if not records:
-        for path in sorted(results.glob("*/report.json")):
-            rep = json.loads(path.read_text())
-            records.append({"folder": path.parent.name, "formulation": rep["formulation"],
-                            "op": rep["kernel"].rpartition(":")[2], "dtype": ",".join(rep.get("dtypes", [])) or "?",
-                            "status": "?"})
-    reports: dict[str, dict[str, Any]] = {}
-    for r in records:
-        report = read_report(results / r["folder"] / "report.json")
-        if report is not None:
-            reports[r["folder"]] = report
-            r.setdefault("formulation", report["formulation"])
-        r["status"] = job_status(r, report)
-    return campaign, records, reports
-
-
-def _imprecise_text(verdicts: list[dict[str, Any]]) -> str:
-    """"2 imprecise (worst 3.2; held <= 1.5, failed > 8)": the imprecise runs and the worst figure against both
-    bounds, as far as the report has them."""
-    imprecise = [v for v in verdicts if v["status"] == IMPRECISE]
-    figures = [v for v in imprecise if v.get("figure") is not None and v.get("bound")]
-    text = f"{len(imprecise)} imprecise"
-    if not figures:
-        return text
-    worst = max(figures, key=lambda v: v["figure"] / v["bound"])
-    bounds = f"held <= {worst['bound']:.3g}" + (f", failed > {worst['correctness']:.3g}" if worst.get("correctness") else "")
-    return f"{text} (worst {worst['figure']:.3g}; {bounds})"
-
-
-def _runs_cell(verdicts: list[dict[str, Any]]) -> str:
-    """A strategy's property runs in the summary: "held" when all held, else counted by grade."""
-    if not verdicts:
-        return "-"
-    if all(v["status"] == HELD for v in verdicts):
-        return HELD
-    count = lambda *statuses: sum(v["status"] in statuses for v in verdicts)  # noqa: E731
-    parts = [f"{count(HELD)} held" if count(HELD) else "", _imprecise_text(verdicts) if count(IMPRECISE) else "",
-             f"{count(FAILED, 'error')} failed" if count(FAILED, "error") else "",
-             f"{count('refused')} refused (backward)" if count("refused") else "",
-             f"{count('skipped', 'not run')} not run" if count("skipped", "not run") else ""]
-    return ", ".join(p for p in parts if p)
-
-
-def _bounds_words(reports: list[dict[str, Any]], dtypes: list[str]) -> str:
-    """The bounds the jobs were graded by (their reports' "bounds"; the registry's for reports without)."""
-    table = {d: b for rep in reports for d, b in (rep.get("bounds") or {}).items()}
-    for d in dtypes:
-        if d not in table and d in BOUNDS:
-            table[d] = {"accuracy": BOUNDS[d].accuracy, "correctness": BOUNDS[d].correctness}
-    return "; ".join(f"{d} held <= {b['accuracy']:g}, failed > {b['correctness']:g}" for d, b in table.items())
-
-
-def render(target: Target, results: Path, destination: Path, strict: bool = False) -> int:
-    """Write the Markdown report of a results folder to ``destination``; returns the campaign's exit status
-    (``strict``, or a campaign.json recording a run with --strict: an imprecise job fails the campaign)."""
-    from attnlab.commands.report import summary_table
-
-    campaign, records, reports = load_results(results)
-    strict = strict or bool(campaign.get("strict"))
-    first = next(iter(reports.values()), None)
-    version = campaign.get("version") or (first or {}).get("versions", {}).get(target.distribution) or "(version unknown)"
-    lines = [f"# {target.title} {version} under `attnlab validate`", ""]
-    if first:
-        env = ", ".join(f"{k}={'unset' if v is None else v}" for k, v in first["env"].items())
-        lines += [f"- Device: {first['device']['name']}",
-                  "- Versions: " + ", ".join(f"{k} {v}" for k, v in first["versions"].items()),
-                  f"- Environment (changes {target.library}'s numerics): {env}",
-                  f"- Search: {first['examples']} examples per (property, strategy, dtype), derandomized, sizes "
-                  f"{first['sizes']}, head dims 64; failures minimized greedily (at most 12 checks).",
-                  f"- Curve: T = {campaign.get('lengths', LENGTHS)}, shape B,H,K,V = {campaign.get('curve_shape', CURVE_SHAPE)}, "
-                  "the registry's default inputs (seed 0), against the float64 oracle.",
-                  f"- Campaign: `{campaign.get('command') or f'attnlab campaign {target.library}'}` (budget "
-                  f"{campaign.get('budget_s', '?')} s, {campaign.get('jobs', '?')} parallel jobs), rendered by "
-                  f"`attnlab campaign --render DIR`; started {campaign.get('started', '?')}.", ""]
-    lines += [
-        target.calling + " *default*: the registry's default input distributions; *adversarial*: gates "
-        "down to -20 per step, beta at 0 and 2, nearly parallel keys, logits and keys past the dtype's exp "
-        "overflow. Verdicts: *held* within the accuracy bound, *imprecise* above it up to the correctness bound "
-        "(the right function, less accurately), *failed* above that; bounds (excess = rel_err / floor): "
-        f"{_bounds_words(list(reports.values()), [r['dtype'] for r in records])}; final states 2^-7 (bf16), "
-        "2^-10 (fp16) relative; causality bitwise (attnlab.properties.checks). A job's verdict is its worst "
-        "(property runs and curve points)" + ("; under --strict an imprecise job fails the campaign." if strict else "."),
-        "", "## Summary", "", status_counts([r["status"] for r in records]) + ".", ""]
-    body = []
-    for r in records:
-        rep = reports.get(r["folder"])
-        if rep is None:
-            body.append([r.get("formulation", "?"), f"`{r['op']}`", r["dtype"], r["status"], "", "", "", "", r.get("detail", "")])
-            continue
-        verdicts = rep["verdicts"]
-        rows = rep["curve"].get("rows", [])
-        failed = sorted({v["property"] for v in verdicts if v["status"] in (FAILED, "refused")})
-        imprecise = sorted({v["property"] for v in verdicts if v["status"] == IMPRECISE})
-        own = sorted({x["impl"] for x in rows if x["impl"].startswith("attnlab:")})
-        properties = "; ".join(part for part in (", ".join(failed), f"imprecise: {', '.join(imprecise)}" if imprecise else "",
-                                                 f"job {r['detail']}" if r.get("detail") else "") if part)
-        body.append([rep["formulation"], f"`{r['op']}`", r["dtype"], r["status"],
-                     *(_runs_cell([v for v in verdicts if v["strategy"] == s]) for s in ("default", "adversarial")),
-                     _excess_text(rows, rep["kernel"]), ", ".join(f"{i.split(':')[1]} {_excess_text(rows, i)}" for i in own),
-                     properties])
-    lines += _md_table(["formulation", f"{target.library} kernel", "dtype", "verdict", "default", "adversarial",
-                        f"worst curve excess ({target.library})", "worst curve excess (attnlab)",
-                        "failed / imprecise properties"], body)
-    lines += ["", "Worst curve excess: the largest excess over T of the error-vs-length curve below.", ""]
-    # One section per kernel: the registry's order, then any the registry no longer names.
-    sections = list(dict.fromkeys([(name, p.attribute) for name, p in kernels(target)]
-                                  + [(r["formulation"], r["op"]) for r in records]))
-    bugs: list[tuple[str, dict[str, Any], str, str]] = []
-    for name, op in sections:
-        mine = [r for r in records if r["op"] == op and r["formulation"] == name]
-        if not mine:
-            continue
-        lines += [f"## {name}: `{op}`", ""]
-        reps = [(r, reports.get(r["folder"])) for r in mine]
-        present = [rep for _, rep in reps if rep is not None]
-        if present:
-            convention = present[0]["convention"]
-            lines += [f"Convention: {convention['describe'] if convention else 'none'}", ""]
-            if convention and convention.get("derived"):
-                lines += [f"Note: this kernel computes {', '.join(convention['derived'])} itself (in fp32), while the "
-                          "oracle sees the registry's value rounded to the dtype: part of a small excess can be that "
-                          "rounding, not the kernel.", ""]
-        for r, rep in reps:
-            if rep is None:
-                lines += [f"- {r['dtype']}: {r['status']} {r.get('detail', '')}".rstrip(), ""]
-        rows = [x for rep in present for x in rep["curve"].get("rows", [])]
-        if rows:
-            lines += ["### Excess by length", "", *summary_table(rows), ""]
-        verdicts = [(rep, v) for rep in present for v in rep["verdicts"]]
-        if verdicts:
-            lines += ["### Properties", "", *_md_table(
-                ["strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "input"],
-                [[v["strategy"], v["dtype"], v["property"], {"held": "held", "imprecise": "imprecise", "failed": "**FAILED**", "refused": "**REFUSED**",
-                  "error": "ERROR", "skipped": "not run"}[v["status"]], str(v["examples"]), v["figure_text"],
-                  f"`{v['case']}`" if v["case"] else v["detail"][:120]]
-                 for _, v in verdicts]), ""]
-        imprecise = [v for _, v in verdicts if v["status"] == IMPRECISE]
-        if imprecise:
-            lines += ["### Imprecise", "", "Above the accuracy bound, within the correctness bound: the right function, "
-                      "less accurately than the bound allows" + (" (fails the campaign under --strict)." if strict else "."), ""]
-            lines += [f"- **{v['property']}** ({v['strategy']}, {v['dtype']}): {v['figure_text']}"
-                      + (f"; worst input `{v['case']}`" if v.get("case") else "") + "." for v in imprecise]
-            lines.append("")
-        failures = [(rep, v) for rep, v in verdicts if v["status"] in ("failed", "refused", "error")]
-        if failures:
-            lines += ["### Failures", ""]
-            for rep, v in failures:
-                kind, reason = classify(v, target.library)
-                why = reason if kind == "bug" and v["status"] == "failed" else ""
-                lines += [f"- **{v['property']}** ({v['strategy']}, {v['dtype']}): {v['figure_text'] or v['status']}; "
-                          f"minimal counterexample `{v['case']}`" + (f" (found as `{v['found']}`)" if v.get("found") and v["found"] != v["case"] else "")
-                          + f". {KIND_WORDS[kind]}: {reason}.",
-                          f"  - {v['detail'][:400]}" if v.get("detail") else ""]
-                key = f"{v['strategy']}/{v['dtype']}/{v['property']}"
-                if why and key in rep.get("repro", {}) and not any(t.startswith(f"{op}: {v['property']} ") for t, *_ in bugs):
-                    bugs.append((f"{op}: {v['property']} ({v['strategy']}, {v['dtype']})", v, rep["repro"][key], why))
-            lines.append("")
-    if bugs:
-        lines += ["## Reproducing the bugs", "",
-                  f"Each script runs on a CUDA machine with {target.distribution} {version} and attnlab installed; it "
-                  f"calls {target.library}'s kernel through its declared convention (the registry's peer) on the "
-                  "minimal counterexample and prints the check's report.", ""]
-        for title, v, script, why in bugs:
-            lines += [f"### {title}", "", f"{why}.", "", "```python", script.rstrip(), "```", ""]
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    destination.write_text("\n".join(line for line in lines if line is not None).rstrip() + "\n")
-    every = bool(records) and all(job_passed(r["status"], strict) for r in records)
-    return EXIT_HELD if every else EXIT_FAILED
+    sizes = sizes_for(device, "ci")
+    dims = list(GPU_DIMS) if device == "cuda" else None
+    if device == "cuda":
+        sizes = replace(sizes, **GPU_SEARCH)
+    kernels = probe_all(library.kernels, dtypes, device, dims, passes, strategies)
+    return {"target": library.name, "title": library.title, "distribution": library.distribution,
+            "calling": library.calling, "env": {k: os.environ.get(k) for k in library.env},
+            "versions": _versions(library), "device": {"type": device, "name": report.device_description(device)},
+            "dtypes": dtypes, "strategies": strategies, "passes": passes, "examples": examples,
+            "item_budget_s": item_budget, "budget_s": budget, "deadline": time.time() + budget,
+            "sizes": asdict(sizes), "dims": dims, "minimize": MINIMIZE_CHECKS, "lengths": lengths,
+            "curve_shape": CURVE_SHAPE[device], "strict": strict, "command": command, "workers": workers,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kernels": kernels,
+            "items": plan_items(kernels, dtypes, strategies, bool(lengths))}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -532,29 +525,43 @@ def render(target: Target, results: Path, destination: Path, strict: bool = Fals
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``attnlab campaign`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
-        "campaign", help="attnlab validate on every kernel of a library (GPU), rendered as one Markdown report",
-        description="Run attnlab validate on every kernel the registry's peers name for TARGET (a GPU with the "
-                    "library installed), then render DIR/campaign.md; or, with --render DIR, only re-render "
-                    "fetched results. A job's status is its report's verdict (held, imprecise, failed) where it wrote "
-                    "one, else its exit code's or the clock's (error, timed out, not started).",
-        epilog="Exit status: 0 every job ran and none failed (imprecise ones pass unless --strict); 1 a job failed, "
-               "erred, was killed or did not start, or was imprecise under --strict; 2 usage error.")
+        "campaign", help="the property suite on every kernel of a library (fla, torch, or a campaign file), "
+                         "spread over GPUs (or CPU workers) by pytest-xdist, rendered as one report",
+        description=__doc__.split("\n\n")[2] + " " + __doc__.split("\n\n")[5],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Exit status: 0 every cell ran completely and none failed (imprecise ones pass unless --strict); "
+               "1 an item failed, was refused, erred or did not run, or was imprecise under --strict; 2 usage error.")
     parser.add_argument("target", nargs="?", default=None, metavar="TARGET",
-                        help=f"the library: {', '.join(known_targets())} (with --render: default the results' own)")
-    parser.add_argument("--budget", type=float, default=400.0, help="seconds for the whole campaign (default 400)")
-    parser.add_argument("--jobs", type=int, default=10, help="validate processes at a time (default 10)")
-    parser.add_argument("--examples", type=int, default=6, help="examples per property, strategy and dtype (default 6)")
-    parser.add_argument("--ops", default=None, help="comma-separated function names (default: every kernel of the target)")
-    parser.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma-separated (default {','.join(DTYPES)})")
+                        help=f"{', '.join(shipped_targets())}, or a campaign file (.toml/.json) naming kernels")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where the kernels run (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument("--gpus", default="all", metavar="N|all", help="GPUs to spread the items over (default all)")
+    parser.add_argument("--workers-per-gpu", type=int, default=1, metavar="N",
+                        help="pytest-xdist workers per GPU (default 1; more overlap Triton's compiles)")
+    parser.add_argument("--workers", type=int, default=None, metavar="N",
+                        help="pytest-xdist workers on the CPU (default: the CPU count, at most 8)")
+    parser.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
+    parser.add_argument("--item-budget", type=float, default=60.0,
+                        help="seconds per item: its search stops drawing past it (default 60)")
+    parser.add_argument("--examples", type=int, default=6, help="examples per item (default 6)")
+    parser.add_argument("--dtypes", default=None, help="comma-separated (default bfloat16,float16 on cuda, "
+                                                       "float32,float16 on cpu)")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help="default, adversarial or both (default both)")
+    parser.add_argument("--passes", default="forward,backward",
+                        help="forward, backward or both (default both; backward only for differentiable kernels)")
+    parser.add_argument("--ops", default=None, help="comma-separated function names (default every kernel of the target)")
+    parser.add_argument("--lengths", default=None, metavar="LIST|none",
+                        help="the curve's lengths (default 64,256,1024,4096 on cuda, 16,64 on cpu; none: no curve)")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default out/campaign-TARGET)")
+    parser.add_argument("--fresh", action="store_true", help="discard the results already in --out (default: resume)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (findings are still printed)")
     parser.add_argument("--render", type=Path, default=None, metavar="DIR",
-                        help="only render the results in DIR (a run's --out), on any machine; the run's options but --strict are ignored")
+                        help="only render the results in DIR (a run's --out), on any machine")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help=f"where the Markdown goes (default DIR/{REPORT_NAME})")
     parser.add_argument("--strict", action="store_true",
-                        help="an imprecise job (above the accuracy bound, within the correctness bound) fails the "
-                             "campaign (exit 1); passed on to every attnlab validate (with --render: as does a "
-                             "campaign.json recording a run with --strict)")
+                        help="an imprecise item (above the accuracy bound, within the correctness bound) fails the "
+                             "campaign (exit 1)")
     parser.set_defaults(func=command)
     return parser
 
@@ -563,64 +570,99 @@ def _usage(message: str) -> int:
     return usage_error("campaign", message)
 
 
-def _target(name: str | None) -> Target | str:
-    """The Target named ``name``, or the usage error's message."""
-    known = known_targets()
-    if name is None:
-        return f"name a target: one of {', '.join(known)}"
-    if name not in known:
-        return f"unknown target {name!r}; known: {', '.join(known)}"
-    return TARGETS[name]
+def _list(text: str | None, allowed: tuple[str, ...] | list[str], flag: str) -> list[str]:
+    chosen = [t.strip() for t in (text or "").split(",") if t.strip()]
+    bad = [t for t in chosen if t not in allowed]
+    if bad or not chosen:
+        raise UsageError(f"{flag} {text!r}: expected some of {', '.join(allowed)}")
+    return list(dict.fromkeys(chosen))
+
+
+def _lengths(text: str | None, device: str) -> list[int]:
+    if text is None:
+        return list(DEFAULT_LENGTHS[device])
+    if text == "none":
+        return []
+    try:
+        lengths = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 1:
+        raise UsageError(f"--lengths {text!r}: expected positive integers (64,256) or none")
+    return lengths
+
+
+def _gpus(text: str) -> int:
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        raise UsageError("--device cuda: no CUDA GPU is visible here; use --device cpu")
+    if text == "all":
+        return visible
+    if not text.isdigit() or not 1 <= int(text) <= visible:
+        raise UsageError(f"--gpus {text!r}: expected all or 1..{visible} (GPUs visible here)")
+    return int(text)
 
 
 def command(args: argparse.Namespace) -> int:
     if args.render is not None:
-        return _render_command(args)
-    target = _target(args.target)
-    if isinstance(target, str):
-        return _usage(target)
-    if args.budget <= 0 or args.jobs < 1 or args.examples < 1:
-        return _usage("--budget must be positive, --jobs and --examples at least 1")
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    if not dtypes or any(d not in EPS for d in dtypes):
-        return _usage(f"--dtypes must be some of {', '.join(EPS)}; got {args.dtypes!r}")
-    available = dict.fromkeys(p.attribute for _, p in kernels(target))
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
-    if ops is not None and (not ops or any(o not in available for o in ops)):
-        return _usage(f"--ops: unknown {', '.join(o for o in ops if o not in available) or '(none given)'}; "
-                      f"{target.library}'s kernels: {', '.join(available)}")
-    import torch
+        return render_command(args.render, args.report, args.strict)
+    try:
+        if args.target is None:
+            raise UsageError(f"name a target: {', '.join(shipped_targets())}, or a campaign file (.toml or .json)")
+        library = library_for(args.target)
+        if args.budget <= 0 or args.item_budget <= 0 or args.examples < 1 or args.workers_per_gpu < 1 or (
+                args.workers is not None and args.workers < 1):
+            raise UsageError("--budget and --item-budget must be positive, --examples, --workers and "
+                             "--workers-per-gpu at least 1")
+        if importlib.util.find_spec("xdist") is None:
+            raise UsageError("a campaign runs on pytest-xdist, which is not installed here (pip install pytest-xdist)")
+        import torch
 
-    if not torch.cuda.is_available():
-        return _usage("a campaign runs on a CUDA GPU (none is visible here); --render DIR renders fetched results anywhere")
-    module = kernels(target)[0][1].function.partition(":")[0]
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        return _usage(f"{target.library} is not importable here (pip install {target.distribution})")
-    out = args.out or Path("out") / f"campaign-{target.library}"
-    work = job_order(target, kernels(target, ops), dtypes)
-    invocation = " ".join(["attnlab campaign", target.library, *(f"--{k} {getattr(args, k)}" for k in ("budget", "jobs", "examples")),
-                           *([f"--ops {args.ops}"] if args.ops else []), *(["--strict"] if args.strict else [])])
-    run_campaign(target, out, args.budget, args.jobs, args.examples, work, command=invocation, strict=args.strict)
-    return _render_and_say(target, out, args.report or out / REPORT_NAME, args.strict)
-
-
-def _render_and_say(target: Target, results: Path, destination: Path, strict: bool) -> int:
-    status = render(target, results, destination, strict)
-    print(f"wrote {destination}; " + ("every job ran and none failed" if status == EXIT_HELD else
-                                      "a job failed, erred or did not run, or was imprecise under --strict"))
-    return status
-
-
-def _render_command(args: argparse.Namespace) -> int:
-    results: Path = args.render
-    if not (results / "campaign.json").exists() and not any(results.glob("*/report.json")):
-        return _usage(f"--render {results}: no campaign.json and no */report.json there")
-    name = args.target
-    if name is None and (results / "campaign.json").exists():
-        name = json.loads((results / "campaign.json").read_text()).get("target")
-    if name is None and len(known_targets()) == 1:  # results from before campaign.json named its target
-        name = known_targets()[0]
-    target = _target(name)
-    if isinstance(target, str):
-        return _usage(target)
-    return _render_and_say(target, results, args.report or results / REPORT_NAME, args.strict)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        gpus = _gpus(args.gpus) if device == "cuda" else 0
+        dtypes = _list(args.dtypes or ",".join(DEFAULT_DTYPES[device]), ("bfloat16", "float16", "float32"), "--dtypes")
+        if device == "cpu" and "bfloat16" in dtypes:
+            raise UsageError("--dtypes bfloat16 needs a GPU (the Triton interpreter computes bf16 on raw bit patterns)")
+        strategies = _list(args.strategies, STRATEGIES, "--strategies")
+        passes = _list(args.passes, ("forward", "backward"), "--passes")
+        lengths = _lengths(args.lengths, device)
+        if args.ops is not None:
+            wanted = _list(args.ops, [k.op for k in library.kernels], "--ops")
+            library = replace(library, kernels=tuple(k for k in library.kernels if k.op in wanted))
+    except UsageError as error:
+        return _usage(str(error))
+    workers = args.workers or min(8, os.cpu_count() or 1)
+    specs = _worker_specs(device, gpus, args.workers_per_gpu, workers)
+    where = f"{gpus} GPU(s) x {args.workers_per_gpu} worker(s)" if device == "cuda" else f"{workers} CPU worker(s)"
+    out: Path = args.out or Path("out") / f"campaign-{library.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.fresh:
+        for path in (out / RESULTS_DIR).glob("*.jsonl"):
+            path.unlink()
+    invocation = "attnlab campaign " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if sys.argv[1:2] == ["campaign"] else ""
+    plan = make_plan(library, device=device, dtypes=dtypes, strategies=strategies, passes=passes,
+                     examples=args.examples, item_budget=args.item_budget, budget=args.budget, lengths=lengths,
+                     strict=args.strict, command=invocation or f"attnlab campaign {args.target}", workers=where)
+    stored = read_results(out)
+    replay = stored_counterexamples(stored)
+    for item in plan["items"]:
+        cases = {name: replay[f"{item['kernel']}/{name}"] for name in item.get("judges", ())
+                 if f"{item['kernel']}/{name}" in replay}
+        if cases:
+            item["replay"] = cases
+    todo = [item for item in plan["items"] if stored.get(item["key"], {}).get("status") not in DONE]
+    (out / PLAN_NAME).write_text(json.dumps({**plan, "todo": [i["key"] for i in todo]}, indent=1, default=str) + "\n")
+    broken = [k for k in plan["kernels"] if "error" in k]
+    print(f"campaign {library.name}: {len(plan['kernels'])} kernels, {len(plan['items'])} items "
+          f"({len(plan['items']) - len(todo)} done in {out}, {len(todo)} to run) on {where}; "
+          f"{args.item_budget:g} s per item, budget {args.budget:g} s", flush=True)
+    for k in broken:
+        print(f"ERROR: {k['id']} cannot be called: {k['error'][:300]}", flush=True)
+    previous = json.loads((out / SUMMARY_NAME).read_text()).get("runs", []) if (out / SUMMARY_NAME).exists() and not args.fresh else []
+    run = {"items": len(todo), "workers": where, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if todo:
+        run.update(run_items(out, plan, todo, specs, progress=not args.no_progress))
+    summarize(out, plan, [*previous, run])
+    return render_and_say(out, args.report or out / REPORT_NAME, args.strict)

@@ -297,6 +297,7 @@ class Verdict:
     message: str = ""
     seconds: float = 0.0
     correctness: float | None = None
+    budget_spent: bool = False  # the search stopped at its time budget, before its examples
 
     @property
     def held(self) -> bool:
@@ -398,17 +399,20 @@ def verdict_key(v: Verdict) -> str:
 
 
 def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes: Any, strategy: str, examples: int,
-                 convention: Convention, dims: Sequence[int] | None, minimize_tries: int) -> Verdict:
+                 convention: Convention, dims: Sequence[int] | None, minimize_tries: int, *,
+                 replay: Sequence[Any] = (), deadline: float | None = None) -> Verdict:
     """One property's search under one strategy, reduced to a Verdict (a failure minimized; the search goes on
-    past imprecise inputs, and the worst imprecise one is reported when no input failed)."""
+    past imprecise inputs, and the worst imprecise one is reported when no input failed). ``replay`` cases run
+    first; past ``deadline`` (``time.monotonic()``) the search stops drawing (attnlab.properties.suite.search)."""
     from attnlab.properties import suite
     from attnlab.properties.checks import BACKWARD_RAISED
 
     started = time.perf_counter()
     fit = make_fit(target.formulation, convention, strategy, prop.name, dims)
     outcome = suite.run(prop, target, dtype, device, sizes, _search_settings(examples), fit=fit,
-                        regressions=strategy == "adversarial")
-    verdict = Verdict(strategy, _dtype_name(dtype), prop.name, "held", outcome.examples)
+                        regressions=strategy == "adversarial", replay=replay, deadline=deadline)
+    verdict = Verdict(strategy, _dtype_name(dtype), prop.name, "held", outcome.examples,
+                      budget_spent=outcome.budget_spent)
     if outcome.failure is not None and outcome.failure.measure == BACKWARD_RAISED:
         verdict.status = "refused"  # the kernel's backward raised: its message, as found (nothing to minimize)
         verdict.first_failure = outcome.first_failure
@@ -417,7 +421,9 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
         failure = outcome.failure
         case, result, runs = failure.case, failure, 0
         if minimize_tries > 0 and case is not None:
-            case, result, runs = minimize(prop, target, case, failure, dtype, device, fit, tries=minimize_tries)
+            seconds = MINIMIZE_SECONDS if deadline is None else min(MINIMIZE_SECONDS, max(5.0, deadline - time.monotonic()))
+            case, result, runs = minimize(prop, target, case, failure, dtype, device, fit, tries=minimize_tries,
+                                          seconds=seconds)
         verdict.status = "failed"
         verdict.first_failure = outcome.first_failure
         verdict.found = repr(failure.case)
