@@ -1,7 +1,9 @@
-"""``attnlab campaign``: usage errors, the job list drawn from the registry, and rendering a results folder.
+"""``attnlab campaign``: usage errors, the plan drawn from the registry or a campaign file, pytest-xdist's workers
+(pinned by their execnet specs), a whole campaign on the CPU on a small library with a correct and a broken
+kernel (resumed, cut short, a worker crashing), and rendering.
 
-No campaign runs here (fla is not installed and there is no GPU): the results are hand-made, shaped as
-``attnlab campaign`` and ``attnlab validate --out`` write them.
+The runs here are on the CPU (plain-torch kernels, CPU workers); on a GPU the same command pins one worker per
+GPU (tools/gpu/job campaign).
 """
 
 from __future__ import annotations
@@ -10,20 +12,38 @@ import ast
 import contextlib
 import io
 import json
+import os
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from attnlab.cli import main
-from attnlab.commands import campaign
-from attnlab.commands.campaign import (TARGETS, job_command, job_order, kernels, known_targets, run_campaign,
-                                       slot_seconds)
+from attnlab.commands import campaign, campaign_report
+from attnlab.commands.campaign import (CampaignKernel, _worker_specs, library_for, plan_items, shipped_library,
+                                       shipped_targets)
+from attnlab.commands.validate import UsageError
+from attnlab.properties import suite
+from attnlab.properties.strategies import Case
+from attnlab.properties.targets import own_kernel_target
 from attnlab.registry import REGISTRY, names
 
 ROOT = Path(__file__).resolve().parent.parent
-FLA = TARGETS["fla"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_plugin import THIRD_PARTY_KERNELS  # noqa: E402 - the plugin tests' third-party GLA: good and stale_gate
+
+# A kernel that kills its process on longer inputs (its probe, at T = 4, passes): a worker crash mid-campaign.
+CRASHING_KERNEL = '''
+
+def crashes(*, q, k, v, g, scale=None):
+    if q.shape[1] > 8:
+        import os
+        os._exit(3)
+    return gla(q=q, k=k, v=v, g=g, scale=scale)
+'''
 
 
 def run(*argv: str) -> tuple[int, str, str]:
@@ -37,296 +57,324 @@ def run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+def library(tmp_path: Path, *kernels: str, suffix: str = ".toml") -> Path:
+    """A campaign file for the fake library ``mykernels.py`` (good, stale_gate, crashes), beside it."""
+    (tmp_path / "mykernels.py").write_text(textwrap.dedent(THIRD_PARTY_KERNELS) + CRASHING_KERNEL)
+    path = tmp_path / f"mylib{suffix}"
+    if suffix == ".json":
+        path.write_text(json.dumps({"title": "mylib", "kernel": [
+            {"formulation": "gla", "function": f"mykernels.py:{k}"} for k in kernels]}))
+    else:
+        path.write_text('title = "mylib"\n' + "".join(
+            f'[[kernel]]\nformulation = "gla"\nfunction = "mykernels.py:{k}"\nconvention = "attnlab"\n' for k in kernels))
+    return path
+
+
+def campaign_run(tmp_path: Path, target: Path | str, *options: str) -> subprocess.CompletedProcess:
+    """``attnlab campaign`` as a user runs it (a subprocess, on the CPU, two workers, small searches)."""
+    command = [sys.executable, "-m", "attnlab.cli", "campaign", str(target), "--device", "cpu", "--workers", "2",
+               "--dtypes", "float32", "--examples", "2", "--no-progress", *options]
+    return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def results(out: Path) -> dict[str, dict]:
+    return campaign_report.read_results(out)
+
+
 # ----------------------------------------------------------------------------- usage
 
 
-def test_an_unknown_target_is_a_usage_error_naming_the_known_ones() -> None:
-    result = subprocess.run([sys.executable, "-m", "attnlab.cli", "campaign", "nosuch"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "unknown target 'nosuch'; known: fla" in result.stderr
-
-
 @pytest.mark.parametrize("argv, message", [
-    ((), "name a target: one of fla"),
-    (("fla", "--ops", "chunk_gla,nosuch"), "--ops: unknown nosuch; fla's kernels: parallel_attn, chunk_linear_attn"),
-    (("fla", "--jobs", "0"), "--jobs and --examples at least 1"),
-    (("fla", "--dtypes", "float8"), "--dtypes must be some of"),
-    (("--render", "no/such/folder"), "no campaign.json and no */report.json there"),
+    ((), "name a target: torch, fla, or a campaign file"),
+    (("nosuch",), "unknown target 'nosuch'; known: torch, fla, or a campaign file"),
+    (("missing.toml",), "campaign file missing.toml: no such file"),
+    (("fla", "--device", "cpu", "--ops", "chunk_gla,nosuch"), "--ops 'chunk_gla,nosuch': expected some of parallel_attn"),
+    (("fla", "--examples", "0"), "--examples, --workers and --workers-per-gpu at least 1"),
+    (("fla", "--budget", "0"), "--budget and --item-budget must be positive"),
+    (("fla", "--device", "cpu", "--dtypes", "float8"), "--dtypes 'float8': expected some of bfloat16, float16, float32"),
+    (("fla", "--device", "cpu", "--dtypes", "bfloat16"), "--dtypes bfloat16 needs a GPU"),
+    (("fla", "--device", "cpu", "--passes", "sideways"), "--passes 'sideways': expected some of forward, backward"),
+    (("fla", "--device", "cpu", "--lengths", "0"), "--lengths '0': expected positive integers"),
+    (("--render", "no/such/folder"), "--render no/such/folder: no campaign.json and no plan.json there"),
 ])
 def test_usage_errors_exit_2(argv: tuple[str, ...], message: str) -> None:
     code, _, stderr = run(*argv)
     assert code == 2 and message in stderr, stderr
 
 
-# ----------------------------------------------------------------------------- the job list
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
+def test_asking_for_gpus_without_one_is_a_usage_error() -> None:
+    code, _, stderr = run("fla", "--device", "cuda")
+    assert code == 2 and "no CUDA GPU is visible here; use --device cpu" in stderr
 
 
-def fla_peers() -> list[tuple[str, str]]:
-    return [(f.name, p.function) for f in REGISTRY for p in f.peers if p.library == "fla"]
+@pytest.mark.parametrize("content, message", [
+    ('title = "x"\n', "no [[kernel]] entries"),
+    ('[[kernel]]\nformulation = "gla"\n', "kernel 1 has no function"),
+    ('[[kernel]]\nformulation = "glaa"\nfunction = "m:f"\n', "kernel 1: unknown formulation 'glaa'"),
+    ('[[kernel]]\nformulation = "gla"\nfunction = "m:f"\nconvention = "mine"\n', "kernel 1: convention 'mine'"),
+    ('[[kernel]]\nformulation = "gla"\nfunction = "m:f"\n[[kernel]]\nformulation = "gla"\nfunction = "n:f"\n',
+     "two kernels share a name (gla.f)"),
+    ('[[kernel]\n', "campaign file"),
+])
+def test_a_bad_campaign_file_is_a_usage_error_saying_what_is_wrong(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=None) as error:
+        library_for(str(path))
+    assert message in str(error.value)
 
 
-def test_the_targets_are_the_peers_libraries_with_a_campaign() -> None:
-    assert known_targets() == ["fla"]
-    assert {p.library for f in REGISTRY for p in f.peers} >= {"fla"}
+def test_a_campaign_file_in_json_reads_like_toml(tmp_path: Path) -> None:
+    toml, js = library_for(str(library(tmp_path, "good"))), library_for(str(library(tmp_path, "good", suffix=".json")))
+    assert toml.kernels == js.kernels == (CampaignKernel("gla", f"{tmp_path / 'mykernels.py'}:good", "attnlab"),)
 
 
-def test_the_jobs_are_every_fla_peer_once_per_dtype_slow_ones_first() -> None:
-    dtypes = ["bfloat16", "float16"]
-    jobs = job_order(FLA, kernels(FLA), dtypes)
-    expected = fla_peers()
-    assert len(expected) >= 14
-    assert sorted((j.formulation, j.peer.function, j.dtype) for j in jobs) == sorted(
-        (name, function, dtype) for name, function in expected for dtype in dtypes)
-    # One kernel's dtypes adjacent; chunk_* first; registry order within each group.
-    pairs = [(j.formulation, j.peer.function) for j in jobs]
-    assert pairs[::2] == pairs[1::2] and [j.dtype for j in jobs] == dtypes * len(expected)
-    order = pairs[::2]
-    chunked = [k for k in expected if k[1].rpartition(":")[2].startswith("chunk_")]
-    assert chunked and order == chunked + [k for k in expected if k not in chunked]
-    # The same function under two formulations (fla's fused_recurrent_gla: gla and general) gets two folders.
-    assert len({j.folder for j in jobs}) == len(jobs)
-    assert [n for n, p in kernels(FLA, ["fused_recurrent_gla"])] == [
-        f.name for f in REGISTRY for p in f.peers if p.library == "fla" and p.attribute == "fused_recurrent_gla"]
+# ----------------------------------------------------------------------------- the plan
 
 
-def test_a_job_validates_the_registry_function_in_the_targets_convention(tmp_path: Path) -> None:
-    job = job_order(FLA, kernels(FLA, ["fused_recurrent_rwkv4"]), ["bfloat16"])[0]
-    argv = job_command(FLA, job, tmp_path, examples=6, time_budget=100)
-    assert argv[1:4] == ["-m", "attnlab.cli", "validate"]
-    text = " ".join(argv)
-    assert f"--kernel {job.peer.function} --convention fla --formulation {job.formulation}" in text
-    assert "--dtype bfloat16" in text and "--time-budget 100" in text and "--curve-first" in text
-    assert "--strict" not in argv and job_command(FLA, job, tmp_path, 6, 100, strict=True) == [*argv, "--strict"]
+def test_the_shipped_targets_are_every_registry_peer_of_their_library() -> None:
+    assert shipped_targets() == ["torch", "fla"]  # registry order: softmax's peers first
+    for target in shipped_targets():
+        kernels = shipped_library(target).kernels
+        assert [k.function for k in kernels] == [p.function for f in REGISTRY for p in f.peers if p.library == target]
+        assert all(k.convention == "peer" for k in kernels)
+    torch_kernels = {k.op for k in shipped_library("torch").kernels}
+    assert {"scaled_dot_product_attention", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "sdpa_math",
+            "flex_attention_causal"} <= torch_kernels
 
 
-def test_fair_slots() -> None:
-    assert slot_seconds(400, 10, 30) == pytest.approx((400 - campaign.KILL_GRACE) / 3)
-    assert slot_seconds(400, 10, 5) == pytest.approx(400 - campaign.KILL_GRACE)
+def test_the_modules_never_name_a_formulation() -> None:
+    for module in ("campaign.py", "campaign_report.py", "campaign_items.py"):
+        tree = ast.parse((ROOT / "attnlab" / "commands" / module).read_text())
+        strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+        assert not strings & set(names()), module
 
 
-def test_the_module_never_names_a_formulation() -> None:
-    tree = ast.parse((ROOT / "attnlab" / "commands" / "campaign.py").read_text())
-    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    assert not strings & set(names())
+def test_items_are_round_robin_over_cells_so_every_cell_starts_before_any_ends() -> None:
+    kernels = [{"id": "a.f", "properties": {"default": {"p": ["p"], "q": ["q"], "backward_r": ["backward_r[dq]", "backward_r[dk]"]}}},
+               {"id": "b.g", "properties": {"default": {"p": ["p"]}}},
+               {"id": "c.h", "error": "cannot be called"}]
+    items = plan_items(kernels, ["float32", "float16"], ["default"], curve=True)
+    cells = [(i["kernel"], i["dtype"]) for i in items]
+    assert len(items) == 2 * 4 + 2 * 2 and ("c.h", "float32") not in cells
+    first, last = {}, {}
+    for n, cell in enumerate(cells):
+        first.setdefault(cell, n)
+        last[cell] = n
+    assert max(first.values()) < min(last.values())
+    assert [i["property"] for i in items[:4]] == ["curve"] * 4
+    backward = next(i for i in items if i["property"] == "backward_r")
+    assert backward["judges"] == ["backward_r[dq]", "backward_r[dk]"] and backward["pass"] == "backward"
+    assert backward["key"] == "a.f/float32/default/backward_r"
 
 
-# ----------------------------------------------------------------------------- rendering
-
-CASE = "Case(name='deltanet', seed=3, B=1, T=2, H=1, K=1, V=1)"
-
-
-def verdict(strategy: str, prop: str, status: str, figure: float | None, bound: float, case: str = "",
-            measure: str = "excess = rel_err / floor", detail: str = "", correctness: float | None = None) -> dict:
-    text = "" if figure is None else f"{figure:.3g} / {bound:.3g} (excess" + (
-        f"; failed above {correctness:.3g})" if correctness else ")")
-    return {"strategy": strategy, "dtype": "bfloat16", "property": prop, "status": status, "examples": 6,
-            "figure": figure, "bound": bound, "correctness": correctness, "measure": measure, "case": case,
-            "found": case, "detail": detail, "held": status == "held", "figure_text": text}
+def test_gpu_workers_are_pinned_in_their_execnet_specs_and_cpu_workers_counted() -> None:
+    assert _worker_specs("cuda", 2, 2, 0) == ["--dist=load"] + [f"--tx=popen//env:CUDA_VISIBLE_DEVICES={g}"
+                                                                   for g in (0, 0, 1, 1)]
+    assert _worker_specs("cpu", 0, 1, 3) == ["--numprocesses=3", "--dist=load"]
 
 
-def curve(name: str, impl: str, excess: float) -> list[dict]:
-    return [{"formulation": name, "impl": i, "dtype": "bfloat16", "T": T, "rel_err": 1e-3 * e, "floor": 1e-3,
-             "nonfinite": 0, "excess": e, "error": None} for T in (64, 256) for i, e in ((impl, excess), ("attnlab:chunkwise", 1.0))]
+def test_an_execnet_spec_sets_the_workers_environment_before_the_tests_import_anything(tmp_path: Path) -> None:
+    """The mechanism that pins a GPU: each worker's CUDA_VISIBLE_DEVICES is its spec's, already at import time
+    (before torch could start CUDA)."""
+    (tmp_path / "test_pinned.py").write_text(textwrap.dedent("""
+        import os
+        AT_IMPORT = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+        def test_seen():
+            with open(os.environ["PYTEST_XDIST_WORKER"] + ".seen", "w") as out:
+                out.write(str(AT_IMPORT))
+    """))
+    specs = _worker_specs("cuda", 2, 1, 0)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider", *specs,
+                           "test_pinned.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = {p.stem: p.read_text() for p in tmp_path.glob("gw*.seen")}
+    assert set(seen.values()) <= {"0", "1"} and seen, seen
+    for worker, value in seen.items():
+        assert value == worker[2:], seen  # gw0 on GPU 0, gw1 on GPU 1
 
 
-def report(name: str, function: str, verdicts: list[dict], excess: float, repro: dict | None = None,
-           graded: str | None = None) -> dict:
-    """A validate report.json; ``graded``: its overall verdict (None: a report from before the three verdicts)."""
-    return {"kernel": function, "formulation": name, "held": all(v["held"] for v in verdicts),
-            "exit_code": 0 if all(v["held"] for v in verdicts) else 1,
-            **({"verdict": graded, "bounds": {"bfloat16": {"accuracy": 1.5, "correctness": 8.0}}} if graded else {}),
-            "convention": {"describe": f"fla:{function.rpartition(':')[2]}: returns='o_state'", "derived": []},
-            "device": {"type": "cuda", "name": "NVIDIA H100"}, "dtypes": ["bfloat16"], "examples": 6,
-            "sizes": {"max_T": 1024}, "env": {"FLA_USE_FAST_OPS": None},
-            "versions": {"torch": "2.11.0", "fla-core": "0.6.0"}, "verdicts": verdicts, "repro": repro or {},
-            "curve": {"rows": curve(name, function, excess)}}
+def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_stops() -> None:
+    target = own_kernel_target("retnet", "recurrent")
+    prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")
+    replayed = [Case(name="retnet", seed=s, T=3, H=1, K=16, V=16) for s in (1, 2)]
+    from hypothesis import settings
+
+    outcome = suite.run(prop, target, __import__("torch").float32, "cpu", suite.sizes_for("cpu", "ci"),
+                        settings(max_examples=50, database=None, derandomize=True, deadline=None),
+                        replay=replayed, deadline=time.monotonic())
+    assert outcome.budget_spent and outcome.examples == len(replayed) + 1, outcome
 
 
-def results(tmp_path: Path, with_failure: bool = True) -> Path:
-    """A campaign folder: gla's chunk_gla held, deltanet's chunk_delta_rule failed, one kernel killed."""
-    folder = tmp_path / "campaign-fla"
-    records, reports = [], {}
-    reports["gla.chunk_gla-bfloat16"] = report("gla", "fla.ops:chunk_gla", [
-        verdict("default", "matches_oracle", "held", 1.2, 1.5, "Case(name='gla', seed=0, B=1, T=1, H=1, K=1, V=1)"),
-        verdict("adversarial", "causality", "held", 0.0, 0.0, "Case(name='gla', seed=0, B=1, T=2, H=1, K=1, V=1)",
-                measure="output entries before the cut that changed")], excess=1.4)
-    records.append({"formulation": "gla", "op": "chunk_gla", "dtype": "bfloat16", "folder": "gla.chunk_gla-bfloat16",
-                    "status": "held", "rc": 0})
-    if with_failure:
-        reports["deltanet.chunk_delta_rule-bfloat16"] = report("deltanet", "fla.ops:chunk_delta_rule", [
-            verdict("default", "matches_oracle", "failed", 45.0, 1.5, CASE,
-                    detail="rel_err 7.7e-02, max_err 1.0e-01, floor_round 1.7e-03"),
-            verdict("adversarial", "matches_oracle", "skipped", None, 1.5)], excess=2.81,
-            repro={"default/bfloat16/matches_oracle": "print('reproduced')\n"})
-        records.append({"formulation": "deltanet", "op": "chunk_delta_rule", "dtype": "bfloat16",
-                        "folder": "deltanet.chunk_delta_rule-bfloat16", "status": "failed", "rc": 1})
-        records.append({"formulation": "kda", "op": "chunk_kda", "dtype": "float16", "folder": "kda.chunk_kda-float16",
-                        "status": "timed out", "rc": None, "detail": "killed after 140 s (its slot)"})
-    for key, data in reports.items():
-        (folder / key).mkdir(parents=True)
-        (folder / key / "report.json").write_text(json.dumps(data))
-    (folder / "kda.chunk_kda-float16").mkdir(parents=True, exist_ok=True)
-    (folder / "campaign.json").write_text(json.dumps({
-        "target": "fla", "version": "0.6.0", "command": "attnlab campaign fla --budget 400.0 --jobs 10 --examples 6",
-        "budget_s": 400.0, "jobs": 10, "examples": 6, "lengths": "64,256", "curve_shape": "1,2,64,64",
-        "started": "2026-11-25T10:00:00+0000", "records": records}))
-    return folder
+# ----------------------------------------------------------------------------- a whole campaign on the CPU
 
 
-def test_rendering_a_results_folder(tmp_path: Path) -> None:
-    folder = results(tmp_path)
-    code, stdout, stderr = run("--render", str(folder))
-    assert code == 1, stdout + stderr  # a property failed and a job was killed
-    text = (folder / "campaign.md").read_text()
-    assert text.startswith("# flash-linear-attention 0.6.0 under `attnlab validate`\n")
-    assert "- Device: NVIDIA H100" in text
-    assert "- Campaign: `attnlab campaign fla --budget 400.0 --jobs 10 --examples 6` (budget 400.0 s, 10 parallel jobs)" in text
-    # The summary table: one row per job, in the campaign's order.
-    counts, summary = text.split("## Summary\n\n")[1].split("\n\n")[:2]
-    assert counts == "3 jobs: 1 held, 1 failed, 1 timed out."
-    summary = summary.splitlines()
-    assert summary == [
-        "| formulation | fla kernel | dtype | verdict | default | adversarial | worst curve excess (fla) | worst curve excess (attnlab) | failed / imprecise properties |",
-        "|---|---|---|---|---|---|---|---|---|",
-        "| gla | `chunk_gla` | bfloat16 | held | held | held | 1.4 | chunkwise 1 |  |",
-        "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | 1 not run | 2.81 | chunkwise 1 | matches_oracle |",
-        "| kda | `chunk_kda` | float16 | timed out |  |  |  |  | killed after 140 s (its slot) |",
-    ]
-    # Sections in the registry's order, the failed property with its Case and its classification.
-    assert text.index("## gla: `chunk_gla`") < text.index("## deltanet: `chunk_delta_rule`") < text.index("## kda: `chunk_kda`")
-    assert "- float16: timed out killed after 140 s (its slot)" in text
-    assert f"| default | bfloat16 | matches_oracle | **FAILED** | 6 | 45 / 1.5 (excess) | `{CASE}` |" in text
-    assert (f"- **matches_oracle** (default, bfloat16): 45 / 1.5 (excess); minimal counterexample `{CASE}`. "
-            "Bug: 30x the bound (45 > 1.5).") in text
-    assert "## Reproducing the bugs" in text and "### chunk_delta_rule: matches_oracle (default, bfloat16)" in text
-    assert "```python\nprint('reproduced')\n```" in text
-    assert "| gla | `fla.ops:chunk_gla` | bfloat16 | 1.40 | 1.40 |" in text  # the excess-by-length table
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A campaign of the fake library (a correct GLA and one with a stale gate), forward and backward."""
+    tmp_path = tmp_path_factory.mktemp("campaign")
+    done = campaign_run(tmp_path, library(tmp_path, "good", "stale_gate"), "--out", "out", "--lengths", "16")
+    return tmp_path, done
 
 
-def test_rendering_where_every_job_held_exits_0_and_report_goes_where_asked(tmp_path: Path) -> None:
-    folder = results(tmp_path, with_failure=False)
-    code, stdout, stderr = run("fla", "--render", str(folder), "--report", str(tmp_path / "fla-0.6.0.md"))
-    assert code == 0, stdout + stderr
-    text = (tmp_path / "fla-0.6.0.md").read_text()
-    assert "| gla | `chunk_gla` | bfloat16 | held | held | held | 1.4 | chunkwise 1 |  |" in text
-    assert "### Failures" not in text and "Reproducing" not in text
-    assert not (folder / "campaign.md").exists()
+def test_a_campaign_judges_every_item_and_fails_only_the_broken_kernel(finished) -> None:
+    tmp_path, done = finished
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    out = tmp_path / "out"
+    plan = json.loads((out / "plan.json").read_text())
+    stored = results(out)
+    assert set(stored) == {i["key"] for i in plan["items"]}  # every item has its line
+    assert {r["worker"] for r in stored.values()} == {"gw0", "gw1"}  # spread over both workers
+    good = [r for r in stored.values() if r["kernel"] == "gla.good"]
+    assert good and all(r["status"] == "held" for r in good), [r for r in good if r["status"] != "held"]
+    assert any(r["property"] == "backward_matches_oracle" for r in good)  # differentiable: judged backward too
+    broken = {r["property"]: r for r in stored.values() if r["kernel"] == "gla.stale_gate" and r["strategy"] == "default"}
+    assert broken["matches_oracle"]["status"] == "failed"
+    gradients = {v["property"]: v["status"] for v in broken["backward_matches_oracle"]["verdicts"]}
+    assert gradients == {"backward_matches_oracle[dq]": "failed", "backward_matches_oracle[dk]": "failed",
+                         "backward_matches_oracle[dv]": "failed", "backward_matches_oracle[dg]": "failed"}
+    assert broken["causality"]["status"] == "held"  # its defect is not a causality violation
+    # Findings are printed as they land, one line per verdict row.
+    findings = [line for line in done.stdout.splitlines() if line.startswith(("FAILED", "IMPRECISE", "ERROR"))]
+    assert any(line.startswith("FAILED: gla.stale_gate float32 default matches_oracle: ") for line in findings)
+    assert any(line.startswith("FAILED: gla.stale_gate float32 default backward_matches_oracle[dg]: ") for line in findings)
+    assert not [line for line in findings if "gla.good" in line]
+    assert "2 cells: 1 held, 1 failed" in done.stdout
 
 
-def test_rendering_without_campaign_json_reads_the_reports(tmp_path: Path) -> None:
-    folder = results(tmp_path)
-    (folder / "campaign.json").unlink()
-    code, stdout, stderr = run("--render", str(folder))
-    assert code == 1, stdout + stderr
-    text = (folder / "campaign.md").read_text()
-    assert "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | 1 not run | 2.81 |" in text
-    assert "| gla | `chunk_gla` | bfloat16 | held | held | held |" in text
+def test_the_report_has_a_summary_row_per_cell_and_a_section_per_kernel(finished) -> None:
+    tmp_path, _ = finished
+    text = (tmp_path / "out" / "campaign.md").read_text()
+    assert text.startswith("# mylib under `attnlab campaign`")
+    assert "on pytest-xdist" in text and "2 CPU worker(s)" in text
+    assert "| gla | `good` | float32 | held | held | held |" in text
+    assert "| gla | `stale_gate` | float32 | failed |" in text
+    assert "## gla: `good`" in text and "## gla: `stale_gate`" in text and "### Excess by length" in text
+    assert "| default | float32 | backward_matches_oracle[dg] | **FAILED** |" in text
+    assert "## Reproducing the bugs" in text and "### stale_gate: matches_oracle (default, float32)" in text
 
 
-IMPRECISE_CASE = "Case(name='gla', seed=4, B=1, T=64, H=1, K=64, V=64)"
+def test_a_reproducer_from_the_report_runs_and_fails_as_reported(finished) -> None:
+    tmp_path, _ = finished
+    text = (tmp_path / "out" / "campaign.md").read_text()
+    script = text.split("### stale_gate: matches_oracle (default, float32)")[1].split("```python\n")[1].split("```")[0]
+    (tmp_path / "repro.py").write_text(script)
+    done = subprocess.run([sys.executable, "repro.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "FAILED" in done.stdout, done.stdout + done.stderr
 
 
-def graded_results(tmp_path: Path, with_failure: bool = False, strict_run: bool = False) -> Path:
-    """A campaign whose gla job is imprecise (recorded "held" from its exit code 0, as a campaign before the three
-    verdicts wrote it: the report's verdict decides), and with ``with_failure`` a deltanet job that failed."""
-    folder = results(tmp_path, with_failure=False)
-    gla = folder / "gla.chunk_gla-bfloat16" / "report.json"
-    gla.write_text(json.dumps(report("gla", "fla.ops:chunk_gla", [
-        verdict("default", "matches_oracle", "imprecise", 3.2, 1.5, IMPRECISE_CASE, correctness=8.0),
-        verdict("adversarial", "matches_oracle", "imprecise", 2.1, 1.5, IMPRECISE_CASE, correctness=8.0),
-        verdict("adversarial", "causality", "held", 0.0, 0.0, measure="output entries before the cut that changed")],
-        excess=1.4, graded="imprecise")))
-    data = json.loads((folder / "campaign.json").read_text())
-    data["strict"] = strict_run
-    if with_failure:
-        (folder / "deltanet.chunk_delta_rule-bfloat16").mkdir()
-        (folder / "deltanet.chunk_delta_rule-bfloat16" / "report.json").write_text(json.dumps(report(
-            "deltanet", "fla.ops:chunk_delta_rule", [verdict("default", "matches_oracle", "failed", 45.0, 1.5, CASE,
-                                                             correctness=8.0)], excess=2.81, graded="failed")))
-        data["records"].append({"formulation": "deltanet", "op": "chunk_delta_rule", "dtype": "bfloat16",
-                                "folder": "deltanet.chunk_delta_rule-bfloat16", "status": "failed", "rc": 1})
-    (folder / "campaign.json").write_text(json.dumps(data))
-    return folder
+def test_a_rerun_skips_what_is_done(finished) -> None:
+    tmp_path, first = finished
+    again = campaign_run(tmp_path, "mylib.toml", "--out", "out", "--lengths", "16")
+    assert again.returncode == 1
+    assert "0 to run" in again.stdout and "2 cells: 1 held, 1 failed" in again.stdout
 
 
-def test_an_imprecise_campaign_renders_imprecise_and_exits_0(tmp_path: Path) -> None:
-    folder = graded_results(tmp_path)
-    code, stdout, stderr = run("--render", str(folder))
-    assert code == 0, stdout + stderr
-    assert "every job ran and none failed" in stdout
-    text = (folder / "campaign.md").read_text()
-    assert "1 jobs: 1 imprecise." in text
-    assert ("| gla | `chunk_gla` | bfloat16 | imprecise | 1 imprecise (worst 3.2; held <= 1.5, failed > 8) "
-            "| 1 held, 1 imprecise (worst 2.1; held <= 1.5, failed > 8) | 1.4 | chunkwise 1 | imprecise: matches_oracle |") in text
-    assert ("| default | bfloat16 | matches_oracle | imprecise | 6 | 3.2 / 1.5 (excess; failed above 8) "
-            f"| `{IMPRECISE_CASE}` |") in text
-    assert "### Imprecise" in text and "### Failures" not in text and "Reproducing" not in text
-    assert (f"- **matches_oracle** (default, bfloat16): 3.2 / 1.5 (excess; failed above 8); worst input "
-            f"`{IMPRECISE_CASE}`.") in text
-    assert "bfloat16 held <= 1.5, failed > 8" in text
+def test_a_resumed_campaign_runs_what_is_missing_and_replays_stored_counterexamples_first(tmp_path: Path) -> None:
+    path = library(tmp_path, "stale_gate")
+    first = campaign_run(tmp_path, path, "--out", "out", "--lengths", "none", "--passes", "forward")
+    assert first.returncode == 1, first.stdout + first.stderr
+    out = tmp_path / "out"
+    kept = [line for line in (out / "results" / "gw0.jsonl").read_text().splitlines()
+            + (out / "results" / "gw1.jsonl").read_text().splitlines()]
+    cut = "gla.stale_gate/float32/adversarial/matches_oracle"
+    for worker in ("gw0", "gw1"):  # a run cut short: that item's line never landed
+        (out / "results" / f"{worker}.jsonl").write_text("".join(
+            line + "\n" for line in kept if json.loads(line)["key"] != cut and f'"worker": "{worker}"' in line))
+    resumed = campaign_run(tmp_path, path, "--out", "out", "--lengths", "none", "--passes", "forward")
+    assert "1 to run" in resumed.stdout, resumed.stdout
+    verdict = results(out)[cut]["verdicts"][0]
+    assert verdict["status"] == "failed" and verdict["first_failure"] == 1  # the stored default-strategy case, first
 
 
-@pytest.mark.parametrize("strict_run", [False, True])
-def test_under_strict_an_imprecise_campaign_exits_1(tmp_path: Path, strict_run: bool) -> None:
-    """--strict given to the render, or recorded in campaign.json by a run with it."""
-    folder = graded_results(tmp_path, strict_run=strict_run)
-    code, stdout, stderr = run("--render", str(folder), *([] if strict_run else ["--strict"]))
-    assert code == 1, stdout + stderr
-    assert "or was imprecise under --strict" in stdout
-    text = (folder / "campaign.md").read_text()
-    assert "| gla | `chunk_gla` | bfloat16 | imprecise |" in text and "(fails the campaign under --strict)" in text
+def test_a_campaign_cut_by_its_budget_says_which_items_did_not_run_and_why(tmp_path: Path) -> None:
+    done = campaign_run(tmp_path, library(tmp_path, "good"), "--out", "out", "--budget", "0.001", "--lengths", "none",
+                        "--passes", "forward")
+    assert done.returncode == 1
+    summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    assert summary["items"] and all(i["status"] == "not run" for i in summary["items"])
+    assert "not started: the campaign's budget of 0.001 s was spent" in summary["items"][0]["detail"]
+    text = (tmp_path / "out" / "campaign.md").read_text()
+    assert "| gla | `good` | float32 | not run |" in text and "the campaign's budget of 0.001 s was spent" in text
 
 
-def test_a_failed_job_beside_an_imprecise_one_exits_1(tmp_path: Path) -> None:
-    folder = graded_results(tmp_path, with_failure=True)
-    code, stdout, stderr = run("--render", str(folder))
-    assert code == 1, stdout + stderr
-    text = (folder / "campaign.md").read_text()
-    assert "2 jobs: 1 imprecise, 1 failed." in text
-    assert "| deltanet | `chunk_delta_rule` | bfloat16 | failed | 1 failed | - | 2.81 |" in text
+def test_a_worker_that_crashes_costs_its_item_not_the_campaign(tmp_path: Path) -> None:
+    done = campaign_run(tmp_path, library(tmp_path, "crashes", "good"), "--out", "out", "--lengths", "none",
+                        "--passes", "forward", "--strategies", "default")
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    crashed = [i for i in summary["items"] if i["kernel"] == "gla.crashes" and i["status"] == "not run"]
+    assert crashed and all("crashed" in i["detail"] for i in crashed), crashed
+    assert all(i["status"] == "held" for i in summary["items"] if i["kernel"] == "gla.good")
 
 
-def test_a_run_records_each_jobs_status_from_its_report_else_its_exit_code(tmp_path: Path, monkeypatch,
-                                                                          capsys) -> None:
-    """The job's validate is a stand-in script: it writes a report.json with the verdict its folder names, or none."""
-    exits = {"chunk_gla": ("imprecise", 0), "chunk_delta_rule": ("failed", 1), "chunk_linear_attn": (None, 0),
-             "chunk_kda": (None, 1), "fused_recurrent_rwkv4": (None, 3)}
-    work = job_order(FLA, kernels(FLA, list(exits)), ["bfloat16"])
-    stale = tmp_path / work[-1].folder
-    stale.mkdir(parents=True)
-    (stale / "report.json").write_text(json.dumps({"verdict": "held"}))  # an earlier run's: not this job's
-
-    def stand_in(target, job, out, examples, time_budget, strict=False):
-        graded, rc = exits[job.op]
-        write = f"open({str(out / 'report.json')!r}, 'w').write({json.dumps(json.dumps({'verdict': graded}))});" if graded else ""
-        return [sys.executable, "-c", f"{write}raise SystemExit({rc})"]
-
-    monkeypatch.setattr(campaign, "job_command", stand_in)
-    summary = run_campaign(FLA, tmp_path, budget=200, jobs=len(work), examples=1, work=work, strict=True)
-    statuses = {r["op"]: r["status"] for r in summary["records"]}
-    assert statuses == {"chunk_gla": "imprecise", "chunk_delta_rule": "failed", "chunk_linear_attn": "held",
-                        "chunk_kda": "failed", "fused_recurrent_rwkv4": "error"}
-    assert summary["strict"] is True and json.loads((tmp_path / "campaign.json").read_text())["strict"] is True
-    assert "5 jobs: 1 held, 1 imprecise, 2 failed, 1 error" in capsys.readouterr().out
+def test_rendering_a_folder_cut_off_before_its_summary_reads_the_plan_and_results(finished, tmp_path: Path) -> None:
+    source, _ = finished
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(source / "out"), str(copy)], check=True)
+    (copy / "campaign.json").unlink()
+    code, stdout, _ = run("--render", str(copy), "--report", str(tmp_path / "r.md"))
+    assert code == 1 and "2 cells: 1 held, 1 failed" in stdout
+    assert "| gla | `stale_gate` | float32 | failed |" in (tmp_path / "r.md").read_text()
 
 
-def test_a_refused_backward_renders_refused_with_the_kernels_message_and_exits_1(tmp_path: Path) -> None:
-    """fla's gated ops refuse their backward on Hopper with older Triton: a finding, rendered, never a crash."""
-    folder = tmp_path / "campaign-fla"
+# ----------------------------------------------------------------------------- rendering hand-made summaries
+
+
+def summary(*items: dict, kernels: list[dict] | None = None, strict: bool = False) -> dict:
+    return {"title": "fla", "distribution": "fla-core", "versions": {"fla-core": "0.6.0"}, "env": {},
+            "device": {"type": "cuda", "name": "NVIDIA H100"}, "dtypes": ["bfloat16"], "strategies": ["default"],
+            "passes": ["forward", "backward"], "examples": 4, "item_budget_s": 20, "budget_s": 500, "sizes": {},
+            "dims": [64], "minimize": 12, "lengths": [], "curve_shape": {}, "strict": strict, "command": "attnlab campaign fla",
+            "calling": "", "kernels": kernels or [{"id": "gla.chunk_gla", "op": "chunk_gla", "formulation": "gla",
+                                                   "function": "fla.ops:chunk_gla", "convention": "peer"}],
+            "items": list(items), "runs": [{"items": len(items), "seconds": 12.0, "workers": "2 GPU(s) x 4 worker(s)"}]}
+
+
+def item(prop: str, status: str, *verdicts: dict) -> dict:
+    return {"kernel": "gla.chunk_gla", "dtype": "bfloat16", "strategy": "default", "property": prop, "status": status,
+            "verdicts": list(verdicts)}
+
+
+def row(prop: str, status: str, figure: float | None = None, bound: float = 1.5, detail: str = "",
+        measure: str = "excess = rel_err / floor") -> dict:
+    return {"strategy": "default", "dtype": "bfloat16", "property": prop, "status": status, "examples": 4,
+            "figure": figure, "bound": bound, "correctness": 8.0, "measure": measure, "case": "", "found": "",
+            "detail": detail, "figure_text": "" if figure is None else f"{figure:.3g} / {bound:.3g} (excess)"}
+
+
+def test_a_refused_backward_renders_refused_with_the_kernels_message_and_fails(tmp_path: Path) -> None:
     message = "chunk_gla's backward is disabled on this GPU"
-    data = report("gla", "fla.ops:chunk_gla", [
-        verdict("default", "matches_oracle", "held", 1.2, 1.5, "Case(name='gla', seed=0, B=1, T=1, H=1, K=1, V=1)"),
-        verdict("default", "backward_matches_oracle[dq]", "refused", None, 1.5, detail=message,
-                measure="the kernel's backward raised")], excess=1.4, graded="failed")
-    (folder / "gla.chunk_gla-bfloat16").mkdir(parents=True)
-    (folder / "gla.chunk_gla-bfloat16" / "report.json").write_text(json.dumps(data))
-    (folder / "campaign.json").write_text(json.dumps({
-        "target": "fla", "version": "0.6.0", "command": "attnlab campaign fla", "budget_s": 400.0, "jobs": 1,
-        "examples": 6, "lengths": "64", "curve_shape": "1,2,64,64", "started": "2026-11-25T10:00:00+0000",
-        "records": [{"formulation": "gla", "op": "chunk_gla", "dtype": "bfloat16", "folder": "gla.chunk_gla-bfloat16",
-                     "status": "failed", "rc": 1}]}))
-    code, stdout, stderr = run("--render", str(folder))
-    assert code == 1, stdout + stderr
-    text = (folder / "campaign.md").read_text()
+    data = summary(item("matches_oracle", "held", row("matches_oracle", "held", 1.2)),
+                   item("backward_matches_oracle", "refused",
+                        row("backward_matches_oracle[dq]", "refused", detail=message, measure="the kernel's backward raised")))
+    assert campaign_report.render(data, tmp_path / "r.md") == 1
+    text = (tmp_path / "r.md").read_text()
     assert "1 held, 1 refused (backward)" in text and "**REFUSED**" in text and message in text
+    assert "Does not apply: the kernel refuses its backward" in text
+    assert "runs: 2 items in 12 s on 2 GPU(s) x 4 worker(s)" in text
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_imprecise_cell_passes_unless_strict(tmp_path: Path, strict: bool) -> None:
+    data = summary(item("matches_oracle", "imprecise", row("matches_oracle", "imprecise", 2.1)), strict=strict)
+    assert campaign_report.render(data, tmp_path / "r.md") == (1 if strict else 0)
+    text = (tmp_path / "r.md").read_text()
+    assert "| gla | `chunk_gla` | bfloat16 | imprecise | 1 imprecise (worst 2.1; held <= 1.5, failed > 8) |" in text
+
+
+def test_cells_incomplete_not_run_and_uncallable_each_say_so(tmp_path: Path) -> None:
+    broken = {"id": "gla.fused_recurrent_gla", "op": "fused_recurrent_gla", "formulation": "gla",
+              "function": "fla.ops:fused_recurrent_gla", "convention": "peer", "error": "ImportError: no fla"}
+    ok = {"id": "gla.chunk_gla", "op": "chunk_gla", "formulation": "gla", "function": "fla.ops:chunk_gla", "convention": "peer"}
+    data = summary(item("matches_oracle", "held", row("matches_oracle", "held", 1.1)),
+                   {**item("causality", "not run"), "detail": "no result: worker 'gw1' crashed"},
+                   kernels=[ok, broken])
+    assert campaign_report.render(data, tmp_path / "r.md") == 1
+    text = (tmp_path / "r.md").read_text()
+    assert "2 cells: 1 incomplete, 1 error" in text
+    assert "| gla | `chunk_gla` | bfloat16 | incomplete |" in text and "worker 'gw1' crashed" in text
+    assert "Could not be called: ImportError: no fla" in text

@@ -32,8 +32,8 @@ before anything in it starts CUDA; on the CPU ``--workers`` processes. Each item
 worker ran it) of at most ``--examples`` examples within ``--item-budget`` seconds (past it the search stops
 drawing; a failure is minimized within what is left), and it appends its result to
 ``DIR/results/<worker>.jsonl`` as soon as it ends: a run cut short keeps what it did. An item that starts
-after ``--budget`` seconds records "not run" and why; the controller stops pytest at the budget plus
-``KILL_GRACE``. While it runs, a progress bar counts items and every finding (failed, refused, error,
+after ``--budget`` seconds (counted from the first item) records "not run" and why; the controller stops
+pytest one item budget and ``KILL_GRACE`` seconds after that. While it runs, a progress bar counts items and every finding (failed, refused, error,
 imprecise) is printed as it lands.
 
 Resuming. A re-run with the same ``--out`` skips every item with a result (held, imprecise, failed, refused)
@@ -76,7 +76,8 @@ from attnlab.registry import REGISTRY, names
 
 PLAN_ENV = "ATTNLAB_CAMPAIGN_PLAN"  # the workers find the plan through it (xdist workers inherit the environment)
 ITEMS_MODULE = Path(__file__).resolve().parent / "campaign_items.py"
-# Seconds pytest may run past --budget (an item started just before it finishes) before it is stopped.
+# Seconds pytest may run past --budget and one --item-budget (an item started just before the budget ends, its
+# last check and its minimization) before it is stopped.
 KILL_GRACE = 30
 MINIMIZE_CHECKS = 12
 PROBE_PROCESSES = 16  # kernels probed at once
@@ -461,7 +462,7 @@ def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs
         while proc.poll() is None:
             time.sleep(1.0)
             seen |= _follow(out, keys, seen, bar)
-            if time.time() > plan["deadline"] + KILL_GRACE and not killed:
+            if time.time() > plan["deadline"] + plan["item_budget_s"] + KILL_GRACE and not killed:
                 proc.terminate()
                 killed = True
         seen |= _follow(out, keys, seen, bar)
@@ -512,7 +513,7 @@ def make_plan(library: Library, *, device: str, dtypes: list[str], strategies: l
             "calling": library.calling, "env": {k: os.environ.get(k) for k in library.env},
             "versions": _versions(library), "device": {"type": device, "name": report.device_description(device)},
             "dtypes": dtypes, "strategies": strategies, "passes": passes, "examples": examples,
-            "item_budget_s": item_budget, "budget_s": budget, "deadline": time.time() + budget,
+            "item_budget_s": item_budget, "budget_s": budget,
             "sizes": asdict(sizes), "dims": dims, "minimize": MINIMIZE_CHECKS, "lengths": lengths,
             "curve_shape": CURVE_SHAPE[device], "strict": strict, "command": command, "workers": workers,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "kernels": kernels,
@@ -540,7 +541,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="pytest-xdist workers per GPU (default 1; more overlap Triton's compiles)")
     parser.add_argument("--workers", type=int, default=None, metavar="N",
                         help="pytest-xdist workers on the CPU (default: the CPU count, at most 8)")
-    parser.add_argument("--budget", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
+    parser.add_argument("--budget", type=float, default=1800.0, help="seconds for the items, from the first (default 1800): an item due "
+                             "to start later records not run; the run is stopped an item budget and 30 s after it")
     parser.add_argument("--item-budget", type=float, default=60.0,
                         help="seconds per item: its search stops drawing past it (default 60)")
     parser.add_argument("--examples", type=int, default=6, help="examples per item (default 6)")
@@ -653,6 +655,7 @@ def command(args: argparse.Namespace) -> int:
         if cases:
             item["replay"] = cases
     todo = [item for item in plan["items"] if stored.get(item["key"], {}).get("status") not in DONE]
+    plan["deadline"] = time.time() + args.budget  # the budget counts from the first item, after the probes
     (out / PLAN_NAME).write_text(json.dumps({**plan, "todo": [i["key"] for i in todo]}, indent=1, default=str) + "\n")
     broken = [k for k in plan["kernels"] if "error" in k]
     print(f"campaign {library.name}: {len(plan['kernels'])} kernels, {len(plan['items'])} items "
