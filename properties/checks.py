@@ -971,10 +971,30 @@ def _vacuous(prop: str, target: Target, case: Case, dtype: torch.dtype, device: 
                        case, dtype, device, why)
 
 
+def _zero_gradient(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, label: str, mine: Any,
+                   ref: Any) -> CheckResult | None:
+    """A held (vacuous) result when the exact gradient is identically zero and the kernel's is finite, else None.
+
+    Such a gradient (softmax's dq and dk at T = 1 or over a one-position prefix) has no relative error: both floors
+    are 0, and any rounding at all, even fp32 accumulation noise in a kernel that forms D = rowsum(dO o) from its
+    rounded output, would read as an infinite excess. The case says nothing about accuracy, so the search goes on;
+    backward_finite judges finiteness, and backward_causality checks the positions that must be exactly zero.
+    """
+    parts = lambda x: (x,) if isinstance(x, torch.Tensor) else tuple(x)  # noqa: E731
+    if not all(bool((r == 0).all()) for r in parts(ref)) or not all(bool(torch.isfinite(g).all()) for g in parts(mine)):
+        return None
+    size = math.sqrt(sum(float(g.double().square().sum()) for g in parts(mine)))
+    return _vacuous(prop, target, case, dtype, device, f"the exact {label} is identically zero here: no relative "
+                    f"error to measure (the kernel's |{label}| = {size:.3e})")
+
+
 def _judge_gradient(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, run: GradientRun,
                     label: str, mine: Any, ref: Any, floor: Callable[[], float], note: str = "",
                     factor: float = 1.0) -> CheckResult:
     accuracy, correctness = (factor * b for b in gradient_bounds(target.formulation, dtype))
+    zero = _zero_gradient(prop, target, case, dtype, device, label, mine, ref)
+    if zero is not None:
+        return zero
     m = measure(mine, ref, run.dtypes[label])
     if m.nonfinite == 0 and not m.excess <= accuracy:
         m = measure(mine, ref, run.dtypes[label], floor())
@@ -1073,6 +1093,9 @@ def check_backward_shift_identity(target: Target, case: Case, dtype: torch.dtype
     run, early = _prepared(prop, target, case, dtype, device, gradient, "plain")
     if early is not None:
         return early
+    zero = _zero_gradient(prop, target, case, dtype, device, gradient, run.grads[gradient], run.reference[gradient])
+    if zero is not None:
+        return zero
     axis = traits.time_axes(f.arg(gradient[1:]))[0]
     dk = run.grads[gradient].detach().double().cpu()
     residual = float(dk.sum(dim=axis).norm()) if bool(torch.isfinite(dk).all()) else math.inf

@@ -378,3 +378,30 @@ def test_cells_incomplete_not_run_and_uncallable_each_say_so(tmp_path: Path) -> 
     assert "2 cells: 1 incomplete, 1 error" in text
     assert "| gla | `chunk_gla` | bfloat16 | incomplete |" in text and "worker 'gw1' crashed" in text
     assert "Could not be called: ImportError: no fla" in text
+
+
+def detail_row(prop: str, figure: float | None, detail: str, measure: str = "gradient excess = rel_err / floor") -> dict:
+    return {"status": "failed", "property": prop, "strategy": "default", "dtype": "bfloat16", "figure": figure,
+            "bound": 1.5, "measure": measure, "detail": detail}
+
+
+@pytest.mark.parametrize("row, kind, words", [
+    (detail_row("backward_matches_oracle[dq]", None, "dq: rel_err inf, max_err inf, floor_round 0.000e+00, "
+                "floor_cond 0.000e+00 (computed only when needed), non-finite entries 0 of 64"),
+     "representable", "the exact value is zero here"),
+    (detail_row("matches_oracle", None, "NaN or inf in o; rel_err nan, floor_round 1.6e-03, non-finite entries 3 of 64",
+                "excess = rel_err / floor"), "bug", "non-finite output"),
+    (detail_row("backward_matches_oracle[dbeta]", 38.3, "dbeta: rel_err 6.628e-03, max_err 6.628e-03, floor_round "
+                "1.732e-04, floor_cond 1.201e-07, non-finite entries 0 of 1"), "accuracy", "the error itself is 0.85 ulps"),
+    (detail_row("backward_matches_oracle[dq]", 38.3, "dq: rel_err 6.6e-02, max_err 6.6e-02, floor_round 1.7e-03, "
+                "floor_cond 1.2e-07, non-finite entries 0 of 4096"), "bug", "25.5x the bound"),
+    (detail_row("split_and_resume", None, "returned o in float32, expected the input dtype bfloat16", "excess"),
+     "contract", "returned o in float32"),
+    (detail_row("backward_causality[dq]", 3.0, "4 entries of dq at positions >= 2 are not exactly zero",
+                "gradient entries at positions >= cut not zero"), "bug", "causality is an identity"),
+    (detail_row("backward_causality[dq]", 3.0, "dq: rel_err 5e-03, floor_round 1.7e-03, non-finite entries 0 of 128; "
+                "do zero from position 2 of 3"), "accuracy", "less accurate than the bound on the default inputs"),
+])
+def test_failures_are_classified_by_what_they_say_about_the_kernel(row: dict, kind: str, words: str) -> None:
+    found, why = campaign_report.classify(row, "fla")
+    assert found == kind and words in why, (found, why)

@@ -469,3 +469,64 @@ def test_an_argument_the_kernel_derives_gets_no_gradient_row() -> None:
     case = Case(name="retnet", seed=1, **SMALL)
     for gradient in ("dq", "dk", "dinitial_state"):
         assert checks.check_backward_matches_oracle(target, case, torch.float32, gradient=gradient).held
+
+
+class _RoundedOutputBackward(torch.autograd.Function):
+    """Softmax attention (causal) whose backward forms D = rowsum(dO o) from its output rounded to the input dtype,
+    as FlashAttention-2 does: at T = 1 its dq and dk are fp32 noise where the exact ones are identically zero.
+    ``wrong`` adds 10% of |dq| to dq, a defect any T > 1 shows."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wrong: bool) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5
+        logits = torch.einsum("bthd,bshd->bhts", q.float(), k.float()) * scale
+        T = q.shape[1]
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        p = logits.softmax(-1)
+        o = torch.einsum("bhts,bshd->bthd", p, v.float()).to(q.dtype)
+        ctx.save_for_backward(q, k, v, p, o)
+        ctx.scale, ctx.wrong = scale, wrong
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[Any, ...]:
+        q, k, v, p, o = ctx.saved_tensors
+        do32 = do.float()
+        dp = torch.einsum("bthd,bshd->bhts", do32, v.float())
+        rowsum = torch.einsum("bthd,bthd->bht", do32, o.float())  # D from the rounded output
+        # dP and D accumulated in different orders (a tensor-core dot, a row sum) differ by fp32 roundoff: modelled
+        # as noise of that size, so that at T = 1, where dP = D exactly here, dq and dk are noise, as on a GPU.
+        noise = torch.randn(dp.shape, generator=torch.Generator().manual_seed(0)) * 2.0**-24 * dp.abs().amax(-1, keepdim=True)
+        ds = p * (dp + noise - rowsum[..., None]) * ctx.scale
+        dq = torch.einsum("bhts,bshd->bthd", ds, k.float())
+        dk = torch.einsum("bhts,bthd->bshd", ds, q.float())
+        dv = torch.einsum("bhts,bthd->bshd", p, do32)
+        if ctx.wrong:
+            dq = dq + 0.1 * dq.abs().max()
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), None
+
+
+def _fa2_style(wrong: bool) -> Target:
+    def kernel(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+               scale: float | None = None) -> torch.Tensor:
+        return _RoundedOutputBackward.apply(q, k, v, wrong)
+
+    return function_target(kernel, "softmax", "fa2-style" + (" wrong dq" if wrong else ""))
+
+
+def test_an_identically_zero_exact_gradient_is_not_measured_relatively() -> None:
+    """At T = 1 softmax's exact dq and dk are 0: both floors are 0, and a kernel's fp32 noise there is no defect (the
+    case is vacuous, the search goes on); the same kernel with a wrong dq still fails at T = 2, and so does backward
+    causality's exact-zero check of the positions after the cut. (float32: fp16 would flush the noise to zero.)"""
+    one = Case(name="softmax", seed=0, B=1, T=1, H=1, K=16, V=16, options=(("causal", True),))
+    fa2 = _fa2_style(False)
+    for gradient in ("dq", "dk"):
+        result = checks.check_backward_matches_oracle(fa2, one, torch.float32, gradient=gradient)
+        assert result.held and f"the exact {gradient} is identically zero here" in result.detail, result.detail
+    shift = checks.check_backward_shift_identity(fa2, one, torch.float32, gradient="dk")
+    assert shift.held and "identically zero" in shift.detail
+    two = replace(one, T=2)
+    assert checks.check_backward_matches_oracle(fa2, two, torch.float32, gradient="dq").held
+    assert checks.check_backward_matches_oracle(_fa2_style(True), two, torch.float32, gradient="dq").failed
+    cut = replace(one, T=3, cut=1)
+    assert checks.check_backward_causality(fa2, cut, torch.float32, gradient="dq").held
