@@ -876,6 +876,7 @@ def gradient_run(target: Target, case: Case, dtype: torch.dtype, device: str = "
         # keys shifted past 88).
         reference_state_x = {**x, "initial_state": f.state.join(tuple(p.detach() for p in leaves[STATE_GRADIENT]))}
         final64 = _reference(case.name)(**reference_state_x, return_state=True)[1]
+        final64 = f.state.join(tuple(p.detach().double().cpu() for p in f.state.split(final64)))  # beside d_scaled
         logs = [p for i, p in enumerate(f.state.split(final64)) if f.state.is_log_scale(i)][0]
         finite = logs[torch.isfinite(logs)]
         m = float(finite.max()) if finite.numel() else 0.0

@@ -142,14 +142,16 @@ def base_name(name: str) -> str:
     return name.split("[", 1)[0]
 
 
-def applicable(target: Target, passes: tuple[str, ...] | list[str] = ("forward",)) -> list[KernelProperty]:
+def applicable(target: Target, passes: tuple[str, ...] | list[str] = ("forward",), *,
+               assume_differentiable: bool = False) -> list[KernelProperty]:
     """The properties ``target`` is held to in ``passes``: the forward's that apply, and with "backward" the
-    backward properties when the target is differentiable (Target.differentiable)."""
+    backward properties when the target is differentiable (Target.differentiable, which calls the kernel once;
+    ``assume_differentiable`` lists them without that call, as a plan made before any kernel runs does)."""
     unknown = [p for p in passes if p not in PASSES]
     if unknown:
         raise ValueError(f"passes must be among {', '.join(PASSES)}; got {', '.join(unknown)}")
     chosen = [p for p in KERNEL_PROPERTIES if p.applies(target)] if "forward" in passes else []
-    if "backward" in passes and target.differentiable:
+    if "backward" in passes and (assume_differentiable or target.differentiable):
         chosen += backward_properties(target)
     return chosen
 

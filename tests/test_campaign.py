@@ -35,8 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_plugin import THIRD_PARTY_KERNELS  # noqa: E402 - the plugin tests' third-party GLA: good and stale_gate
 
-# A kernel that kills its process on longer inputs (its probe, at T = 4, passes): a worker crash mid-campaign.
+# A kernel that kills its process on longer inputs: a worker crash mid-campaign; and one that is not differentiable.
 CRASHING_KERNEL = '''
+
+def frozen(*, q, k, v, g, scale=None):
+    import torch
+    with torch.no_grad():
+        return gla(q=q, k=k, v=v, g=g, scale=scale)
 
 def crashes(*, q, k, v, g, scale=None):
     if q.shape[1] > 8:
@@ -97,6 +102,7 @@ def results(out: Path) -> dict[str, dict]:
     (("fla", "--device", "cpu", "--passes", "sideways"), "--passes 'sideways': expected some of forward, backward"),
     (("fla", "--device", "cpu", "--lengths", "0"), "--lengths '0': expected positive integers"),
     (("--render", "no/such/folder"), "--render no/such/folder: no campaign.json and no plan.json there"),
+    (("--render", str(Path(__file__).resolve().parent), "--preface", "no/such.md"), "no campaign.json"),
 ])
 def test_usage_errors_exit_2(argv: tuple[str, ...], message: str) -> None:
     code, _, stderr = run(*argv)
@@ -311,14 +317,32 @@ def test_a_worker_that_crashes_costs_its_item_not_the_campaign(tmp_path: Path) -
     assert all(i["status"] == "held" for i in summary["items"] if i["kernel"] == "gla.good")
 
 
+def test_the_backward_items_of_a_kernel_that_is_not_differentiable_do_not_apply(tmp_path: Path) -> None:
+    done = campaign_run(tmp_path, library(tmp_path, "frozen"), "--out", "out", "--lengths", "none",
+                        "--strategies", "default")
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
+    backward = [i for i in summary["items"] if i["pass"] == "backward"]
+    assert backward and all(i["status"] == "not applicable" for i in backward)
+    assert all(i["status"] == "held" for i in summary["items"] if i["pass"] == "forward")
+    assert "NOT APPLICABLE" not in done.stdout  # not a finding
+    text = (tmp_path / "out" / "campaign.md").read_text()
+    assert "| gla | `frozen` | float32 | held |" in text and "its backward items do not apply" in text
+
+
 def test_rendering_a_folder_cut_off_before_its_summary_reads_the_plan_and_results(finished, tmp_path: Path) -> None:
     source, _ = finished
     copy = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(source / "out"), str(copy)], check=True)
     (copy / "campaign.json").unlink()
-    code, stdout, _ = run("--render", str(copy), "--report", str(tmp_path / "r.md"))
+    (tmp_path / "found.md").write_text("## What this campaign found\n\nstale_gate decays by the previous gate.\n")
+    code, stdout, _ = run("--render", str(copy), "--report", str(tmp_path / "r.md"), "--preface", str(tmp_path / "found.md"))
     assert code == 1 and "2 cells: 1 held, 1 failed" in stdout
-    assert "| gla | `stale_gate` | float32 | failed |" in (tmp_path / "r.md").read_text()
+    text = (tmp_path / "r.md").read_text()
+    assert "| gla | `stale_gate` | float32 | failed |" in text
+    assert text.index("## What this campaign found") < text.index("## Summary")
+    code, _, stderr = run("--render", str(copy), "--preface", str(tmp_path / "missing.md"))
+    assert code == 2 and "--preface" in stderr and "no such file" in stderr
 
 
 # ----------------------------------------------------------------------------- rendering hand-made summaries

@@ -16,10 +16,11 @@ its backends pinned, FlexAttention), i.e. every registry peer of that ``Peer.lib
     function = "mylib.ops:gla"       # MODULE:FUNCTION, MODULE importable or a path to a .py file
     convention = "attnlab"           # attnlab (default), fla, peer or auto: as attnlab validate --convention
 
-The plan. The controller resolves every kernel once (its convention, one smoke call, whether it is
-differentiable), then lists the items: per (kernel, dtype) one error-vs-length ``curve`` item and one item per
+The plan. The controller resolves every kernel (imports it, chooses its convention; it calls none: the first
+calls compile, and each worker makes its own), then lists the items: per (kernel, dtype) one error-vs-length ``curve`` item and one item per
 (strategy, property) of the passes asked for, exactly the property runs of ``attnlab validate``; a backward
-property (``backward_matches_oracle``...; only for a differentiable kernel) is one item that judges every gradient
+property (``backward_matches_oracle``...; "not applicable" where the kernel turns out not to be differentiable)
+is one item that judges every gradient
 in turn (one verdict row per gradient, ``backward_matches_oracle[dq]``...), so that its gradients share each drawn
 case's backward pass (attnlab.properties.checks' cache) in one process. It writes ``DIR/plan.json``; the
 items are ordered round-robin over the cells (kernel, dtype), so that every cell gets its first items before
@@ -68,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from attnlab.commands import usage_error
-from attnlab.commands.campaign_report import (CURVE, PLAN_NAME, REPORT_NAME, RESULTS_DIR, SUMMARY_NAME,
+from attnlab.commands.campaign_report import (CURVE, NOT_APPLICABLE, PLAN_NAME, REPORT_NAME, RESULTS_DIR, SUMMARY_NAME,
                                               read_results, render_and_say, render_command, summarize)
 from attnlab.commands.validate import STRATEGIES, UsageError
 from attnlab.conventions import CONVENTION_CHOICES, FLA_NUMERICS_ENV
@@ -80,15 +81,14 @@ ITEMS_MODULE = Path(__file__).resolve().parent / "campaign_items.py"
 # last check and its minimization) before it is stopped.
 KILL_GRACE = 30
 MINIMIZE_CHECKS = 12
-PROBE_PROCESSES = 16  # kernels probed at once
 DEFAULT_DTYPES = {"cuda": ("bfloat16", "float16"), "cpu": ("float32", "float16")}
 DEFAULT_LENGTHS = {"cuda": (64, 256, 1024, 4096), "cpu": (16, 64)}
 CURVE_SHAPE = {"cuda": dict(B=1, H=2, K=64, V=64), "cpu": dict(B=1, H=1, K=16, V=16)}
 # On the GPU the searches keep head dims at 64 (fla recompiles and autotunes per K and V) and T up to 1024.
 GPU_SEARCH = dict(max_T=1024, max_dim=64, max_B=2, max_H=2)
 GPU_DIMS = (64,)
-# Item statuses from best to worst: attnlab validate's verdict statuses, then what kept an item from a verdict.
-DONE = ("held", "imprecise", "failed", "refused", "error")
+# The statuses of an item that has its result (a re-run skips it): attnlab validate's, and "not applicable".
+DONE = ("held", "imprecise", "failed", "refused", "error", NOT_APPLICABLE)
 
 
 # ----------------------------------------------------------------------------- what is campaigned
@@ -225,52 +225,28 @@ def resolve(kernel: dict[str, Any], dtype: str, device: str) -> tuple[Any, Any]:
     return make_target(function, kernel["formulation"], kernel["function"], convention), convention
 
 
-def _probe(kernel: CampaignKernel, dtypes: list[str], device: str, dims: list[int] | None, passes: list[str],
-           strategies: list[str]) -> dict[str, Any]:
-    """A plan's kernel entry: resolved once, one smoke call (in a process of its own: :func:`probe_all`), and the
-    properties judged per strategy; an entry with ``error`` when it cannot be called."""
-    from attnlab.commands.validate import convention_dict, properties_for, smoke_call
-    from attnlab.evaluate import parse_dtype
+def plan_kernel(kernel: CampaignKernel, dtypes: list[str], device: str, passes: list[str],
+                strategies: list[str]) -> dict[str, Any]:
+    """A plan's kernel entry: resolved (imported, its convention chosen) without being called, and its properties
+    per strategy; an entry with ``error`` when it cannot be resolved.
+
+    Nothing is called here: the first call compiles (minutes for a library of Triton kernels, serially, before
+    any item could start), so each worker finds out on its own items whether the kernel runs, and whether it is
+    differentiable (a backward item of a kernel that is not records "not applicable").
+    """
+    from attnlab.commands.validate import convention_dict, properties_for
 
     entry: dict[str, Any] = {**asdict(kernel), "id": kernel.id, "op": kernel.op}
     try:
         target, convention = resolve(entry, dtypes[0], device)
-        smoke_call(target, kernel.formulation, parse_dtype(dtypes[0]), device, convention, dims)
-        differentiable = bool(target.differentiable)
-    except Exception as error:  # noqa: BLE001 - a kernel that cannot be called is the cell's finding, not a crash
+    except Exception as error:  # noqa: BLE001 - a kernel that cannot be resolved is the cell's finding, not a crash
         entry["error"] = f"{type(error).__name__}: {error}".strip()
         return entry
-    judged = [p for p in passes if p == "forward" or differentiable]
-    entry.update(resolved=convention_dict(convention), differentiable=differentiable, passes=judged,
-                 properties={s: _grouped([p.name for p in properties_for(target, convention, s, None, judged)])
+    entry.update(resolved=convention_dict(convention), passes=passes,
+                 properties={s: _grouped([p.name for p in properties_for(target, convention, s, None, passes,
+                                                                         assume_differentiable=True)])
                              for s in strategies})
-    if "backward" in passes and not differentiable:
-        entry["note"] = "not differentiable (called on inputs that require grad, its output does not): backward not judged"
     return entry
-
-
-def probe_all(kernels: tuple[CampaignKernel, ...], dtypes: list[str], device: str, dims: list[int] | None,
-              passes: list[str], strategies: list[str]) -> list[dict[str, Any]]:
-    """Every kernel's plan entry, probed in parallel processes (the first call compiles, and Triton's compiles are
-    CPU-bound; they land in its disk cache for the workers), one process per kernel so that a crash stays its own."""
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    from multiprocessing import get_context
-
-    def one(pool: ProcessPoolExecutor, kernel: CampaignKernel) -> Any:
-        return pool.submit(_probe, kernel, dtypes, device, dims, passes, strategies)
-
-    entries = []
-    with ProcessPoolExecutor(max_workers=max(1, min(len(kernels), os.cpu_count() or 1, PROBE_PROCESSES)),
-                             mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
-        futures = [one(pool, k) for k in kernels]
-        for kernel, future in zip(kernels, futures):
-            try:
-                entries.append(future.result())
-            except BrokenProcessPool as error:
-                entries.append({**asdict(kernel), "id": kernel.id, "op": kernel.op,
-                                "error": f"the probe's process died calling it ({error})"})
-    return entries
 
 
 def _grouped(properties: list[str]) -> dict[str, list[str]]:
@@ -369,8 +345,11 @@ def _property(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convent
     from attnlab.properties import suite
     from attnlab.properties.strategies import Case, Sizes
 
-    by_name = {p.name: p for p in suite.applicable(target, tuple(kernel["passes"]))}
     device = plan["device"]["type"]
+    if item["pass"] == "backward" and not target.differentiable:
+        return {"status": NOT_APPLICABLE, "detail": "the kernel is not differentiable (called on inputs that require "
+                                                    "grad, its output does not): it has no backward to judge"}
+    by_name = {p.name: p for p in suite.applicable(target, tuple(kernel["passes"]))}
     deadline = time.monotonic() + plan["item_budget_s"]
     verdicts, repro = [], {}
     for name in item["judges"]:
@@ -439,7 +418,7 @@ def findings(record: dict[str, Any]) -> list[str]:
     where = f"{record['kernel']} {record['dtype']} {record['strategy']}"
     lines = [f"{v['status'].upper()}: {where} {v['property']}: {v.get('figure_text') or (v.get('detail') or '')[:160]}"
              for v in record.get("verdicts", []) if v["status"] != "held"]
-    if not record.get("verdicts") and record["status"] != "held":
+    if not record.get("verdicts") and record["status"] not in ("held", NOT_APPLICABLE):
         worst = record.get("worst_excess")
         lines.append(f"{record['status'].upper()}: {where} {record['property']}: "
                      + (f"worst excess {worst:.3g}" if worst else (record.get("detail") or "")[:160]))
@@ -508,7 +487,7 @@ def make_plan(library: Library, *, device: str, dtypes: list[str], strategies: l
     dims = list(GPU_DIMS) if device == "cuda" else None
     if device == "cuda":
         sizes = replace(sizes, **GPU_SEARCH)
-    kernels = probe_all(library.kernels, dtypes, device, dims, passes, strategies)
+    kernels = [plan_kernel(k, dtypes, device, passes, strategies) for k in library.kernels]
     return {"target": library.name, "title": library.title, "distribution": library.distribution,
             "calling": library.calling, "env": {k: os.environ.get(k) for k in library.env},
             "versions": _versions(library), "device": {"type": device, "name": report.device_description(device)},
@@ -559,6 +538,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (findings are still printed)")
     parser.add_argument("--render", type=Path, default=None, metavar="DIR",
                         help="only render the results in DIR (a run's --out), on any machine")
+    parser.add_argument("--preface", type=Path, default=None, metavar="FILE",
+                        help="with --render: Markdown placed after the report's header (what you found, in your words)")
     parser.add_argument("--report", type=Path, default=None, metavar="PATH",
                         help=f"where the Markdown goes (default DIR/{REPORT_NAME})")
     parser.add_argument("--strict", action="store_true",
@@ -609,7 +590,7 @@ def _gpus(text: str) -> int:
 
 def command(args: argparse.Namespace) -> int:
     if args.render is not None:
-        return render_command(args.render, args.report, args.strict)
+        return render_command(args.render, args.report, args.strict, args.preface)
     try:
         if args.target is None:
             raise UsageError(f"name a target: {', '.join(shipped_targets())}, or a campaign file (.toml or .json)")

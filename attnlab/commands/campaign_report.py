@@ -33,6 +33,7 @@ RESULTS_DIR = "results"
 SUMMARY_NAME = "campaign.json"
 REPORT_NAME = "campaign.md"
 CURVE = "curve"  # the property name of a cell's error-vs-length item
+NOT_APPLICABLE = "not applicable"  # a backward item of a kernel that is not differentiable
 # A cell's statuses, from best to worst.
 STATUSES = (*VERDICTS, "incomplete", "not run", "error")
 # Properties that are identities (any correct implementation keeps them, up to rounding), not accuracy bounds.
@@ -227,6 +228,8 @@ def cells(summary: dict[str, Any]) -> list[dict[str, Any]]:
                     if item["status"] in ("error", "not run"):
                         cell["curve_note"] = f"curve {item['status']}: {item.get('detail', '')}"
                     continue
+                if item["status"] == NOT_APPLICABLE:
+                    continue
                 cell["verdicts"] += _verdicts_of(item)
                 for name, script in (item.get("repro") or {}).items():
                     cell["repro"][f"{item['strategy']}/{dtype}/{name}"] = script
@@ -236,6 +239,7 @@ def cells(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _cell_status(statuses: list[str]) -> str:
+    statuses = [s for s in statuses if s != NOT_APPLICABLE]
     graded = [FAILED if s in ("failed", "refused", "error") else s for s in statuses if s != "not run"]
     if FAILED in graded:
         return FAILED
@@ -330,15 +334,18 @@ def _header(summary: dict[str, Any], strict: bool) -> list[str]:
         + ("; under --strict an imprecise cell fails the campaign." if strict else "."), ""]
 
 
-def render(summary: dict[str, Any], destination: Path, strict: bool = False) -> int:
+def render(summary: dict[str, Any], destination: Path, strict: bool = False, preface: str = "") -> int:
     """Write the Markdown report of a campaign summary (campaign.json's content) to ``destination``; returns the
-    campaign's exit status (``strict``, or a summary of a run with --strict: an imprecise cell fails it)."""
+    campaign's exit status (``strict``, or a summary of a run with --strict: an imprecise cell fails it).
+    ``preface``: Markdown placed after the header (what whoever ran the campaign found, in their words)."""
     from attnlab.commands.report import summary_table
 
     strict = strict or bool(summary.get("strict"))
     who = summary["title"]
     table = cells(summary)
     lines = _header(summary, strict)
+    if preface.strip():
+        lines += [preface.strip(), ""]
     lines += ["## Summary", "", status_counts([c["status"] for c in table]) + ".", ""]
     body = []
     for c in table:
@@ -365,8 +372,9 @@ def render(summary: dict[str, Any], destination: Path, strict: bool = False) -> 
             continue
         convention = kernel.get("resolved") or {}
         lines += [f"Convention: {convention.get('describe', kernel['convention'])}", ""]
-        if kernel.get("note"):
-            lines += [f"Note: {kernel['note']}.", ""]
+        if any(i["status"] == NOT_APPLICABLE for i in summary["items"] if i["kernel"] == kernel["id"]):
+            lines += ["Not differentiable (called on inputs that require grad, its output does not): its backward "
+                      "items do not apply.", ""]
         if convention.get("derived"):
             lines += [f"Note: this kernel computes {', '.join(convention['derived'])} itself (in fp32), while the "
                       "oracle sees the registry's value rounded to the dtype: part of a small excess can be that "
@@ -428,10 +436,10 @@ def load_summary(results: Path) -> dict[str, Any] | None:
     return None
 
 
-def render_and_say(results: Path, destination: Path, strict: bool) -> int:
+def render_and_say(results: Path, destination: Path, strict: bool, preface: str = "") -> int:
     summary = load_summary(results)
     assert summary is not None
-    status = render(summary, destination, strict)
+    status = render(summary, destination, strict, preface)
     counts = status_counts([c["status"] for c in cells(summary)])
     print(f"{counts}\nwrote {destination}; " + ("every cell ran completely and none failed" if status == EXIT_HELD
                                                   else "a cell failed, erred or did not run completely, or was "
@@ -439,7 +447,9 @@ def render_and_say(results: Path, destination: Path, strict: bool) -> int:
     return status
 
 
-def render_command(results: Path, report: Path | None, strict: bool) -> int:
+def render_command(results: Path, report: Path | None, strict: bool, preface: Path | None = None) -> int:
     if load_summary(results) is None:
         return usage_error("campaign", f"--render {results}: no {SUMMARY_NAME} and no {PLAN_NAME} there")
-    return render_and_say(results, report or results / REPORT_NAME, strict)
+    if preface is not None and not preface.is_file():
+        return usage_error("campaign", f"--preface {preface}: no such file")
+    return render_and_say(results, report or results / REPORT_NAME, strict, preface.read_text() if preface else "")

@@ -468,13 +468,14 @@ def smoke_call(target: Any, name: str, dtype: torch.dtype, device: str, conventi
 
 
 def properties_for(target: Any, convention: Convention, strategy: str, only: Sequence[str] | None,
-                   passes: Sequence[str] = ("forward",)) -> list[Any]:
+                   passes: Sequence[str] = ("forward",), assume_differentiable: bool = False) -> list[Any]:
     """The applicable properties of ``passes`` under ``strategy`` (overflow only when adversarial); ``only`` names
-    properties (a backward property by its check, ``backward_matches_oracle``, or with its gradient)."""
+    properties (a backward property by its check, ``backward_matches_oracle``, or with its gradient);
+    ``assume_differentiable`` as attnlab.properties.suite.applicable's."""
     from attnlab.properties import suite
 
     chosen = []
-    for prop in suite.applicable(target, tuple(passes)):
+    for prop in suite.applicable(target, tuple(passes), assume_differentiable=assume_differentiable):
         if strategy == "default" and prop.name == "overflow":
             continue
         if prop.name == "reduces_to_special_case" and convention.derived:
