@@ -307,6 +307,19 @@ def test_a_campaign_cut_by_its_budget_says_which_items_did_not_run_and_why(tmp_p
     assert "| gla | `good` | float32 | not run |" in text and "the campaign's budget of 0.001 s was spent" in text
 
 
+def test_past_its_budget_an_item_judges_every_gradient_on_the_draws_of_the_first(tmp_path: Path) -> None:
+    done = campaign_run(tmp_path, library(tmp_path, "good"), "--out", "out", "--lengths", "none", "--passes", "backward",
+                        "--strategies", "default", "--item-budget", "0.001", "--examples", "4")
+    assert done.returncode == 0, done.stdout + done.stderr
+    items = json.loads((tmp_path / "out" / "campaign.json").read_text())["items"]
+    judged = [i for i in items if len(i["verdicts"]) > 1]
+    assert judged
+    for item in judged:
+        first, *others = item["verdicts"]
+        assert first["budget_spent"] and first["examples"] < 4, first
+        assert all(v["examples"] == first["examples"] and not v["budget_spent"] for v in others), item["verdicts"]
+
+
 def test_a_worker_that_crashes_costs_its_item_not_the_campaign(tmp_path: Path) -> None:
     done = campaign_run(tmp_path, library(tmp_path, "crashes", "good"), "--out", "out", "--lengths", "none",
                         "--passes", "forward", "--strategies", "default")

@@ -338,8 +338,8 @@ ITEM_ORDER = ("error", "refused", "failed", "imprecise", "held")
 
 
 def _property(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convention: Any, item: dict[str, Any]) -> dict[str, Any]:
-    """The item's verdict rows: its property, or each gradient of its backward check in turn, within the item's
-    budget (a gradient reached past it is searched on the cases already drawn: the cache makes those cheap)."""
+    """The item's verdict rows: its property, or each gradient of its backward check in turn: the first within the
+    item's budget, the others on the same draws (as many examples as the first had; checks' cache makes them cheap)."""
     from attnlab.commands.validate import Validation, repro_script, run_property
     from attnlab.evaluate import parse_dtype
     from attnlab.properties import suite
@@ -352,11 +352,15 @@ def _property(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convent
     by_name = {p.name: p for p in suite.applicable(target, tuple(kernel["passes"]))}
     deadline = time.monotonic() + plan["item_budget_s"]
     verdicts, repro = [], {}
+    examples, until = plan["examples"], deadline
     for name in item["judges"]:
         replay = [eval(case, {"Case": Case}) for case in item.get("replay", {}).get(name, [])]  # noqa: S307 - reprs this campaign wrote
         verdict = run_property(by_name[name], target, parse_dtype(item["dtype"]), device, Sizes(**plan["sizes"]),
-                               item["strategy"], plan["examples"], convention, plan["dims"], plan["minimize"],
-                               replay=replay, deadline=deadline)
+                               item["strategy"], examples, convention, plan["dims"], plan["minimize"],
+                               replay=replay, deadline=until)
+        # The other gradients replay the first one's draws (one digest per check): their backward runs are cached,
+        # so they get as many examples as it had, past the item's budget.
+        examples, until = max(1, verdict.examples), None
         verdicts.append({**asdict(verdict), "figure_text": verdict.figure_text(), "pass": verdict.pass_name,
                          "gradient": verdict.gradient})
         if verdict.status == "failed":
