@@ -25,10 +25,12 @@ call them through attnlab.conventions like any third-party kernel.
   through inductor's C++ backend (tens of seconds per shape) and torch has no
   CPU backward, so it refuses inputs that require grad there.
 
-A backend that cannot run the inputs raises a RuntimeError naming the
-backend, where it runs and, where torch gave them, torch's reasons (SDPA
-itself only says "No available kernel"), so that validate reports the kernel
-as refused instead of crashing.
+A backend that cannot run the inputs raises NotImplementedError (a
+RuntimeError: Python's "not supported") naming the backend, where it runs
+and, where torch gave them, torch's reasons (SDPA itself only says "No
+available kernel"). attnlab's properties count such an input as declined and
+draw another (cuDNN has no kernel for T = 1); a kernel that declines every
+input is refused, never a crash.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _describe(query: torch.Tensor) -> str:
 
 def _pinned(function: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_causal: bool,
             scale: float | None) -> torch.Tensor:
-    """SDPA under ``sdpa_kernel(backend)``; "no kernel" turned into a RuntimeError naming the backend and why."""
+    """SDPA under ``sdpa_kernel(backend)``; "no kernel" turned into NotImplementedError naming the backend and why."""
     backend, name, where = BACKENDS[function]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -75,7 +77,7 @@ def _pinned(function: str, query: torch.Tensor, key: torch.Tensor, value: torch.
             if not any(s in str(error) for s in _NO_KERNEL):
                 raise
             reasons = "; ".join(dict.fromkeys(_TRIGGERED.sub("", str(w.message)).strip() for w in caught))
-            raise RuntimeError(
+            raise NotImplementedError(
                 f"torch SDPA pinned to the {name} backend ({backend.name}) cannot run {_describe(query)}: it runs on "
                 f"{where}. torch: {str(error).strip()}" + (f" Reasons torch gave: {reasons}" if reasons else "")
             ) from None
@@ -89,7 +91,7 @@ def sdpa_flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_c
     """SDPA pinned to SDPBackend.FLASH_ATTENTION, ``[B, H, T, D]`` in and out.
 
     CUDA: FlashAttention-2, fp16/bf16 only (sm80+); fp32 there is refused with a
-    RuntimeError naming the backend. CPU: torch's own flash-style CPU kernel,
+    NotImplementedError naming the backend. CPU: torch's own flash-style CPU kernel,
     which the same pin selects (any float dtype)."""
     return _pinned("sdpa_flash", query, key, value, is_causal, scale)
 
@@ -98,7 +100,7 @@ def sdpa_efficient(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    scale: float | None = None) -> torch.Tensor:
     """SDPA pinned to SDPBackend.EFFICIENT_ATTENTION (memory-efficient), ``[B, H, T, D]`` in and out.
 
-    CUDA only (fp16, bf16, fp32); elsewhere a RuntimeError naming the backend."""
+    CUDA only (fp16, bf16, fp32); elsewhere NotImplementedError naming the backend."""
     return _pinned("sdpa_efficient", query, key, value, is_causal, scale)
 
 
@@ -106,7 +108,7 @@ def sdpa_cudnn(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, is_c
                scale: float | None = None) -> torch.Tensor:
     """SDPA pinned to SDPBackend.CUDNN_ATTENTION, ``[B, H, T, D]`` in and out.
 
-    CUDA only, fp16/bf16 (cuDNN 9, sm80+); elsewhere a RuntimeError naming the backend."""
+    CUDA only, fp16/bf16 (cuDNN 9, sm80+); elsewhere NotImplementedError naming the backend."""
     return _pinned("sdpa_cudnn", query, key, value, is_causal, scale)
 
 
@@ -148,10 +150,10 @@ def flex_attention_causal(query: torch.Tensor, key: torch.Tensor, value: torch.T
     Causal through a block mask (create_block_mask, cached per (T, device) with the compiled function);
     ``is_causal=False`` passes no mask. Needs torch.compile (Triton on CUDA, which is where it is meant to
     run). On the CPU inductor compiles C++ (tens of seconds per new shape) and torch has no backward: inputs
-    that require grad are refused there with a RuntimeError naming FlexAttention."""
+    that require grad are declined there with NotImplementedError naming FlexAttention."""
     if query.device.type == "cpu" and torch.is_grad_enabled() and any(
             t.requires_grad for t in (query, key, value)):
-        raise RuntimeError(f"FlexAttention (torch.nn.attention.flex_attention) cannot run the backward of "
+        raise NotImplementedError(f"FlexAttention (torch.nn.attention.flex_attention) cannot run the backward of "
                            f"{_describe(query)}: torch has no FlexAttention backward on the CPU; use CUDA "
                            "(or inputs that do not require grad)")
     if is_causal and query.shape[-2] != key.shape[-2]:

@@ -72,6 +72,9 @@ UT_ENTRY_BOUND = 1.0 + 1e-9
 CONTRACTION_BOUND = 1.0 + 1e-12
 RAISED = "the implementation raised"
 BACKWARD_RAISED = "the backward raised (refused)"
+# A forward that raises NotImplementedError declines the input (Python's "not supported"; torch's pinned SDPA backends
+# have no kernel for some shapes): the search skips the case (attnlab.properties.suite), a verdict counts them.
+DECLINED = "the kernel declined this input (NotImplementedError)"
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -207,7 +210,8 @@ def _conditioning_floor(name: str, reference: Callable[..., Any], x: dict[str, A
 
 def _raised(prop: str, target: Target, case: Case, dtype: torch.dtype, device: str, error: BaseException) -> CheckResult:
     where = traceback.extract_tb(error.__traceback__)[-1]
-    return CheckResult(prop, FAILED, math.inf, 0.0, RAISED, target.label, case, dtype, device,
+    measure = DECLINED if isinstance(error, NotImplementedError) else RAISED
+    return CheckResult(prop, FAILED, math.inf, 0.0, measure, target.label, case, dtype, device,
                        f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})")
 
 
@@ -731,7 +735,8 @@ class GradientRun:
     """One backward pass of a target on one case, and the float64 reference it is measured against.
 
     ``grads`` maps a gradient label to the kernel's gradient (None when it gave none); ``problems`` a label to
-    what is wrong with it; ``error`` is set when the forward or the backward raised (``refused``: the backward).
+    what is wrong with it; ``error`` is set when the forward or the backward raised (``refused``: the backward;
+    ``declined``: the forward raised NotImplementedError, :data:`DECLINED`).
     ``reference`` maps a label to the float64 gradient; ``dtypes`` to the dtype it is returned in; ``floors``
     (lazily, :meth:`floor`) to its conditioning floor. ``inputs`` are the kernel's inputs (rounded), ``o`` its
     output, ``do`` the cotangent; ``positions`` the time positions its gradients cover (a prefix for causality).
@@ -743,6 +748,7 @@ class GradientRun:
     problems: dict[str, str] = field(default_factory=dict)
     error: str = ""
     refused: bool = False
+    declined: bool = False
     o: Any = None
     reference: dict[str, Any] = field(default_factory=dict)
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)
@@ -792,6 +798,7 @@ def _kernel_backward(target: Target, call: dict[str, Any], leaves: dict[str, tup
     except Exception as error:  # noqa: BLE001 - the implementation's failure is a finding
         where = traceback.extract_tb(error.__traceback__)[-1]
         run.error = f"the forward raised {type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
+        run.declined = isinstance(error, NotImplementedError)
         return
     run.o = o
     if not isinstance(o, torch.Tensor) or tuple(o.shape) != tuple(run.do.shape):
@@ -947,7 +954,8 @@ def _gradient_failure(prop: str, target: Target, case: Case, dtype: torch.dtype,
     """The failed result of a run that raised, or of a gradient that is missing or malformed; None otherwise."""
     accuracy, correctness = gradient_bounds(target.formulation, dtype)
     if run.error:
-        measure = BACKWARD_RAISED if run.refused else RAISED if "raised" in run.error else GRADIENT_MEASURE
+        measure = (DECLINED if run.declined else BACKWARD_RAISED if run.refused else RAISED if "raised" in run.error
+                   else GRADIENT_MEASURE)
         return CheckResult(prop, FAILED, math.inf, accuracy, measure, target.label, case, dtype, device, run.error,
                            correctness)
     if label in run.problems:

@@ -27,10 +27,11 @@ from functools import partial
 import hypothesis
 import torch
 from hypothesis import example, given
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 from attnlab.properties import checks, traits
-from attnlab.properties.checks import FAILED, HELD, IMPRECISE, CheckResult
+from attnlab.properties.checks import DECLINED, FAILED, HELD, IMPRECISE, CheckResult
 from attnlab.properties.regressions import REGRESSIONS
 from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SIZES, Case, Sizes, cases)
 from attnlab.properties.targets import Target
@@ -197,6 +198,8 @@ class Outcome:
     imprecise: CheckResult | None = None
     first_not_held: CheckResult | None = None
     budget_spent: bool = False  # the search stopped drawing at its deadline, before max_examples
+    declined: int = 0  # inputs the kernel declined (NotImplementedError): skipped, not counted in examples
+    first_declined: CheckResult | None = None
 
     @property
     def verdict(self) -> str:
@@ -233,7 +236,9 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     counterexamples it stored). Past ``deadline`` (``time.monotonic()``), once
     the replayed cases and one more have run, the search rejects every further
     draw, so that it ends within about one check of its time
-    (``outcome.budget_spent``). Not strict, an imprecise result is kept
+    (``outcome.budget_spent``). A case the kernel declines (it raises NotImplementedError:
+    :data:`checks.DECLINED`) is skipped and counted in ``outcome.declined``; when it declines every case, the
+    search fails with the kernel's message. Not strict, an imprecise result is kept
     in ``outcome.imprecise`` and, with ``warn``, an :class:`ImpreciseWarning`
     names the worst one when the search ends without a failure.
     """
@@ -247,6 +252,10 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
         if fit is not None:
             case = fit(case)
         result = prop.check(target, case, dtype, device)
+        if result.measure == DECLINED:
+            record.declined += 1
+            record.first_declined = record.first_declined or result
+            hypothesis.assume(False)  # not this kernel's input: draw another
         record.examples += 1
         hypothesis.target(result.score, label=f"log({prop.name} figure / bound)")
         if record.worst is None or result.score > record.worst.score:
@@ -275,7 +284,15 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     test._hypothesis_internal_add_digest = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
 
     def run_search() -> None:
-        test()
+        try:
+            test()
+        except Unsatisfiable:
+            if record.first_declined is None:
+                raise
+            # The kernel declined every input drawn: a failure of its own, carrying the kernel's message.
+            record.failure, record.first_failure = record.first_declined, 1
+            raise AssertionError(f"{target.label} declined every input drawn ({record.declined}): "
+                                 f"{record.first_declined.message()}") from None
         if warn and record.imprecise is not None and record.failure is None:
             warnings.warn(ImpreciseWarning(
                 f"{record.imprecise.message()}\n  (passes: imprecise is not failed; --attnlab-strict fails it)"),

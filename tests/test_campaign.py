@@ -17,6 +17,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ from attnlab.commands.campaign import (CampaignKernel, _worker_specs, library_fo
 from attnlab.commands.validate import UsageError
 from attnlab.properties import suite
 from attnlab.properties.strategies import Case
-from attnlab.properties.targets import own_kernel_target
+from attnlab.properties.targets import Target, function_target, own_kernel_target, rounded_oracle_target
 from attnlab.registry import REGISTRY, names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +203,35 @@ def test_an_execnet_spec_sets_the_workers_environment_before_the_tests_import_an
     assert set(seen.values()) <= {"0", "1"} and seen, seen
     for worker, value in seen.items():
         assert value == worker[2:], seen  # gw0 on GPU 0, gw1 on GPU 1
+
+
+def _declining(declines: Callable[[int], bool]) -> Target:
+    """The ideal retnet kernel, declining (NotImplementedError, as a pinned SDPA backend without a kernel does)
+    every input whose T ``declines``."""
+    ideal = rounded_oracle_target("retnet")
+
+    def kernel(**x):
+        if declines(x["q"].shape[1]):
+            raise NotImplementedError(f"no kernel for T = {x['q'].shape[1]}")
+        return ideal.function(**x)
+
+    return function_target(kernel, "retnet", "declines")
+
+
+def test_inputs_a_kernel_declines_are_skipped_and_counted_and_declining_all_is_refused() -> None:
+    from attnlab.commands.validate import examples_text, run_property
+    from attnlab.conventions import ATTNLAB
+
+    sizes = suite.sizes_for("cpu", "ci")
+    prop = next(p for p in suite.applicable(_declining(lambda T: T == 1)) if p.name == "matches_oracle")
+    some = run_property(prop, _declining(lambda T: T == 1), __import__("torch").float32, "cpu", sizes, "default", 6,
+                        ATTNLAB, None, 0)
+    assert some.status == "held" and some.declined >= 1 and some.examples == 6, some
+    assert examples_text(some) == f"6 (+{some.declined} declined)"
+    every = run_property(prop, _declining(lambda T: True), __import__("torch").float32, "cpu", sizes, "default", 6,
+                         ATTNLAB, None, 0)
+    assert every.status == "refused" and "no kernel for T = " in every.detail, every
+    assert campaign_report.classify({**asdict(every), "measure": every.measure})[0] == "limitation"
 
 
 def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_stops() -> None:

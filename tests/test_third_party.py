@@ -3,7 +3,7 @@
 On the CPU: SDPA's math backend (and torch's CPU flash kernel, which pinning FLASH_ATTENTION selects on CPU
 tensors), called through the registry's peer and its convention, matches the float64 oracle forward and
 backward in float32 at tiny sizes (measured: forward ~1e-7, gradients ~2e-7 relative); the CUDA-only backends
-refuse CPU tensors with a RuntimeError naming the backend; FlexAttention refuses the backward on the CPU (torch
+decline CPU tensors with NotImplementedError naming the backend; FlexAttention refuses the backward on the CPU (torch
 has none there) before compiling. Its CPU forward compiles through inductor's C++ backend in about 45 s a shape
 on this 2-core CPU, so it is tested only under the ``slow`` marker.
 """
@@ -85,20 +85,20 @@ def test_scale_is_passed_through() -> None:
 @pytest.mark.parametrize("function", sorted(CUDA_ONLY))
 def test_cuda_only_backends_refuse_cpu_tensors_clearly(function: str) -> None:
     x = inputs()
-    with pytest.raises(RuntimeError, match=rf"pinned to the {CUDA_ONLY[function]} backend .*on cpu.*CUDA only"):
+    with pytest.raises(NotImplementedError, match=rf"pinned to the {CUDA_ONLY[function]} backend .*on cpu.*CUDA only"):
         peer_adapter(peer(function), SOFTMAX)(**x)
 
 
 def test_flash_refuses_what_it_cannot_take_naming_torch_s_reason() -> None:
     x = inputs(V=3)  # K = 4, V = 3: no flash kernel takes different head dims
-    with pytest.raises(RuntimeError, match=r"pinned to the flash backend .*same last dimension") as error:
+    with pytest.raises(NotImplementedError, match=r"pinned to the flash backend .*same last dimension") as error:
         peer_adapter(peer("sdpa_flash"), SOFTMAX)(**x)
     assert "Triggered internally" not in str(error.value)
 
 
 def test_flex_attention_refuses_the_backward_on_cpu_before_compiling() -> None:
     q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
-    with pytest.raises(RuntimeError, match="FlexAttention .*no FlexAttention backward on the CPU"):
+    with pytest.raises(NotImplementedError, match="FlexAttention .*no FlexAttention backward on the CPU"):
         third_party.flex_attention_causal(q, k, v)
     assert third_party._flex.cache_info().currsize == 0  # refused before any block mask or compile
 

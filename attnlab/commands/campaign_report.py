@@ -80,7 +80,8 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
     if v["status"] == "error":
         return "error", "the check could not run (attnlab's side): " + detail.splitlines()[0][:200] if detail else "the check could not run"
     if v["status"] == "refused":
-        return "limitation", "the kernel refuses its backward: " + (detail.splitlines()[0][:200] if detail else "it raised")
+        what = "declines every input drawn" if "declined" in measure else "refuses its backward"
+        return "limitation", f"the kernel {what}: " + (detail.splitlines()[0][:200] if detail else "it raised")
     if "raised" in measure:
         return "bug", "the kernel raised on a valid input"
     if measure == "state parts carried":
@@ -388,7 +389,8 @@ def render(summary: dict[str, Any], destination: Path, strict: bool = False, pre
             lines += ["### Properties", "", *_md_table(
                 ["strategy", "dtype", "property", "verdict", "examples", "worst figure / bound", "input"],
                 [[v["strategy"], v["dtype"], v["property"], VERDICT_CELLS.get(v["status"], v["status"]),
-                  str(v.get("examples", 0)) + (" (budget)" if v.get("budget_spent") else ""), v.get("figure_text", ""),
+                  str(v.get("examples", 0)) + (f" (+{v['declined']} declined)" if v.get("declined") else "")
+                  + (" (budget)" if v.get("budget_spent") else ""), v.get("figure_text", ""),
                   f"`{v['case']}`" if v.get("case") else (v.get("detail") or "")[:120]] for v in verdicts]), ""]
         imprecise = [v for v in verdicts if v["status"] == IMPRECISE]
         if imprecise:

@@ -273,8 +273,10 @@ class Verdict:
 
     ``status``: "held", "imprecise" (above the accuracy bound on an input,
     never above the correctness bound: ``case``), "failed" (on an input:
-    ``case``), "error" (the harness broke; counted as failed) or "skipped"
-    (not run within the time budget). ``figure``/``bound``/``correctness``:
+    ``case``), "refused" (the backward raised, or the kernel declined every
+    input: its message), "error" (the harness broke; counted as failed) or
+    "skipped" (not run within the time budget). ``declined`` counts the
+    inputs the kernel declined (NotImplementedError), which the search skipped. ``figure``/``bound``/``correctness``:
     the failure's, the worst imprecise figure's or the worst held figure's
     (``correctness`` None for exact properties); ``case`` the reproducing
     input (minimized for a failure; ``found`` is the one the search found
@@ -298,6 +300,7 @@ class Verdict:
     seconds: float = 0.0
     correctness: float | None = None
     budget_spent: bool = False  # the search stopped at its time budget, before its examples
+    declined: int = 0  # inputs the kernel declined (NotImplementedError), skipped by the search
 
     @property
     def held(self) -> bool:
@@ -405,16 +408,17 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
     past imprecise inputs, and the worst imprecise one is reported when no input failed). ``replay`` cases run
     first; past ``deadline`` (``time.monotonic()``) the search stops drawing (attnlab.properties.suite.search)."""
     from attnlab.properties import suite
-    from attnlab.properties.checks import BACKWARD_RAISED
+    from attnlab.properties.checks import BACKWARD_RAISED, DECLINED
 
     started = time.perf_counter()
     fit = make_fit(target.formulation, convention, strategy, prop.name, dims)
     outcome = suite.run(prop, target, dtype, device, sizes, _search_settings(examples), fit=fit,
                         regressions=strategy == "adversarial", replay=replay, deadline=deadline)
     verdict = Verdict(strategy, _dtype_name(dtype), prop.name, "held", outcome.examples,
-                      budget_spent=outcome.budget_spent)
-    if outcome.failure is not None and outcome.failure.measure == BACKWARD_RAISED:
-        verdict.status = "refused"  # the kernel's backward raised: its message, as found (nothing to minimize)
+                      budget_spent=outcome.budget_spent, declined=outcome.declined)
+    if outcome.failure is not None and outcome.failure.measure in (BACKWARD_RAISED, DECLINED):
+        # The kernel's backward raised, or it declined every input: its message, as found (nothing to minimize).
+        verdict.status = "refused"
         verdict.first_failure = outcome.first_failure
         chosen = outcome.failure
     elif outcome.failure is not None:
@@ -714,8 +718,13 @@ def _table_rows(verdicts: Sequence[Verdict]) -> list[tuple[str, ...]]:
             return v.detail.splitlines()[0]
         return v.case or v.detail.splitlines()[0] if (v.case or v.detail) else ""
 
-    return [(v.strategy, v.dtype, v.property, VERDICT_WORDS[v.status], str(v.examples), v.figure_text(), last(v))
+    return [(v.strategy, v.dtype, v.property, VERDICT_WORDS[v.status], examples_text(v), v.figure_text(), last(v))
             for v in verdicts]
+
+
+def examples_text(v: Verdict) -> str:
+    """"4", or "4 (+2 declined)" where the kernel declined inputs (NotImplementedError) the search then skipped."""
+    return f"{v.examples}" + (f" (+{v.declined} declined)" if v.declined else "")
 
 
 def verdict_table(verdicts: Sequence[Verdict]) -> str:
@@ -771,7 +780,7 @@ def verdict_counts(verdicts: list[Verdict]) -> str:
     counts = {status: sum(x.status == status for x in verdicts)
               for status in ("failed", "refused", "imprecise", "error", "skipped")}
     parts = [f"{counts['failed']} failed"] + [f"{n} {label}" for label, n in (
-        ("refused (the backward raised)", counts["refused"]), ("imprecise", counts["imprecise"]),
+        ("refused (the backward raised, or every input was declined)", counts["refused"]), ("imprecise", counts["imprecise"]),
         ("error", counts["error"]), ("not run", counts["skipped"])) if n]
     return f"{', '.join(parts)} of {len(verdicts)} property runs"
 
