@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from attnlab.metrics import (FAILED, HELD, IMPRECISE, VERDICTS, Measurement, conditioning_floor, grade, measure,
+from attnlab.metrics import (FAILED, HELD, IMPRECISE, VERDICTS, Measurement, conditioning_floor, grade, measure, norm,
                              nonfinite_count, rel_err, rounding_floor, set_user_bound, unit_roundoff, user_bound, user_bounds, verdict,
                              worst_verdict)
 from attnlab.oracle import oracle
@@ -313,8 +313,8 @@ def _same_scale(name: str, state: tuple[torch.Tensor, ...], ref: tuple[torch.Ten
 def _difference_over(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> float:
     """|a - b| / |ref|: 0 when a equals b, also where the reference is exactly 0 (beta = 0 makes every
     delta-rule output 0), inf for a difference from a zero reference, NaN when either holds a NaN."""
-    gap = (a.double() - b.double()).norm().item()
-    scale = ref.double().norm().item()
+    gap = norm(a.double() - b.double())
+    scale = norm(ref)
     return 0.0 if gap == 0 else gap / scale if scale > 0 else math.inf
 
 
@@ -992,7 +992,7 @@ def _zero_gradient(prop: str, target: Target, case: Case, dtype: torch.dtype, de
     parts = lambda x: (x,) if isinstance(x, torch.Tensor) else tuple(x)  # noqa: E731
     if not all(bool((r == 0).all()) for r in parts(ref)) or not all(bool(torch.isfinite(g).all()) for g in parts(mine)):
         return None
-    size = math.sqrt(sum(float(g.double().square().sum()) for g in parts(mine)))
+    size = norm(mine)
     return _vacuous(prop, target, case, dtype, device, f"the exact {label} is identically zero here: no relative "
                     f"error to measure (the kernel's |{label}| = {size:.3e})")
 
@@ -1041,8 +1041,7 @@ def check_backward_finite(target: Target, case: Case, dtype: torch.dtype, device
 
 
 def _norm(x: Any) -> float:
-    parts = (x,) if isinstance(x, torch.Tensor) else tuple(x)
-    return math.sqrt(sum(float(p.detach().double().cpu().pow(2).sum()) for p in parts))
+    return norm(x)
 
 
 def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -1107,17 +1106,17 @@ def check_backward_shift_identity(target: Target, case: Case, dtype: torch.dtype
         return zero
     axis = traits.time_axes(f.arg(gradient[1:]))[0]
     dk = run.grads[gradient].detach().double().cpu()
-    residual = float(dk.sum(dim=axis).norm()) if bool(torch.isfinite(dk).all()) else math.inf
+    residual = norm(dk.sum(dim=axis)) if bool(torch.isfinite(dk).all()) else math.inf
     u = unit_roundoff(dtype)
     accuracy, correctness = gradient_bounds(target.formulation, dtype)
-    floor = u * math.sqrt(case.T) * float(dk.norm()) if math.isfinite(residual) else 0.0
+    floor = u * math.sqrt(case.T) * norm(dk) if math.isfinite(residual) else 0.0
     figure = _ratio(residual, floor)
     if not figure <= accuracy and math.isfinite(residual):
         floor = max(u, run.floor(gradient)) * math.sqrt(case.T) * _norm(run.reference[gradient])
         figure = _ratio(residual, floor)
     return CheckResult(prop, grade(figure, accuracy, correctness), figure, accuracy,
                        "|sum_t dk_t| / rounding floor", target.label, case, dtype, device,
-                       f"|sum_t {gradient}_t| = {residual:.3e}, floor {floor:.3e}, |{gradient}| = {float(dk.norm()):.3e}",
+                       f"|sum_t {gradient}_t| = {residual:.3e}, floor {floor:.3e}, |{gradient}| = {norm(dk):.3e}",
                        correctness)
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab import metrics
 from attnlab.metrics import (FAILED, HELD, IMPRECISE, conditioning_floor, grade, max_err, measure, nonfinite_count,
                              rel_err, rounding_floor, user_bound, user_bounds, verdict, worst_verdict)
 from attnlab.registry import bounds_for
@@ -96,3 +97,16 @@ def test_a_user_bound_replaces_the_accuracy_bound_only_within_its_block():
         with pytest.raises(ValueError, match="positive number"):
             with user_bound(bad):
                 pass
+
+
+def test_norms_neither_underflow_nor_overflow() -> None:
+    """An exact softmax gradient can be 1e-280 (a saturated row); torch's norm squares it to 0 in float64, which
+    made every relative error against it infinite. The norm scales by the largest entry first."""
+    tiny = torch.tensor([1e-280, -3e-281, 2e-282], dtype=torch.float64)
+    assert torch.linalg.vector_norm(tiny).item() == 0.0  # what the scaling is for
+    assert metrics.norm(tiny) == pytest.approx(1e-280 * math.sqrt(1 + 0.3**2 + 0.02**2), rel=1e-12)
+    assert metrics.rel_err(tiny * (1 + 1e-3), tiny) == pytest.approx(1e-3, rel=1e-9)
+    assert metrics.rounding_floor(tiny, torch.bfloat16) == 1.0  # bf16 flushes them to zero: all of it is lost
+    huge = torch.tensor([1e200, 2e200], dtype=torch.float64)
+    assert metrics.rel_err(huge * (1 + 1e-6), huge) == pytest.approx(1e-6, rel=1e-6)
+    assert metrics.norm(torch.zeros(3, dtype=torch.float64)) == 0.0
