@@ -160,19 +160,23 @@ def test_the_modules_never_name_a_formulation() -> None:
         assert not strings & set(names()), module
 
 
-def test_items_are_round_robin_over_cells_so_every_cell_starts_before_any_ends() -> None:
-    kernels = [{"id": "a.f", "properties": {"default": {"p": ["p"], "q": ["q"], "backward_r": ["backward_r[dq]", "backward_r[dk]"]}}},
-               {"id": "b.g", "properties": {"default": {"p": ["p"]}}},
+def test_every_cell_starts_before_any_goes_on_and_then_runs_in_a_row() -> None:
+    kernels = [{"id": "a.f", "properties": {"default": {"matches_oracle": ["matches_oracle"], "q": ["q"],
+                                                        "backward_r": ["backward_r[dq]", "backward_r[dk]"]}}},
+               {"id": "b.g", "properties": {"default": {"matches_oracle": ["matches_oracle"]}}},
                {"id": "c.h", "error": "cannot be called"}]
     items = plan_items(kernels, ["float32", "float16"], ["default"], curve=True)
     cells = [(i["kernel"], i["dtype"]) for i in items]
     assert len(items) == 2 * 4 + 2 * 2 and ("c.h", "float32") not in cells
-    first, last = {}, {}
+    first, second = {}, {}
     for n, cell in enumerate(cells):
-        first.setdefault(cell, n)
-        last[cell] = n
-    assert max(first.values()) < min(last.values())
-    assert [i["property"] for i in items[:4]] == ["curve"] * 4
+        (second if cell in first else first).setdefault(cell, n)
+    assert max(first.values()) < min(second.values())  # every cell's first item before any cell's second
+    assert all(items[n]["property"] == "matches_oracle" for n in first.values())
+    rest = items[len(first):]
+    assert [i["property"] for i in rest[:3]] == ["curve", "q", "backward_r"]  # the curve leads the rest of a cell
+    order = [(i["kernel"], i["dtype"]) for i in rest]
+    assert order == sorted(order, key=order.index)  # each cell's rest in a row
     backward = next(i for i in items if i["property"] == "backward_r")
     assert backward["judges"] == ["backward_r[dq]", "backward_r[dk]"] and backward["pass"] == "backward"
     assert backward["key"] == "a.f/float32/default/backward_r"
@@ -356,9 +360,15 @@ def test_a_worker_that_crashes_costs_its_item_not_the_campaign(tmp_path: Path) -
                         "--passes", "forward", "--strategies", "default")
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads((tmp_path / "out" / "campaign.json").read_text())
-    crashed = [i for i in summary["items"] if i["kernel"] == "gla.crashes" and i["status"] == "not run"]
-    assert crashed and all("crashed" in i["detail"] for i in crashed), crashed
+    crashed = [i for i in summary["items"] if i["kernel"] == "gla.crashes"]
+    assert crashed and all(i["status"] == "failed" and "the process running this item died" in i["detail"]
+                           and "crashed while running" in i["detail"] for i in crashed), crashed
+    again = campaign_run(tmp_path, "mylib.toml", "--out", "out", "--lengths", "none", "--passes", "forward",
+                         "--strategies", "default")
+    assert "0 to run" in again.stdout  # a crash is a result: a re-run does not crash on it again
     assert all(i["status"] == "held" for i in summary["items"] if i["kernel"] == "gla.good")
+    text = (tmp_path / "out" / "campaign.md").read_text()
+    assert "Bug: the kernel crashed the process running it" in text
 
 
 def test_the_backward_items_of_a_kernel_that_is_not_differentiable_do_not_apply(tmp_path: Path) -> None:

@@ -17,14 +17,15 @@ its backends pinned, FlexAttention), i.e. every registry peer of that ``Peer.lib
     convention = "attnlab"           # attnlab (default), fla, peer or auto: as attnlab validate --convention
 
 The plan. The controller resolves every kernel (imports it, chooses its convention; it calls none: the first
-calls compile, and each worker makes its own), then lists the items: per (kernel, dtype) one error-vs-length ``curve`` item and one item per
-(strategy, property) of the passes asked for, exactly the property runs of ``attnlab validate``; a backward
-property (``backward_matches_oracle``...; "not applicable" where the kernel turns out not to be differentiable)
-is one item that judges every gradient
-in turn (one verdict row per gradient, ``backward_matches_oracle[dq]``...), so that its gradients share each drawn
-case's backward pass (attnlab.properties.checks' cache) in one process. It writes ``DIR/plan.json``; the
-items are ordered round-robin over the cells (kernel, dtype), so that every cell gets its first items before
-any cell gets its last.
+calls compile, and each worker makes its own), then lists the items: per (kernel, dtype) one error-vs-length
+``curve`` item and one item per (strategy, property) of the passes asked for, exactly the property runs of
+``attnlab validate``; a backward property (``backward_matches_oracle``...; "not applicable" where the kernel turns
+out not to be differentiable) is one item that judges every gradient in turn (one verdict row per gradient,
+``backward_matches_oracle[dq]``...), so that its gradients share each drawn case's backward pass
+(attnlab.properties.checks' cache) in one process. It writes ``DIR/plan.json``. The items come in order
+(:func:`plan_items`): first one item of every cell (kernel, dtype), so that every cell starts before any goes
+further, then the rest of each cell in a row, which pytest-xdist hands out in consecutive chunks (a library's
+kernels compile and autotune about once per cell and worker).
 
 The run. ``python -m pytest`` runs :mod:`attnlab.commands.campaign_items` under pytest-xdist: one worker per
 GPU (``--workers-per-gpu`` more), each pinned to its GPU by ``CUDA_VISIBLE_DEVICES`` in its execnet spec, so
@@ -70,12 +71,15 @@ from typing import Any
 
 from attnlab.commands import usage_error
 from attnlab.commands.campaign_report import (CURVE, NOT_APPLICABLE, PLAN_NAME, REPORT_NAME, RESULTS_DIR, SUMMARY_NAME,
-                                              read_results, render_and_say, render_command, summarize)
+                                              junit_outcomes, node_id, read_results, render_and_say, render_command,
+                                              summarize)
 from attnlab.commands.validate import STRATEGIES, UsageError
 from attnlab.conventions import CONVENTION_CHOICES, FLA_NUMERICS_ENV
 from attnlab.registry import REGISTRY, names
 
-PLAN_ENV = "ATTNLAB_CAMPAIGN_PLAN"  # the workers find the plan through it (xdist workers inherit the environment)
+PLAN_ENV = "ATTNLAB_CAMPAIGN_PLAN"
+CRASHED = ("the process running this item died (the kernel crashed it: an illegal memory access, an abort, an "
+           "exit)")  # the workers find the plan through it (xdist workers inherit the environment)
 ITEMS_MODULE = Path(__file__).resolve().parent / "campaign_items.py"
 # Seconds pytest may run past --budget and one --item-budget (an item started just before the budget ends, its
 # last check and its minimization) before it is stopped.
@@ -262,21 +266,33 @@ def item_key(kernel_id: str, dtype: str, strategy: str, prop: str) -> str:
 
 
 def plan_items(kernels: list[dict[str, Any]], dtypes: list[str], strategies: list[str], curve: bool) -> list[dict[str, Any]]:
-    """Every item, round-robin over the cells (kernel, dtype): each cell's n-th item before any cell's (n+1)-th."""
-    cells = []
+    """Every item, in the order pytest-xdist hands them out (its ``load`` scheduling sends each worker a chunk of
+    consecutive items, then more consecutive ones as it runs low).
+
+    First one item of every cell (kernel, dtype): the first property of its first strategy (``matches_oracle``
+    under the default inputs, where the suite has it), so that every cell starts before any cell's second item.
+    Then, cell after cell, the rest of each cell in a row, the curve first: a worker mostly runs one cell's items
+    together, so that a library's Triton kernels compile and autotune about once per cell and worker, not once per
+    item (the first fla campaign, its items interleaved over 8 workers, paid a first call in 113 of its 115 items:
+    16 s each on average, against 0.1 s for the other two). Not ``loadgroup``: pytest-xdist 3.8 hangs when a
+    worker dies inside a group, and a kernel that crashes its process is one thing a campaign must survive.
+    """
+    firsts, rests = [], []
     for k in kernels:
         if "error" in k:
             continue
         for dtype in dtypes:
-            items = [{"kernel": k["id"], "dtype": dtype, "strategy": "default", "property": CURVE}] if curve else []
-            items += [{"kernel": k["id"], "dtype": dtype, "strategy": s, "property": p, "judges": judged}
-                      for s in strategies for p, judged in k["properties"][s].items()]
-            cells.append(items)
-    ordered = [cell[n] for n in range(max((len(c) for c in cells), default=0)) for cell in cells if n < len(cell)]
-    for item in ordered:
-        item["key"] = item_key(item["kernel"], item["dtype"], item["strategy"], item["property"])
-        item["pass"] = "backward" if item["property"].startswith("backward_") else "forward"
-    return ordered
+            items = [{"kernel": k["id"], "dtype": dtype, "strategy": s, "property": p, "judges": judged}
+                     for s in strategies for p, judged in k["properties"][s].items()]
+            if curve:
+                items.insert(1 if items else 0, {"kernel": k["id"], "dtype": dtype, "strategy": "default",
+                                                 "property": CURVE})
+            for item in items:
+                item["key"] = item_key(item["kernel"], item["dtype"], item["strategy"], item["property"])
+                item["pass"] = "backward" if item["property"].startswith("backward_") else "forward"
+            firsts += items[:1]
+            rests += items[1:]
+    return firsts + rests
 
 
 def stored_counterexamples(results: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
@@ -415,6 +431,21 @@ def pytest_command(out: Path, specs: list[str]) -> list[str]:
     return [sys.executable, "-m", "pytest", str(ITEMS_MODULE), "-c", str(ini), "--rootdir", str(out),
             "--confcutdir", str(ITEMS_MODULE.parent), "-p", "xdist", "-p", "no:cacheprovider", "-q",
             "--junitxml", str(out / "junit.xml"), *specs]
+
+
+def record_crashes(out: Path, plan: dict[str, Any]) -> None:
+    """A result for every item whose worker died under it (pytest-xdist's junit says so, and the item wrote none):
+    failed, stored like any result, so that a re-run does not crash on it again."""
+    stored = read_results(out)
+    lines = []
+    for key, why in junit_outcomes(out / "junit.xml").items():
+        item = next((i for i in plan["items"] if node_id(i["key"]) == key), None)
+        if item is not None and item["key"] not in stored and "crashed" in why:
+            record = {k: v for k, v in item.items() if k not in ("replay", "judges")}
+            lines.append(json.dumps({**record, "status": "failed", "detail": f"{CRASHED}: {why}"}) + "\n")
+    if lines:
+        with open(out / RESULTS_DIR / "crashed.jsonl", "a") as crashed:
+            crashed.writelines(lines)
 
 
 def findings(record: dict[str, Any]) -> list[str]:
@@ -652,5 +683,6 @@ def command(args: argparse.Namespace) -> int:
     run = {"items": len(todo), "workers": where, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     if todo:
         run.update(run_items(out, plan, todo, specs, progress=not args.no_progress))
+        record_crashes(out, plan)
     summarize(out, plan, [*previous, run])
     return render_and_say(out, args.report or out / REPORT_NAME, args.strict)

@@ -25,7 +25,7 @@ PLAN = load_plan(os.environ[PLAN_ENV])
 @pytest.mark.parametrize("key", PLAN["todo"], ids=node_id)
 def test_item(key: str) -> None:
     record = run_item(PLAN, key)
-    if record["status"] not in ("held", "imprecise"):
-        verdict = record.get("verdict") or {}
-        pytest.fail(f"{record['status']}: {verdict.get('figure_text') or ''} {verdict.get('detail') or record.get('detail', '')}"[:2000],
-                    pytrace=False)
+    if record["status"] not in ("held", "imprecise", "not applicable"):
+        bad = next((v for v in record.get("verdicts", []) if v["status"] not in ("held", "imprecise")), {})
+        pytest.fail(f"{record['status']}: {bad.get('property', '')} {bad.get('figure_text') or ''} "
+                    f"{bad.get('detail') or record.get('detail', '')}"[:2000], pytrace=False)

@@ -86,6 +86,8 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
         return "bug", "the kernel raised on a valid input"
     if measure == "state parts carried":
         return "limitation", detail.split("; split at")[0]
+    if "the process running this item died" in detail:
+        return "bug", "the kernel crashed the process running it"
     if "expected the input dtype" in detail or "expected shape" in detail:
         return "contract", detail.split(";")[0]
     figure, bound = v.get("figure"), v.get("bound")
