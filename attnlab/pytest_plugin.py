@@ -30,7 +30,8 @@ property, the measured figure, its bound and the reproducing input.
 Verdicts (attnlab.properties.checks): an error-measuring property is held
 within the registry's accuracy bound, imprecise up to its correctness bound,
 failed above it (or non-finite, or raised). A failed property fails its
-test. An imprecise one passes with an ``ImpreciseWarning`` (in pytest's
+test. An input the kernel declines (it raises NotImplementedError) is skipped
+and another drawn; declining every input fails the test. An imprecise one passes with an ``ImpreciseWarning`` (in pytest's
 warnings summary) unless ``--attnlab-strict`` is given, which fails it.
 ``--attnlab-bound X`` replaces the accuracy bound (a multiple of the floor)
 for the dtype chosen with ``--attnlab-dtype``.

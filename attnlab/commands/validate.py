@@ -38,7 +38,10 @@ Verdicts (attnlab.properties.checks): an error-measuring property is
 replaces it), *imprecise* above it up to the correctness bound, *failed*
 above that, with a non-finite output, or when the kernel raised; exact
 properties (causality, convexity) are held or failed. The search goes on
-past an imprecise input looking for a failure.
+past an imprecise input looking for a failure. A kernel that raises
+NotImplementedError declines that input (the table counts them: "4 (+2
+declined)") and the search draws another; one that declines every input is
+*refused*.
 
 Printed: the convention, then the verdict table (strategy, dtype, property,
 verdict, examples, the worst figure against its bounds, the reproducing
