@@ -111,6 +111,14 @@ def test_usage_errors_exit_2(argv: tuple[str, ...], message: str) -> None:
     assert code == 2 and message in stderr, stderr
 
 
+def test_the_help_shows_a_campaign_file_and_the_exit_statuses() -> None:
+    result = subprocess.run([sys.executable, "-m", "attnlab.cli", "campaign", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0
+    assert "[[kernel]]" in result.stdout and 'convention = "attnlab"' in result.stdout
+    assert "Exit status: 0 every cell ran completely" in result.stdout
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
 def test_asking_for_gpus_without_one_is_a_usage_error() -> None:
     code, _, stderr = run("fla", "--device", "cuda")

@@ -537,12 +537,33 @@ def make_plan(library: Library, *, device: str, dtypes: list[str], strategies: l
 # ----------------------------------------------------------------------------- command line
 
 
+HELP = """\
+Run attnlab validate's property searches on every kernel of TARGET, forward and backward, as pytest items
+spread by pytest-xdist over the GPUs (one worker per GPU, pinned by CUDA_VISIBLE_DEVICES) or CPU workers,
+then render DIR/campaign.md.
+
+TARGET: fla or torch (the registry's peers of that library, each in its declared convention), or a
+campaign file naming your own kernels:
+
+    title = "mylib"
+    [[kernel]]
+    formulation = "gla"                  # what it computes
+    function = "mylib/ops.py:chunk_gla"  # MODULE:FUNCTION, or a .py path relative to the file
+    convention = "attnlab"               # attnlab, fla, peer or auto (as attnlab validate --convention)
+
+Each item (kernel, dtype, strategy, property) searches at most --examples inputs within --item-budget
+seconds and appends its result to DIR/results/ as it ends; findings print as they land. Every cell
+(kernel, dtype) gets its first item before any gets a second. Run again with the same --out to resume:
+done items are skipped and stored counterexamples replayed first (--fresh starts over). A worker that
+dies is its item's failed result. --render DIR re-renders results anywhere."""
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``attnlab campaign`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "campaign", help="the property suite on every kernel of a library (fla, torch, or a campaign file), "
                          "spread over GPUs (or CPU workers) by pytest-xdist, rendered as one report",
-        description=__doc__.split("\n\n")[2] + " " + __doc__.split("\n\n")[5],
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Exit status: 0 every cell ran completely and none failed (imprecise ones pass unless --strict); "
                "1 an item failed, was refused, erred or did not run, or was imprecise under --strict; 2 usage error.")
