@@ -234,7 +234,7 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     leaves the kept regressions out. ``replay`` cases run first, before the
     regressions and the drawn cases (``attnlab campaign`` replays the
     counterexamples it stored). Past ``deadline`` (``time.monotonic()``), once
-    the replayed cases and one more have run, the search rejects every further
+    the replayed cases and one more have been tried (a declined case counts), the search rejects every further
     draw, so that it ends within about one check of its time
     (``outcome.budget_spent``). A case the kernel declines (it raises NotImplementedError:
     :data:`checks.DECLINED`) is skipped and counted in ``outcome.declined``; when it declines every case, the
@@ -246,7 +246,7 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     strict = POLICY.strict if strict is None else strict
 
     def check_one(case: Case) -> None:
-        if deadline is not None and record.examples > len(replay) and time.monotonic() > deadline:
+        if deadline is not None and record.examples + record.declined > len(replay) and time.monotonic() > deadline:
             record.budget_spent = True
             hypothesis.assume(False)
         if fit is not None:

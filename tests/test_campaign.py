@@ -243,6 +243,9 @@ def test_inputs_a_kernel_declines_are_skipped_and_counted_and_declining_all_is_r
     every = run_property(prop, _declining(lambda T: True), __import__("torch").float32, "cpu", sizes, "default", 6,
                          ATTNLAB, None, 0)
     assert every.status == "refused" and "no kernel for T = " in every.detail, every
+    hurried = run_property(prop, _declining(lambda T: True), __import__("torch").float32, "cpu", sizes, "default", 6,
+                           ATTNLAB, None, 0, deadline=time.monotonic())
+    assert hurried.status == "refused" and hurried.declined == 1  # past its budget, declined draws stop too
     assert campaign_report.classify({**asdict(every), "measure": every.measure})[0] == "limitation"
 
 
