@@ -63,6 +63,10 @@ __all__ = [
 ]
 
 IDENTITY_TOLERANCE = 1e-12
+# Where an input is so ill-conditioned that float64 roundoff itself moves the exact answer by more than
+# IDENTITY_TOLERANCE (normalized linear attention with identity features, whose normalizer q . z can be near 0),
+# the forms, which sum in other orders, may differ by a few times that: they must agree within this many times it.
+FORMS_CONDITIONED = 16
 # What an excess-graded check measures (CheckResult.measure), forward and backward.
 EXCESS_MEASURE = "excess = rel_err / floor"
 # The float64 reference: the chunkwise oracle (certified by mpmath in tests/test_oracles.py).
@@ -596,17 +600,25 @@ def check_reduces_to_special_case(target: Target, case: Case, dtype: torch.dtype
 
 
 def check_forms_agree(case: Case, chunk_size: int) -> CheckResult:
-    """The float64 oracle's recurrent, parallel and chunkwise forms agree to 1e-12 relative."""
+    """The float64 oracle's recurrent, parallel and chunkwise forms agree to 1e-12 relative, or, on an input where
+    float64 roundoff moves the exact answer by more (its conditioning floor at unit 2^-53), to FORMS_CONDITIONED
+    times that floor."""
     x = {**case.inputs(), **case.option_values}
-    recurrent = oracle(case.name, "recurrent")(**x)
+    recurrent = oracle(case.name, "recurrent")
+    reference = recurrent(**x)
     others = {"parallel": oracle(case.name, "parallel")(**x),
               f"chunkwise(chunk_size={chunk_size})": oracle(case.name, "chunkwise", chunk_size=chunk_size)(**x)}
-    errors = {form: rel_err(o, recurrent) for form, o in others.items()}
+    errors = {form: rel_err(o, reference) for form, o in others.items()}
     worst = max(errors, key=lambda k: errors[k])
     figure = errors[worst] if not math.isnan(errors[worst]) else math.inf
-    return CheckResult("forms_agree", exact(figure <= IDENTITY_TOLERANCE), figure, IDENTITY_TOLERANCE,
+    tolerance, note = IDENTITY_TOLERANCE, ""
+    if not figure <= tolerance and math.isfinite(figure):
+        floor = conditioning_floor(recurrent, x, unit=2.0**-53, base=reference)
+        tolerance = max(tolerance, FORMS_CONDITIONED * floor)
+        note = f"; float64 conditioning floor {floor:.2e}, tolerance {tolerance:.2e}"
+    return CheckResult("forms_agree", exact(figure <= tolerance), figure, tolerance,
                        "rel_err against the recurrent form", f"oracle:{case.name}", case, None, "cpu",
-                       f"worst form {worst}; " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+                       f"worst form {worst}; " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) + note)
 
 
 def check_oracle_reduction(reduction: traits.Reduction, case: Case) -> CheckResult:
