@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import main
-from attnlab.commands import campaign, campaign_report
+from attnlab.commands import campaign_report
 from attnlab.commands.campaign import (CampaignKernel, _worker_specs, library_for, plan_items, shipped_library,
                                        shipped_targets)
 from attnlab.commands.validate import UsageError
@@ -104,7 +104,6 @@ def results(out: Path) -> dict[str, dict]:
     (("fla", "--device", "cpu", "--passes", "sideways"), "--passes 'sideways': expected some of forward, backward"),
     (("fla", "--device", "cpu", "--lengths", "0"), "--lengths '0': expected positive integers"),
     (("--render", "no/such/folder"), "--render no/such/folder: no campaign.json and no plan.json there"),
-    (("--render", str(Path(__file__).resolve().parent), "--preface", "no/such.md"), "no campaign.json"),
 ])
 def test_usage_errors_exit_2(argv: tuple[str, ...], message: str) -> None:
     code, _, stderr = run(*argv)
@@ -137,7 +136,7 @@ def test_asking_for_gpus_without_one_is_a_usage_error() -> None:
 def test_a_bad_campaign_file_is_a_usage_error_saying_what_is_wrong(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(content)
-    with pytest.raises(UsageError, match=None) as error:
+    with pytest.raises(UsageError) as error:
         library_for(str(path))
     assert message in str(error.value)
 

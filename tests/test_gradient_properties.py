@@ -30,7 +30,7 @@ from attnlab.conventions import FLA
 from attnlab.properties import checks, suite
 from attnlab.properties.strategies import Case
 from attnlab.properties.targets import Target, function_target, own_kernel_target, rounded_oracle_target
-from attnlab.registry import BOUNDS, REGISTRY, bounds_for, formulation
+from attnlab.registry import BOUNDS, REGISTRY, formulation
 
 KERNELS = '''
 """Differentiable GLA kernels in attnlab's convention: the fp32 oracle, and forwards right with backwards wrong."""

@@ -437,9 +437,10 @@ def record_crashes(out: Path, plan: dict[str, Any]) -> None:
     """A result for every item whose worker died under it (pytest-xdist's junit says so, and the item wrote none):
     failed, stored like any result, so that a re-run does not crash on it again."""
     stored = read_results(out)
+    by_node = {node_id(i["key"]): i for i in plan["items"]}
     lines = []
     for key, why in junit_outcomes(out / "junit.xml").items():
-        item = next((i for i in plan["items"] if node_id(i["key"]) == key), None)
+        item = by_node.get(key)
         if item is not None and item["key"] not in stored and "crashed" in why:
             record = {k: v for k, v in item.items() if k not in ("replay", "judges")}
             lines.append(json.dumps({**record, "status": "failed", "detail": f"{CRASHED}: {why}"}) + "\n")
@@ -462,7 +463,7 @@ def findings(record: dict[str, Any]) -> list[str]:
 
 def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs: list[str], progress: bool) -> dict[str, Any]:
     """Run pytest-xdist on the plan (the items in ``todo``), following ``out/results`` as it runs; returns the run's
-    record (wall time, exit code, items pytest reported but that wrote no result)."""
+    record (wall time, pytest's exit status, whether it was stopped at the budget)."""
     from tqdm import tqdm
 
     started = time.time()

@@ -24,8 +24,10 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from attnlab.commands import EXIT_FAILED, EXIT_HELD, usage_error
-from attnlab.metrics import FAILED, HELD, IMPRECISE, VERDICTS, worst_verdict
+from attnlab.metrics import FAILED, HELD, IMPRECISE, UNIT_ROUNDOFF, VERDICTS, worst_verdict
 from attnlab.registry import BOUNDS
 
 PLAN_NAME = "plan.json"
@@ -43,7 +45,7 @@ IDENTITIES = {"causality", "split_and_resume", "chunk_size_invariance", "reduces
 # inputs it is an accuracy finding ("less accurate than the bound").
 BUG_RATIO = 10.0
 ACCURACY_RATIO = 4.0
-EPS = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-23}
+
 # A tensor of at most FEW_ENTRIES entries has a rounding floor that is luck: the relative error of rounding random
 # values once is about TYPICAL_ROUNDING eps (measured: 1.6e-3 in bf16 on large tensors), a single value's anywhere in [0, eps / 2].
 FEW_ENTRIES = 16
@@ -53,6 +55,11 @@ VERDICT_CELLS = {"held": "held", "imprecise": "imprecise", "failed": "**FAILED**
 KIND_WORDS = {"bug": "Bug", "representable": "Rounding on an exactly representable output",
               "contract": "Contract (what the kernel returns)",
               "accuracy": "Accuracy finding", "limitation": "Does not apply", "error": "attnlab's check failed"}
+
+
+def _eps(dtype: str) -> float:
+    """Machine epsilon (the spacing at 1, twice attnlab.metrics' unit roundoff) of a dtype named in a report."""
+    return 2 * UNIT_ROUNDOFF.get(getattr(torch, dtype, None), UNIT_ROUNDOFF[torch.bfloat16])
 
 
 def _number(detail: str, key: str) -> float | None:
@@ -111,7 +118,7 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
         return "representable", ("the exact value is zero here (its floors are 0), so any rounding at all, fp32 "
                                  "accumulation noise included, reads as an infinite excess")
     if floor_round == 0.0 and "excess" in measure:
-        eps = EPS.get(v["dtype"], 2.0**-7)
+        eps = _eps(v["dtype"])
         ulps = re.search(r"off by up to ([0-9.eE+-]+) ulps", detail)
         if ulps:
             off = f"off by up to {float(ulps.group(1)):.3g} ulps"
@@ -122,7 +129,7 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
         return "representable", f"the exact output is representable in {v['dtype']}, so any rounding shows; {who} is {off}"
     entries = re.search(r"non-finite entries \d+ of (\d+)", detail)
     rel = _number(detail, "rel_err")
-    eps = EPS.get(v["dtype"], 2.0**-7)
+    eps = _eps(v["dtype"])
     if entries and int(entries.group(1)) <= FEW_ENTRIES and floor_round is not None and rel is not None \
             and floor_round < TYPICAL_ROUNDING * eps / 4:
         return "accuracy", (f"{entries.group(1)} entries: rounding them once happened to cost only {floor_round:.2g} "

@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -99,8 +98,7 @@ import torch
 from attnlab.commands import report
 from attnlab.conventions import (ATTNLAB, CONVENTION_CHOICES, DETECT_SIZES, DETECT_TOLERANCE, FLA, FLA_NUMERICS_ENV,
                                  ConventionError, Convention, choose_convention, choose_fla_convention,
-                                 describe_detection, detect_convention, detection_caveat, fixed_scale,
-                                 peer_convention)
+                                 describe_detection, detection_caveat, fixed_scale)
 from attnlab.commands import EXIT_FAILED, EXIT_HELD, EXIT_USAGE, usage_error
 from attnlab.kernel import interpreter_active  # first: it sets TRITON_INTERPRET=1 without a GPU
 from attnlab.registry import formulation, names
