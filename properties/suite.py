@@ -287,6 +287,8 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
         try:
             test()
         except Unsatisfiable:
+            if record.budget_spent and record.examples:
+                return  # the kept cases spent the budget: every draw after them was rejected at the deadline
             if record.first_declined is None:
                 raise
             # The kernel declined every input drawn: a failure of its own, carrying the kernel's message.

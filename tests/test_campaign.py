@@ -29,6 +29,7 @@ from attnlab.commands.campaign import (CampaignKernel, _worker_specs, library_fo
                                        shipped_targets)
 from attnlab.commands.validate import UsageError
 from attnlab.properties import suite
+from attnlab.properties.regressions import REGRESSIONS
 from attnlab.properties.strategies import Case
 from attnlab.properties.targets import Target, function_target, own_kernel_target, rounded_oracle_target
 from attnlab.registry import REGISTRY, names
@@ -258,6 +259,21 @@ def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_st
                         settings(max_examples=50, database=None, derandomize=True, deadline=None),
                         replay=replayed, deadline=time.monotonic())
     assert outcome.budget_spent and outcome.examples == len(replayed) + 1, outcome
+
+
+def test_a_search_whose_kept_cases_spend_the_budget_ends_there_without_an_error() -> None:
+    # Seen on the GPU: a kernel's first call compiled through the item budget inside the kept regressions, and the
+    # search, rejecting every draw after them, ended Unsatisfiable (recorded as an error).
+    target = own_kernel_target("softmax", "chunkwise")
+    prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")
+    kept = [c for c in REGRESSIONS["matches_oracle"] if prop.fits(target, c)]
+    assert kept, "needs a kept softmax regression"
+    from hypothesis import settings
+
+    outcome = suite.run(prop, target, __import__("torch").float32, "cpu", suite.sizes_for("cpu", "ci"),
+                        settings(max_examples=50, database=None, derandomize=True, deadline=None),
+                        deadline=time.monotonic())
+    assert not outcome.errors and outcome.budget_spent and outcome.examples == len(kept), outcome
 
 
 # ----------------------------------------------------------------------------- a whole campaign on the CPU
