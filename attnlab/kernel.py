@@ -66,7 +66,9 @@ class Kernel:
                 f"{name} has kernels for form(s) {', '.join(self.formulation.kernel_forms)}; got {form!r}"
             )
         self.form = form
-        self._fn = getattr(importlib.import_module(self.formulation.kernel_module), form)
+        module = importlib.import_module(self.formulation.kernel_module)
+        self._fn = getattr(module, form)
+        self._backward = getattr(module, "BACKWARD", {}).get(form)
         allowed = kernel_options(name, form)
         unknown = sorted(set(opts) - set(allowed))
         if unknown:
@@ -106,13 +108,75 @@ class Kernel:
         if f.state is not None:
             kwargs.update(state=state, return_state=call.return_state)
         assert call.values is not None
-        # The module binds its launches (kernels/_util.Launch), then waits for the value checks just before the first.
-        o, final = self._fn(**kwargs, await_checks=call.values.wait)
+        differentiable = {n: t for n, t in tensors.items() if t is not None and f.arg(n).differentiable}
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*differentiable.values(), *(state or ()))):
+            if self._backward is None:
+                raise NotImplementedError(
+                    f"{self!r} has no backward pass yet: call it on inputs that do not require grad, or under "
+                    "torch.no_grad()")
+            o, final = _differentiable_call(self, kwargs, differentiable, state, call.values.wait)
+        else:
+            # The module binds its launches (kernels/_util.Launch), then waits for the value checks just before the first.
+            o, final = self._fn(**kwargs, await_checks=call.values.wait)
         if not call.values.done:
             raise AssertionError(f"{self!r} launched without waiting for the value checks of its inputs")
         if call.return_state:
             return o, f.state.join(final)
         return o
+
+
+class _KernelFunction(torch.autograd.Function):
+    """One kernel call as an autograd node: the module's forward, then its backward (its ``BACKWARD[form]``).
+
+    The inputs are the differentiable tensors (in ``names`` order), then the initial state's fp32 parts; the
+    outputs are ``o``, then the final state's parts when the call returns it. The forward fills ``saved``, a dict
+    of what its backward needs beyond the inputs and ``o`` (softmax's log-sum-exp, say); the backward gets the
+    inputs, ``o``, ``saved``, ``do`` and the final state's cotangent (None where no loss reads the final state).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Kernel, kwargs: dict[str, Any], names: tuple[str, ...], wait: Any,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        inputs = dict(zip(names, tensors))
+        state = tuple(tensors[len(names):]) or None
+        saved: dict[str, torch.Tensor] = {}
+        call = {**kwargs, **inputs, **({"state": state} if "state" in kwargs else {})}
+        o, final = kernel._fn(**call, saved=saved, await_checks=wait)
+        ctx.kernel, ctx.kwargs, ctx.names, ctx.saved = kernel, kwargs, names, saved
+        ctx.has_state = state is not None
+        final_parts = tuple(final) if final is not None else ()
+        ctx.final_shapes = tuple(p.shape for p in final_parts)
+        ctx.save_for_backward(*tensors, o)
+        return (o, *final_parts)
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, *d_final: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        *tensors, o = ctx.saved_tensors
+        names = ctx.names
+        inputs = dict(zip(names, tensors))
+        state = tuple(tensors[len(names):]) or None
+        d_state = None
+        if any(d is not None for d in d_final):
+            d_state = tuple(torch.zeros(shape, dtype=torch.float32, device=o.device) if d is None
+                            else d.to(torch.float32).contiguous() for d, shape in zip(d_final, ctx.final_shapes))
+        if do is None:
+            do = torch.zeros_like(o)
+        call = {**ctx.kwargs, **inputs, **({"state": state} if "state" in ctx.kwargs else {})}
+        grads = ctx.kernel._backward(**call, o=o, saved=ctx.saved, do=do.contiguous(), d_state=d_state)
+        state_grads = tuple(grads["initial_state"]) if state is not None else ()
+        return (None, None, None, None, *(grads[n] for n in names), *state_grads)
+
+
+def _differentiable_call(kernel: Kernel, kwargs: dict[str, Any], differentiable: dict[str, torch.Tensor],
+                         state: tuple[torch.Tensor, ...] | None, wait: Any) -> tuple[torch.Tensor, Any]:
+    """The forward through :class:`_KernelFunction`: ``(o, final state parts or None)``, both tracked by autograd."""
+    names = tuple(differentiable)
+    rest = {n: v for n, v in kwargs.items() if n not in differentiable and n != "state"}
+    if "state" in kwargs:
+        rest["state"] = None  # replaced by the node's own state inputs
+    outputs = _KernelFunction.apply(kernel, rest, names, wait, *differentiable.values(), *(state or ()))
+    o, *final = outputs
+    return o, (tuple(final) if final else None)
 
 
 def kernel(name: str, form: str = "chunkwise", **opts: Any) -> Kernel:

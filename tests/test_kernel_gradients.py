@@ -1,0 +1,118 @@
+"""attnlab's kernels as autograd nodes (attnlab.kernel; each module's ``BACKWARD``), generic over the registry.
+
+Every form whose kernel module declares a backward is checked on the CPU under the Triton interpreter, in fp16 and
+fp32, on the registry's inputs: each gradient against the float64 gradient oracle (attnlab.gradients), as an
+excess over the larger of its rounding floor in the dtype it is returned in and its conditioning floor
+(attnlab.metrics.measure_gradients); with a drawn initial state and a final-state cotangent, and without. The
+bound is the entry's gradient accuracy bound (fp16 2), and in fp32 the forward's bound on the registry's inputs (4,
+not the 48 any input is held to: these are the default inputs). A form without a backward refuses inputs that
+require grad with a message that says so. The GPU's bf16 and fp16 run is tests/test_kernels.py's ``gpu`` tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytest
+import torch
+
+import attnlab
+from attnlab.gradients import gradient_dtypes, gradient_floor, log_scale_cotangent, oracle_gradients
+from attnlab.kernel import kernel
+from attnlab.metrics import measure_gradients
+from attnlab.registry import bounds_for, formulation, names
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
+
+SIZES = dict(B=1, T=40, H=2, K=16, V=16)
+
+
+def _forms(with_backward: bool) -> list[tuple[str, str]]:
+    pairs = []
+    for name in names():
+        f = formulation(name)
+        backward = getattr(importlib.import_module(f.kernel_module), "BACKWARD", {})
+        pairs += [(name, form) for form in f.kernel_forms if (form in backward) == with_backward]
+    return pairs
+
+
+DIFFERENTIABLE = _forms(True)
+NOT_DIFFERENTIABLE = _forms(False)
+
+
+def gradient_bound(name: str, dtype: torch.dtype) -> float:
+    bounds = bounds_for(formulation(name), str(dtype).removeprefix("torch."))
+    return bounds.on_default_inputs if dtype == torch.float32 else bounds.gradient_accuracy
+
+
+def _inputs(name: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
+    x = formulation(name).sample(**SIZES, seed=seed)
+    return {n: t.to(dtype) for n, t in x.items()}
+
+
+def check_gradients(name: str, form: str, dtype: torch.dtype, stateful: bool, seed: int = 0) -> dict[str, float]:
+    """The kernel's gradients of ``<do, o>`` (+ ``<dS, final state>`` when ``stateful``) against the oracle's:
+    dtypes, shapes, finiteness and excess. Returns the excess per gradient."""
+    f = formulation(name)
+    x = _inputs(name, dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if stateful:  # a state the formulation can reach: the final state of another input's run
+        other = {n: t.double() for n, t in _inputs(name, torch.float32, seed + 100).items()}
+        earlier = attnlab.oracle(name, "chunkwise", "float64")(**other, return_state=True)[1]
+        x["initial_state"] = f.state.join(tuple(p.float() for p in f.state.split(earlier)))
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()
+              if isinstance(t, torch.Tensor) and n != "initial_state" and f.arg(n).differentiable}
+    state_leaves = ()
+    if stateful:
+        state_leaves = tuple(p.detach().clone().requires_grad_() for p in f.state.split(x["initial_state"]))
+    call = {**x, **leaves, **({"initial_state": f.state.join(state_leaves)} if stateful else {})}
+    o, final = kernel(name, form)(**call, return_state=True)
+    # Cotangents representable in the dtype autograd hands the backward (o's, the fp32 state's): the oracle's are exact.
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double()
+    loss = (o.double() * do).sum()
+    d_reference = None
+    if stateful:
+        reference_final = attnlab.oracle(name, "chunkwise", "float64")(**x, return_state=True)[1]
+        d_scaled = tuple(torch.randn(p.shape, generator=gen, dtype=torch.float64).float().double()
+                         for i, p in enumerate(f.state.split(final)) if not f.state.is_log_scale(i))
+        d_kernel = f.state.split(log_scale_cotangent(f, final, f.state.join(d_scaled)))
+        loss = loss + sum((p.double() * d).sum() for p, d in zip(f.state.split(final), d_kernel))
+        d_reference = log_scale_cotangent(f, reference_final, f.state.join(d_scaled))
+    got = torch.autograd.grad(loss, [*leaves.values(), *state_leaves])
+    grads = dict(zip(leaves, got))
+    if stateful:
+        grads["initial_state"] = f.state.join(tuple(got[len(leaves):]))
+    reference = oracle_gradients(f, x, do, d_reference)
+    dtypes = gradient_dtypes(f, x)
+    if stateful:  # returned in fp32, built from intermediates in the input dtype (FORMULATIONS.md, "final state")
+        dtypes["initial_state"] = dtype
+    for n, g in grads.items():
+        for part, leaf in zip(g if isinstance(g, tuple) else (g,), state_leaves if n == "initial_state" else (leaves[n],)):
+            assert part.shape == leaf.shape and part.dtype == leaf.dtype, (n, part.shape, part.dtype)
+    floors = gradient_floor(f, x, do, d_reference, base=reference)
+    measured = measure_gradients(grads, reference, dtypes, floors)
+    bound = gradient_bound(name, dtype)
+    for n, m in measured.items():
+        assert m.nonfinite == 0 and m.excess <= bound, (n, m.as_dict())
+    return {n: m.excess for n, m in measured.items()}
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["plain", "state"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name,form", DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in DIFFERENTIABLE])
+def test_every_gradient_matches_the_oracle(name, form, dtype, stateful):
+    if stateful and formulation(name).state is None:
+        pytest.skip(f"{name} has no state")
+    check_gradients(name, form, dtype, stateful)
+
+
+@pytest.mark.parametrize("name,form", NOT_DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in NOT_DIFFERENTIABLE])
+def test_a_kernel_without_a_backward_refuses_inputs_that_require_grad(name, form):
+    x = _inputs(name, torch.float32, 0)
+    q = next(n for n, t in x.items() if isinstance(t, torch.Tensor) and formulation(name).arg(n).differentiable)
+    x[q] = x[q].requires_grad_()
+    with pytest.raises(NotImplementedError, match="has no backward pass yet"):
+        kernel(name, form)(**x)
+    with torch.no_grad():
+        assert kernel(name, form)(**x).shape[0] == SIZES["B"]
