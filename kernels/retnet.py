@@ -72,10 +72,10 @@ def expm1(x):
 
 @triton.jit
 def _chunkwise_kernel(
-    q, k, v, g, o, initial_state, final_state,
+    q, k, v, g, o, initial_state, final_state, chunk_states,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr, STORE_CHUNK_STATES: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: V block pid_v of head (b, h), decay g = g[h]. Per chunk of C rows i, j:
@@ -111,6 +111,9 @@ def _chunkwise_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     for start in range(0, T, CHUNK):
+        if STORE_CHUNK_STATES:  # the state entering this chunk, for the backward: [B, H, chunks, K, V] fp32
+            chunk_offsets = (pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + start // CHUNK) * K * V
+            tl.store(chunk_states + chunk_offsets + keys[:, None] * V + values[None, :], S, mask=S_mask)
         row_ok = rows < T - start
         qk_mask = row_ok[:, None] & key_ok[None, :]
         v_mask = row_ok[:, None] & value_ok[None, :]
@@ -201,26 +204,33 @@ def chunkwise(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
-    """Chunkwise retention in one fused pass; see the module docstring for the options."""
+    """Chunkwise retention in one fused pass; see the module docstring for the options. Given ``saved`` (a
+    backward will follow), it also keeps the state entering each chunk there, as "chunk_states"."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V):
         return recurrent(q=q, k=k, v=v, g=g, scale=scale, state=state, return_state=return_state,
-                         await_checks=await_checks)
+                         saved=saved, await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     final = _final_state(q, V, return_state)
+    chunk_states = None
+    if saved is not None:
+        chunk_states = torch.empty(B, H, triton.cdiv(T, chunk_size), K, V, dtype=torch.float32, device=q.device)
+        saved["chunk_states"] = chunk_states
     grid = (triton.cdiv(V, BV), B * H)
     launch_after_checks(await_checks, Launch(
         _chunkwise_kernel, grid,
-        q, k, v, g, o, state[0] if state is not None else None, final,
+        q, k, v, g, o, state[0] if state is not None else None, final, chunk_states,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
+        STORE_CHUNK_STATES=saved is not None,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
     ))
@@ -238,9 +248,11 @@ def recurrent(
     return_state: bool,
     block_v: int | None = None,
     num_warps: int = 4,
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
-    """Token-by-token retention with the fp32 state in registers."""
+    """Token-by-token retention with the fp32 state in registers. Its backward recomputes the states, so
+    ``saved`` stays empty."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = block_size(K)
@@ -257,3 +269,363 @@ def recurrent(
         num_warps=num_warps,
     ))
     return o, ((final,) if return_state else None)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+@triton.jit
+def _recurrent_tangent_sweep_kernel(
+    q, k, v, g, do, initial_state, d_final_state, dq_parts, dg_parts,
+    T, H, K, V, scale,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_INITIAL_STATE: tl.constexpr, HAS_FINAL_GRAD: tl.constexpr,
+):
+    # Forward in time, recomputing S_t and carrying its tangent M_t = dS_t/dg (M_0 = 0):
+    #   M_t = exp(g) (M_{t-1} + S_{t-1}),   S_t = exp(g) S_{t-1} + k_t v_t^T
+    #   dq_t = scale S_t do_t                          (this V block's share of the sum over V)
+    #   dg   = sum_t scale q_t^T M_t do_t + <dS_T, M_T>
+    # M_t = sum_{i<=t} (t - i) exp((t - i) g) k_i v_i^T + t exp(t g) S_0: every term carries its distance, a weight
+    # >= 0, so dg is summed from its own terms and cancels no more than they do.
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    decay_minus_one = expm1(tl.load(g + h).to(tl.float32))
+
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    if HAS_INITIAL_STATE:
+        S = tl.load(initial_state + S_offsets, mask=S_mask, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+    M = tl.zeros([BK, BV], dtype=tl.float32)
+    dg = 0.0
+
+    qk_row = (b.to(tl.int64) * T * H + h) * K
+    v_row = (b.to(tl.int64) * T * H + h) * V
+    dq_row = pid_v.to(tl.int64) * tl.num_programs(1) * T * K + qk_row  # dq_parts is [V blocks, B, T, H, K]
+    for _ in range(0, T):
+        q_now = tl.load(q + qk_row + keys, mask=key_ok, other=0.0).to(tl.float32)
+        k_now = tl.load(k + qk_row + keys, mask=key_ok, other=0.0).to(tl.float32)
+        v_now = tl.load(v + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
+        do_now = tl.load(do + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
+        carried = M + S
+        M = carried + decay_minus_one * carried
+        S += decay_minus_one * S + k_now[:, None] * v_now[None, :]
+        tl.store(dq_parts + dq_row + keys, scale * tl.sum(S * do_now[None, :], axis=1), mask=key_ok)
+        dg += scale * tl.sum(tl.sum(M * do_now[None, :], axis=1) * q_now)
+        qk_row += H * K
+        v_row += H * V
+        dq_row += H * K
+
+    if HAS_FINAL_GRAD:
+        dg += tl.sum(tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0) * M)
+    tl.store(dg_parts + pid_bh * tl.num_programs(0) + pid_v, dg)
+
+
+@triton.jit
+def _recurrent_reverse_sweep_kernel(
+    q, k, v, g, do, d_final_state, dk_parts, dv, d_initial_state,
+    T, H, K, V, scale,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_FINAL_GRAD: tl.constexpr, STORE_INITIAL_GRAD: tl.constexpr,
+):
+    # Backward in time, the dual of the recurrence: with E = dS_T (the final state's cotangent, or 0),
+    #   D_t = E + scale q_t do_t^T   (the cotangent of S_t)
+    #   dk_t = D_t v_t               (this V block's share of the sum over V)
+    #   dv_t = D_t^T k_t
+    #   E = exp(g) D_t, as E = D_t + expm1(g) D_t
+    # and dS_0 = E after t = 1.
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    decay_minus_one = expm1(tl.load(g + h).to(tl.float32))
+
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    if HAS_FINAL_GRAD:
+        E = tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0)
+    else:
+        E = tl.zeros([BK, BV], dtype=tl.float32)
+
+    qk_row = (b.to(tl.int64) * T * H + h) * K + (T - 1) * H * K  # the last token first
+    v_row = (b.to(tl.int64) * T * H + h) * V + (T - 1) * H * V
+    dk_row = pid_v.to(tl.int64) * tl.num_programs(1) * T * K + qk_row  # dk_parts is [V blocks, B, T, H, K]
+    for _ in range(0, T):
+        q_now = tl.load(q + qk_row + keys, mask=key_ok, other=0.0).to(tl.float32)
+        k_now = tl.load(k + qk_row + keys, mask=key_ok, other=0.0).to(tl.float32)
+        v_now = tl.load(v + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
+        do_now = tl.load(do + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
+        D = E + (scale * q_now)[:, None] * do_now[None, :]
+        tl.store(dk_parts + dk_row + keys, tl.sum(D * v_now[None, :], axis=1), mask=key_ok)
+        tl.store(dv + v_row + values, tl.sum(D * k_now[:, None], axis=0).to(dv.dtype.element_ty), mask=value_ok)
+        E = D + decay_minus_one * D
+        qk_row -= H * K
+        v_row -= H * V
+        dk_row -= H * K
+
+    if STORE_INITIAL_GRAD:
+        tl.store(d_initial_state + S_offsets, E, mask=S_mask)
+
+
+@triton.jit
+def _chunk_state_gradients_kernel(
+    q, g, do, d_final_state, chunk_state_grads, d_initial_state,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_FINAL_GRAD: tl.constexpr, STORE_INITIAL_GRAD: tl.constexpr,
+    PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # Over chunks, the last first; dS is the cotangent of the state leaving chunk c (dS_T for the last chunk).
+    # Store it (chunk c's keys and values read it), then step to the state entering chunk c, of length C:
+    #   dS = exp(C g) dS + sum_i (scale exp((i + 1) g) q_i) do_i^T
+    # dS_0 is dS after chunk 0. One program: V block pid_v of head (b, h).
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+
+    rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    log_decay = tl.load(g + h).to(tl.float32)
+    query_decay = scale * tl.exp((rows + 1).to(tl.float32) * log_decay)
+
+    qk_tile = rows[:, None] * (H * K) + keys[None, :]
+    v_tile = rows[:, None] * (H * V) + values[None, :]
+    S_tile = keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    if HAS_FINAL_GRAD:
+        dS = tl.load(d_final_state + pid_bh.to(tl.int64) * K * V + S_tile, mask=S_mask, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+
+    chunks = tl.cdiv(T, CHUNK)
+    for back in range(0, chunks):
+        chunk = chunks - 1 - back
+        start = chunk * CHUNK
+        tl.store(chunk_state_grads + (pid_bh.to(tl.int64) * chunks + chunk) * K * V + S_tile, dS, mask=S_mask)
+        row_ok = rows < T - start
+        q_c = tl.load(q + (b.to(tl.int64) * T + start) * H * K + h * K + qk_tile,
+                      mask=row_ok[:, None] & key_ok[None, :], other=0.0)
+        do_c = tl.load(do + (b.to(tl.int64) * T + start) * H * V + h * V + v_tile,
+                       mask=row_ok[:, None] & value_ok[None, :], other=0.0)
+        length = tl.minimum(T - start, CHUNK)
+        dS = dot_lowp_f32(tl.trans(q_c), do_c.to(tl.float32) * query_decay[:, None],
+                          dS + expm1(length.to(tl.float32) * log_decay) * dS, PRECISION, RESCALE)
+
+    if STORE_INITIAL_GRAD:
+        tl.store(d_initial_state + pid_bh.to(tl.int64) * K * V + S_tile, dS, mask=S_mask)
+
+
+@triton.jit
+def _chunk_input_gradients_kernel(
+    q, k, v, g, do, chunk_states, chunk_state_grads, dq, dk, dv, dg_parts,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # One program: chunk c of head (b, h), every V block in turn. With S the state entering the chunk, dS the
+    # cotangent of the state leaving it, C the chunk's length, rows i, j, A the forward's decayed scores
+    # A_ij = scale exp((i - j) g) q_i.k_j (i >= j) and dA_ij = do_i.v_j:
+    #   dq_i = scale exp((i + 1) g) S do_i + sum_j scale exp((i - j) g) dA_ij k_j
+    #   dk_j = exp((C - 1 - j) g) dS v_j   + sum_i scale exp((i - j) g) dA_ij q_i
+    #   dv_j = exp((C - 1 - j) g) dS^T k_j + sum_i A_ij do_i
+    # and this chunk's share of dg, every term times the decay steps it spans (all >= 0, so nothing cancels
+    # beyond the terms themselves): (i - j) for A_ij dA_ij, i + 1 for the read of S, C - 1 - j for the write
+    # into the leaving state, C for S carried through the chunk:
+    #   sum_ij (i - j) A_ij dA_ij + sum_i (i + 1) q_i.dq_i(S) + sum_j (C - 1 - j) k_j.dk_j(dS)
+    #   + C exp(C g) <S, dS>
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    start = pid_c * CHUNK
+    length = tl.minimum(T - start, CHUNK)
+
+    rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    row_ok = rows < length
+    key_ok = keys < K
+    log_decay = tl.load(g + h).to(tl.float32)
+    causal = rows[:, None] >= rows[None, :]
+    distance = tl.where(causal, rows[:, None] - rows[None, :], 0).to(tl.float32)
+    decay = tl.where(causal, tl.exp(distance * log_decay), 0.0)
+    query_decay = scale * tl.exp((rows + 1).to(tl.float32) * log_decay)
+    steps_to_end = tl.where(row_ok, length - 1 - rows, 0).to(tl.float32)
+    to_end = tl.exp(steps_to_end * log_decay)
+
+    qk_offsets = (b.to(tl.int64) * T + start) * H * K + h * K + rows[:, None] * (H * K) + keys[None, :]
+    qk_mask = row_ok[:, None] & key_ok[None, :]
+    q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
+    k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
+    A = scale * decay * tl.dot(q_c, tl.trans(k_c), input_precision=INPUT_PRECISION)
+
+    dA = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
+    do_S = tl.zeros([CHUNK, BK], dtype=tl.float32)   # do_i S^T, summed over V blocks
+    v_dS = tl.zeros([CHUNK, BK], dtype=tl.float32)   # v_j dS^T, summed over V blocks
+    S_dS = 0.0                                        # <S, dS>
+    v_base = (b.to(tl.int64) * T + start) * H * V + h * V
+    S_base = (pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + pid_c) * K * V
+    for v_start in range(0, V, BV):
+        values = v_start + tl.arange(0, BV)
+        value_ok = values < V
+        v_offsets = v_base + rows[:, None] * (H * V) + values[None, :]
+        v_mask = row_ok[:, None] & value_ok[None, :]
+        S_offsets = S_base + keys[:, None] * V + values[None, :]
+        S_mask = key_ok[:, None] & value_ok[None, :]
+        v_c = tl.load(v + v_offsets, mask=v_mask, other=0.0)
+        do_c = tl.load(do + v_offsets, mask=v_mask, other=0.0)
+        S = tl.load(chunk_states + S_offsets, mask=S_mask, other=0.0)
+        dS = tl.load(chunk_state_grads + S_offsets, mask=S_mask, other=0.0)
+
+        dA = tl.dot(do_c, tl.trans(v_c), dA, input_precision=INPUT_PRECISION)
+        do_S = dot_lowp_f32(do_c, tl.trans(S), do_S, PRECISION, RESCALE)
+        v_dS = dot_lowp_f32(v_c, tl.trans(dS), v_dS, PRECISION, RESCALE)
+        S_dS += tl.sum(S * dS)
+        dv_c = to_end[:, None] * dot_lowp_f32(k_c, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), PRECISION, RESCALE)
+        dv_c = dot_f32_lowp(tl.trans(A), do_c, dv_c, PRECISION, RESCALE)
+        tl.store(dv + v_offsets, dv_c.to(dv.dtype.element_ty), mask=v_mask)
+
+    dq_from_state = query_decay[:, None] * do_S
+    dk_from_state = to_end[:, None] * v_dS
+    d_scores = scale * decay * dA
+    dq_c = dot_f32_lowp(d_scores, k_c, dq_from_state, PRECISION, RESCALE)
+    dk_c = dot_f32_lowp(tl.trans(d_scores), q_c, dk_from_state, PRECISION, RESCALE)
+    tl.store(dq + qk_offsets, dq_c.to(dq.dtype.element_ty), mask=qk_mask)
+    tl.store(dk + qk_offsets, dk_c.to(dk.dtype.element_ty), mask=qk_mask)
+
+    dg = tl.sum(distance * A * dA)
+    dg += tl.sum((rows + 1).to(tl.float32) * tl.sum(q_c.to(tl.float32) * dq_from_state, axis=1))
+    dg += tl.sum(steps_to_end * tl.sum(k_c.to(tl.float32) * dk_from_state, axis=1))
+    dg += length.to(tl.float32) * tl.exp(length.to(tl.float32) * log_decay) * S_dS
+    tl.store(dg_parts + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_c, dg)
+
+
+def _gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, dq: torch.Tensor,
+               dk: torch.Tensor, dv: torch.Tensor, dg_parts: torch.Tensor,
+               d_initial: torch.Tensor | None) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """The backward's dict: gradients in their inputs' dtypes (dg summed over batch and parts in fp32)."""
+    B, H = dg_parts.shape[:2]
+    grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {
+        "q": dq.to(q.dtype), "k": dk.to(k.dtype), "v": dv,
+        "g": dg_parts.reshape(B, H, -1).sum(dim=(0, 2)).to(g.dtype),
+    }
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial,)
+    return grads
+
+
+def chunkwise_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    state: tuple[torch.Tensor] | None,
+    return_state: bool,
+    chunk_size: int = 64,
+    precision: str = "split",
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    **ignored: object,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """Gradients of chunkwise retention: a reverse pass over chunks for the leaving states' cotangents, then
+    every chunk's dq, dk, dv and share of dg at once (see the module docstring)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if gpu_shape_known_bad(K, V):  # the forward ran the recurrent kernel
+        return recurrent_backward(o=o, saved=saved, do=do, d_state=d_state, q=q, k=k, v=v, g=g, scale=scale,
+                                  state=state, return_state=return_state)
+    BK = block_size(K)
+    BV = default_block_v(V, BK, block_v)
+    input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
+    chunks = triton.cdiv(T, chunk_size)
+    chunk_state_grads = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
+    d_initial = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if state is not None else None
+    _chunk_state_gradients_kernel[(triton.cdiv(V, BV), B * H)](
+        q, g, do, d_state[0] if d_state is not None else None, chunk_state_grads, d_initial,
+        T, H, K, V, scale,
+        CHUNK=chunk_size, BK=BK, BV=BV,
+        HAS_FINAL_GRAD=d_state is not None, STORE_INITIAL_GRAD=state is not None,
+        PRECISION=fp32_precision, RESCALE=rescale,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg_parts = torch.empty(B, H, chunks, dtype=torch.float32, device=q.device)
+    _chunk_input_gradients_kernel[(chunks, B * H)](
+        q, k, v, g, do, saved["chunk_states"], chunk_state_grads, dq, dk, dv, dg_parts,
+        T, H, K, V, scale,
+        CHUNK=chunk_size, BK=BK, BV=BV,
+        INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return _gradients(q, k, v, g, dq, dk, dv, dg_parts, d_initial)
+
+
+def recurrent_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    scale: float,
+    state: tuple[torch.Tensor] | None,
+    return_state: bool,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    **ignored: object,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """Gradients of the token-by-token recurrence: a forward sweep (dq, dg) and a reverse one (dk, dv, dS_0)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK = block_size(K)
+    BV = block_v if block_v is not None else min(block_size(V), 32)
+    v_blocks = triton.cdiv(V, BV)
+    grid = (v_blocks, B * H)
+    d_final = d_state[0] if d_state is not None else None
+    dq_parts = torch.empty(v_blocks, B, T, H, K, dtype=torch.float32, device=q.device)
+    dg_parts = torch.empty(B, H, v_blocks, dtype=torch.float32, device=q.device)
+    _recurrent_tangent_sweep_kernel[grid](
+        q, k, v, g, do, state[0] if state is not None else None, d_final, dq_parts, dg_parts,
+        T, H, K, V, scale,
+        BK=BK, BV=BV, HAS_INITIAL_STATE=state is not None, HAS_FINAL_GRAD=d_state is not None,
+        num_warps=num_warps,
+    )
+    dk_parts = torch.empty(v_blocks, B, T, H, K, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(v)
+    d_initial = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if state is not None else None
+    _recurrent_reverse_sweep_kernel[grid](
+        q, k, v, g, do, d_final, dk_parts, dv, d_initial,
+        T, H, K, V, scale,
+        BK=BK, BV=BV, HAS_FINAL_GRAD=d_state is not None, STORE_INITIAL_GRAD=state is not None,
+        num_warps=num_warps,
+    )
+    return _gradients(q, k, v, g, dq_parts.sum(dim=0), dk_parts.sum(dim=0), dv, dg_parts, d_initial)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}
