@@ -95,7 +95,7 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels import _softmax_sm90
-from attnlab.kernels._numerics import pow2_scale, split
+from attnlab.kernels._numerics import dot_f32_lowp, pow2_scale, split
 from attnlab.kernels._online_softmax import block_softmax, key_range, program_head
 from attnlab.kernels._util import block_size, no_pending_checks
 from attnlab.runtime import interpreter_active
@@ -267,12 +267,13 @@ def _online_softmax_step(
 
 @triton.jit
 def _softmax_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, v_inverse_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, v_inverse_ptr, lse_ptr, o_residual_ptr,
     T, H, K, V, qk_scale,
     CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, V_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     P_EXP2_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, TMA: tl.constexpr,
+    SAVE_LSE: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
 ):
     pid_m, pid_bh, qk_base, vo_base = program_head(T, H, K, V)
 
@@ -316,11 +317,17 @@ def _softmax_fwd_kernel(
     o = acc / row_sum[:, None]
     if V_SCALED:
         o = o * tl.load(v_inverse_ptr + pid_bh * V + offs_v, mask=offs_v < V, other=1.0)[None, :]
-    o_ptrs = o_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :]
-    if EVEN_V:
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None])
-    else:
-        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_m < T)[:, None] & (offs_v < V)[None, :])
+    o_offsets = vo_base + offs_m[:, None] * (H * V) + offs_v[None, :]
+    o_mask = (offs_m < T)[:, None] if EVEN_V else (offs_m < T)[:, None] & (offs_v < V)[None, :]
+    o_rounded = o.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + o_offsets, o_rounded, mask=o_mask)
+    # For the backward (saved): the row's log-sum-exp in base 2, lse = m + log2(l) (without the P shift), and the
+    # part of the fp32 output that rounding it to the input dtype dropped, so that D = do.o uses o to ~2^-16.
+    if SAVE_LSE:
+        tl.store(lse_ptr + pid_bh * T + offs_m, row_max + tl.log2(row_sum) - P_EXP2_SHIFT, mask=offs_m < T)
+    if SAVE_RESIDUAL:
+        o_residual = (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        tl.store(o_residual_ptr + o_offsets, o_residual, mask=o_mask)
 
 
 def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -388,8 +395,11 @@ def chunkwise(
     tma: bool = True,
     warp_specialize: bool = True,
     await_checks: Callable[[], None] = no_pending_checks,
+    saved: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, None]:
-    """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None)."""
+    """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None). With ``saved`` (a dict, for
+    chunkwise_backward) it also stores "lse" [B, H, T] (fp32, base 2, in units of scale * log2(e) * q.k) and,
+    for 16-bit inputs, "o_residual" (o's fp32 value minus o, in the input dtype), on the Triton kernel."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BLOCK_K, BLOCK_V = block_size(K), block_size(V)
@@ -412,7 +422,12 @@ def chunkwise(
     if use_tma:
         triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
-    if use_tma and warp_specialize and _warp_specialized_fits(q, k, v, precision, _device_capability(q), launch_options):
+    lse = o_residual = None
+    if saved is not None:
+        lse = saved["lse"] = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        if not fp32:
+            o_residual = saved["o_residual"] = torch.empty_like(o)
+    if saved is None and use_tma and warp_specialize and _warp_specialized_fits(q, k, v, precision, _device_capability(q), launch_options):
         sm90 = _softmax_sm90
         sm90.softmax_fwd_sm90_kernel[(triton.cdiv(T, sm90.BLOCK_M), B * H)](
             q, k, v, o, v_inverse, T, H, scale * LOG2E,
@@ -424,7 +439,7 @@ def chunkwise(
         return o, None
     grid = (triton.cdiv(T, block_m), B * H)
     _softmax_fwd_kernel[grid](
-        q, k, v, o, v_inverse,
+        q, k, v, o, v_inverse, lse, o_residual,
         T, H, K, V, scale * LOG2E,
         CAUSAL=causal,
         SPLIT_P=(precision == "split") and not fp32,
@@ -433,6 +448,272 @@ def chunkwise(
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
         BLOCK_M=block_m, BLOCK_N=chunk_size, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
         EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V, TMA=use_tma,
+        SAVE_LSE=lse is not None, SAVE_RESIDUAL=o_residual is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, None
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+# Backward launch shape by input width and the wider head-dim tile: (rows per program, rows per loop step,
+# num_warps, num_stages). The dK/dV kernel owns a block of keys and steps over queries; the dQ kernel owns a block
+# of queries and steps over keys; both use the same pair of block sizes. 16-bit inputs: 128 x 64 tiles on 8 warps
+# (fla's Hopper choice for its attention backward); wider heads and fp32's CUDA-core "ieee" dots get smaller tiles,
+# whose fp32 accumulators (two [rows, head dim] tiles in the dK/dV kernel) stay in registers.
+_BACKWARD_CONFIGS = {
+    (2, 128): (128, 64, 8, 2),
+    (2, 256): (64, 32, 8, 1),
+    (4, 64): (32, 32, 4, 1),
+    (4, 128): (32, 16, 4, 1),
+    (4, 256): (16, 16, 4, 1),
+}
+# Rows per program of the D pre-pass.
+DELTA_BLOCK_ROWS = 64
+
+
+def _backward_config(itemsize: int, widest: int) -> tuple[int, int, int, int]:
+    """(BLOCK_PROGRAM, BLOCK_STEP, num_warps, num_stages) of the backward kernels for the narrowest listed tile
+    >= widest."""
+    width = min(w for (size, w) in _BACKWARD_CONFIGS if size == itemsize and w >= widest)
+    return _BACKWARD_CONFIGS[(itemsize, width)]
+
+
+# D_i = do_i . o_i, the row term of dS = P (dP - D). o here is the forward's fp32 output: the stored o plus the
+# residual its rounding dropped. From the rounded o alone (FlashAttention's D), D is off by ~u |do_i| |o_i|, and on
+# a row where one key dominates, dP_ij - D_i cancels to a small difference that this error then swamps.
+@triton.jit
+def _delta_kernel(o_ptr, o_residual_ptr, do_ptr, delta_ptr, T, H, V,
+                  HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr):
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // H).to(tl.int64)
+    head = pid_bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_v = tl.arange(0, BLOCK_V)
+    offsets = batch * T * H * V + head * V + offs_m[:, None] * (H * V) + offs_v[None, :]
+    mask = (offs_m < T)[:, None] & (offs_v < V)[None, :]
+    o = tl.load(o_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        o += tl.load(o_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + pid_bh * T + offs_m, tl.sum(do * o, 1), mask=offs_m < T)
+
+
+@triton.jit
+def _accumulate_dot(x, b, acc, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr):
+    """acc + x @ b for an fp32 tile x (P or dS) and a tile b in the input dtype. fp32 inputs: one exact fp32 dot.
+    16-bit inputs: x as hi + lo in the input dtype (SPLIT: two dots, x to ~2^-16; with RESCALE, fp16's, each
+    row first scaled to a peak of 2^14 so that small rows keep their bits), or x rounded once (FlashAttention's
+    rounding of P and dS)."""
+    if FP32:
+        return tl.dot(x, b, acc, input_precision="ieee")
+    elif SPLIT:
+        return dot_f32_lowp(x, b, acc, "split", RESCALE)
+    else:
+        return tl.dot(x.to(b.dtype), b, acc)
+
+
+# One step of the dK/dV kernel: the program's keys j (k, v resident) against the query rows i of one block.
+#     P_ij = exp2(s_ij - lse_i)    s_ij = scale log2(e) q_i.k_j        (<= 0: lse_i >= s_ij)
+#     dv_j += sum_i P_ij do_i      dP_ij = do_i.v_j      dS_ij = P_ij (dP_ij - D_i)      dk_j += sum_i dS_ij q_i
+# computed transposed ([keys, queries] tiles) so that both sums are row-major dots into the resident
+# accumulators. dk_j is left without its factor scale, applied once at the end.
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+):
+    """MASK: the block may hold queries past T, keys past T, or (causal) queries before keys; their P is 0."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    query_ok = offs_m < T
+    q = _load_tile(q_head + offs_m[:, None] * (H * K) + offs_k[None, :], query_ok, offs_k < K, MASK, not EVEN_K)
+    do = _load_tile(do_head + offs_m[:, None] * (H * V) + offs_v[None, :], query_ok, offs_v < V, MASK, not EVEN_V)
+    if MASK:
+        lse = tl.load(lse_head + offs_m, mask=query_ok, other=0.0)
+        delta = tl.load(delta_head + offs_m, mask=query_ok, other=0.0)
+    else:
+        lse = tl.load(lse_head + offs_m)
+        delta = tl.load(delta_head + offs_m)
+    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee" if FP32 else "tf32") * qk_scale
+    if MASK:
+        visible = query_ok[None, :] & (offs_n < T)[:, None]
+        if CAUSAL:
+            visible = visible & (offs_m[None, :] >= offs_n[:, None])
+        scores_t = tl.where(visible, scores_t, -float("inf"))
+    p_t = tl.exp2(scores_t - lse[None, :])
+    dv = _accumulate_dot(p_t, do, dv, FP32, SPLIT, RESCALE)
+    dp_t = tl.dot(v, tl.trans(do), input_precision="ieee" if FP32 else "tf32")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _accumulate_dot(ds_t, q, dk, FP32, SPLIT, RESCALE)
+    return dk, dv
+
+
+# dK, dV: one program per block of BLOCK_N keys of one (batch, head), stepping over every query block that sees
+# them (causal: from the diagonal on), so that dk and dv sum in registers without atomics:
+#     dv_j = sum_i P_ij do_i,    dk_j = scale sum_i dS_ij q_i.
+# The query blocks that cross the diagonal (and, for a key block past T's end, all of them) take the masked step;
+# the rest the unmasked one, then a partial last query block the masked one again.
+@triton.jit
+def _softmax_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    T, H, K, V, qk_scale, dk_scale,
+    CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // H).to(tl.int64)
+    head = pid_bh % H
+    qk_base = batch * T * H * K + head * K
+    vo_base = batch * T * H * V + head * V
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    key_ok = offs_n < T
+    k = _load_tile(k_ptr + qk_base + offs_n[:, None] * (H * K) + offs_k[None, :], key_ok, offs_k < K, True, not EVEN_K)
+    v = _load_tile(v_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :], key_ok, offs_v < V, True, not EVEN_V)
+    dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
+    q_head, do_head = q_ptr + qk_base, do_ptr + vo_base
+    lse_head, delta_head = lse_ptr + pid_bh * T, delta_ptr + pid_bh * T
+
+    if CAUSAL:
+        first_m = start_n // BLOCK_M * BLOCK_M
+        masked_end = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M  # past T when this key block is the last
+    else:
+        first_m = 0
+        masked_end = 0 if start_n + BLOCK_N <= T else T
+    full_end = T // BLOCK_M * BLOCK_M
+    for start_m in range(first_m, tl.minimum(masked_end, T), BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+                            T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+    for start_m in range(masked_end, full_end, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+                            T, H, K, V, qk_scale, False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+    for start_m in range(tl.maximum(masked_end, full_end), T, BLOCK_M):
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+                            T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+
+    dk_ptrs = dk_ptr + qk_base + offs_n[:, None] * (H * K) + offs_k[None, :]
+    dv_ptrs = dv_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
+    tl.store(dk_ptrs, (dk * dk_scale).to(dk_ptr.dtype.element_ty), mask=key_ok[:, None] & (offs_k < K)[None, :])
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None] & (offs_v < V)[None, :])
+
+
+# One step of the dQ kernel: the program's query rows i (q, do, lse, D resident) against one block of keys j.
+#     P_ij = exp2(s_ij - lse_i)    dS_ij = P_ij (do_i.v_j - D_i)    dq_i += sum_j dS_ij k_j
+@triton.jit
+def _dq_step(
+    dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+):
+    """MASK: the block may hold keys past T or (causal) after a query; their P is 0."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_ok = offs_n < T
+    k = _load_tile(k_head + offs_n[:, None] * (H * K) + offs_k[None, :], key_ok, offs_k < K, MASK, not EVEN_K)
+    v = _load_tile(v_head + offs_n[:, None] * (H * V) + offs_v[None, :], key_ok, offs_v < V, MASK, not EVEN_V)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32 else "tf32") * qk_scale
+    if MASK:
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None])
+        scores = tl.where(visible, scores, -float("inf"))
+    p = tl.exp2(scores - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision="ieee" if FP32 else "tf32")
+    ds = p * (dp - delta[:, None])
+    return _accumulate_dot(ds, k, dq, FP32, SPLIT, RESCALE)
+
+
+# dQ: one program per block of BLOCK_M queries of one (batch, head), stepping over its keys (causal: up to the
+# diagonal) as the forward does: dq_i = scale sum_j dS_ij k_j. It recomputes P and dP, two dots per tile that
+# the dK/dV kernel also makes, in exchange for no atomics and no fp32 dq scratch of [B, T, H, K].
+# Query rows past T load zeros with lse = D = 0: their P is 1 on the unmasked steps, but dP = 0 = D makes dS 0.
+@triton.jit
+def _softmax_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    T, H, K, V, qk_scale, dq_scale,
+    CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
+):
+    pid_m, pid_bh, qk_base, vo_base = program_head(T, H, K, V)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.arange(0, BLOCK_V)
+    query_ok = offs_m < T
+    q = _load_tile(q_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :], query_ok, offs_k < K, True,
+                   not EVEN_K)
+    do = _load_tile(do_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :], query_ok, offs_v < V, True,
+                    not EVEN_V)
+    lse = tl.load(lse_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
+    delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    k_head, v_head = k_ptr + qk_base, v_ptr + vo_base
+
+    unmasked_end, end = key_range(pid_m, T, BLOCK_M, BLOCK_N, CAUSAL)
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+                      False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
+    for start_n in range(unmasked_end, end, BLOCK_N):
+        dq = _dq_step(dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+                      True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
+
+    dq_ptrs = dq_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :]
+    tl.store(dq_ptrs, (dq * dq_scale).to(dq_ptr.dtype.element_ty), mask=query_ok[:, None] & (offs_k < K)[None, :])
+
+
+def chunkwise_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    d_state: None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool,
+    precision: str = "auto",
+    **ignored: object,
+) -> dict[str, torch.Tensor]:
+    """Gradients {"q", "k", "v"} (input dtype) of <do, o> for the forward call that filled ``saved``.
+
+    The forward's launch options (block sizes, warps, stages, tma, warp_specialize) do not apply: the backward
+    takes its own shapes from _BACKWARD_CONFIGS. precision "input" rounds P and dS once to the input dtype for
+    their dots; every other setting carries them as hi + lo (see the module docstring)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BLOCK_K, BLOCK_V = block_size(K), block_size(V)
+    block_program, block_step, num_warps, num_stages = _backward_config(q.element_size(), max(BLOCK_K, BLOCK_V))
+    fp32 = q.dtype == torch.float32
+    # As in the forward: q negated for a negative scale, so that P is computed from the same scores and lse.
+    # s = scale q.k = |scale| (-q).k: dk = |scale| dS^T (-q), dq = scale dS k.
+    q_seen = -q if scale < 0 else q
+    delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    o_residual = saved.get("o_residual")
+    _delta_kernel[(triton.cdiv(T, DELTA_BLOCK_ROWS), B * H)](
+        o, o_residual, do, delta, T, H, V,
+        HAS_RESIDUAL=o_residual is not None, BLOCK_M=DELTA_BLOCK_ROWS, BLOCK_V=BLOCK_V, num_warps=4,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    shared = dict(
+        CAUSAL=causal, FP32=fp32, SPLIT=precision != "input", RESCALE=q.dtype == torch.float16,
+        BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    qk_scale = abs(scale) * LOG2E
+    _softmax_bwd_dkdv_kernel[(triton.cdiv(T, block_program), B * H)](
+        q_seen, k, v, do, saved["lse"], delta, dk, dv, T, H, K, V, qk_scale, abs(scale),
+        BLOCK_M=block_step, BLOCK_N=block_program, **shared,
+    )
+    _softmax_bwd_dq_kernel[(triton.cdiv(T, block_program), B * H)](
+        q_seen, k, v, do, saved["lse"], delta, dq, T, H, K, V, qk_scale, scale,
+        BLOCK_M=block_program, BLOCK_N=block_step, **shared,
+    )
+    return {"q": dq, "k": dk, "v": dv}
+
+
+BACKWARD = {"chunkwise": chunkwise_backward}
