@@ -71,6 +71,7 @@ Measurements behind these choices (emulated excess): reports/bench.md,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -152,9 +153,9 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
 
 @triton.jit
 def _aft_fwd_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr,
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     T, H, D, den_floor,
-    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -261,6 +262,10 @@ def _aft_fwd_kernel(
             row_stride, k_ref, running_max, num, den, CAUSAL)
     o = num / den
     tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=in_tile)
+    if STORE_LSE:
+        # log sum_i exp(w_ti + k_id) in absolute terms: the backward's normalizer.
+        lse = running_max + k_ref[None, :] + tl.log(den)
+        tl.store(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse, mask=in_tile)
 
 
 def chunkwise(
@@ -275,21 +280,26 @@ def chunkwise(
     num_warps: int = 8,
     num_stages: int = 2,
     precision: str = "auto",
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
-    """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None)."""
+    """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None). With ``saved`` (a dict) it also
+    stores there "lse", the fp32 log-normalizer per (b, t, h, d) that chunkwise_backward needs."""
     B, T, H, D = k.shape
     half_operands = k.dtype != torch.float32
     if precision == "auto":
         precision = "split" if k.dtype == torch.float16 else "single"
     BLOCK_D = min(block_size(D), block_d)
     o = torch.empty_like(v)
+    lse = o
+    if saved is not None:
+        lse = saved["lse"] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
     launch_after_checks(await_checks, Launch(
         _aft_fwd_kernel, grid,
-        w, k, v, o,
+        w, k, v, o, lse,
         T, H, D, DEN_FLOOR[half_operands],
-        CAUSAL=causal,
+        STORE_LSE=saved is not None, CAUSAL=causal,
         SPLIT=half_operands and precision == "split",
         HALF_OPERANDS=half_operands,
         DOT_PRECISION="tf32" if half_operands else "ieee",
@@ -297,3 +307,243 @@ def chunkwise(
         num_warps=num_warps, num_stages=num_stages,
     ))
     return o, None
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+# The factor exp(m_t + m_d - lse_td) the two shifted exps leave to an entry stays below 1 / DEN_FLOOR; a tile
+# where it would not is recomputed exactly, per key (the forward's fallback, met on the same inputs).
+LOG_FACTOR_LIMIT = {half: -math.log(floor) for half, floor in DEN_FLOOR.items()}
+
+
+@triton.jit
+def _operand_scale(peaks, HALF_OPERANDS: tl.constexpr):
+    """(2^s, 2^-s) per peak moving it to [2^14, 2^15) for fp16 operands (exact); (1, 1) for fp32 operands."""
+    if HALF_OPERANDS:
+        scale, unscale = pow2_scale(peaks, 14)
+    else:
+        scale = tl.full(peaks.shape, 1.0, tl.float32)
+        unscale = scale
+    return scale, unscale
+
+
+@triton.jit
+def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """a @ b of fp32 tiles whose rows of a (a_scale, [M]) and columns of b (b_scale, [N]) are already scaled into
+    the operand range; returns the product with both scales divided out (a_scale, b_scale are the inverses)."""
+    a_hi, a_lo = _to_operand(a, SPLIT, OP_DTYPE)
+    b_hi, b_lo = _to_operand(b, SPLIT, OP_DTYPE)
+    return _product(a_hi, a_lo, b_hi, b_lo, SPLIT, DOT_PRECISION) * a_scale[:, None] * b_scale[None, :]
+
+
+@triton.jit
+def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
+    """One (query block, key block, channel block) tile's factorized logs: w masked to -inf where not visible,
+    the row references m_t (0 for rows that see no key), the key tile, the channel references m_d, and
+    log_factor_td = m_t + m_d - lse_td (-inf for rows or channels outside the tile or seeing no key)."""
+    row_in = offs_t < T
+    key_in = offs_s < T
+    d_in = offs_d < D
+    visible = row_in[:, None] & key_in[None, :]
+    if CAUSAL:
+        visible = visible & (offs_s[None, :] <= offs_t[:, None])
+    w = tl.load(w_ptr + offs_t[:, None] * T + offs_s[None, :], mask=visible, other=0.0).to(tl.float32)
+    w = tl.where(visible, w, -float("inf"))
+    k = tl.load(k_ptr + base + offs_s[:, None] * row_stride + offs_d[None, :],
+                mask=key_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
+    row_max = tl.max(w, 1)
+    sees_a_key = row_max > -float("inf")
+    row_ref = tl.where(sees_a_key, row_max, 0.0)
+    col_ref = tl.max(tl.where(key_in[:, None], k, -float("inf")), 0)  # finite: every key block starts inside T
+    lse = tl.load(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :],
+                  mask=row_in[:, None] & d_in[None, :], other=float("inf"))
+    log_factor = tl.where(sees_a_key[:, None], row_ref[:, None] + col_ref[None, :] - lse, -float("inf"))
+    return w, row_ref, k, col_ref, log_factor
+
+
+@triton.jit
+def _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
+    """P_{t,key,d} = exp(w_t,key + k_key,d - lse_td) for one key over a [BLOCK_Q, BLOCK_D] tile, exactly:
+    lse_td bounds every logit of row t, so the exponent is <= 0 (up to its rounding). 0 outside the tile."""
+    row_in = offs_t < T
+    d_in = offs_d < D
+    seen = row_in & (key < T)
+    if CAUSAL:
+        seen = seen & (key <= offs_t)
+    w_col = tl.load(w_ptr + offs_t * T + key, mask=seen, other=0.0).to(tl.float32)
+    w_col = tl.where(seen, w_col, -float("inf"))
+    k_row = tl.load(k_ptr + base + key * row_stride + offs_d, mask=d_in & (key < T), other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :],
+                  mask=row_in[:, None] & d_in[None, :], other=float("inf"))
+    return tl.exp(w_col[:, None] + k_row[None, :] - lse)
+
+
+# dv_sd = sum_t P_tsd do_td,   dk_sd = sum_t P_tsd do_td (v_sd - o_td),   P_tsd = exp(w_ts + k_sd - lse_td).
+# Per (query block, key block) tile P factorizes as A_ts E_sd F_td with A = exp(w - m_t), E = exp(k - m_d),
+# F = exp(m_t + m_d - lse): with G = do * F, dv = E * (A^T G) and dk = E * (v * (A^T G) - A^T (G * o)).
+@triton.jit
+def _aft_bwd_dkdv_kernel(
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dk_ptr, dv_ptr,
+    T, H, D, log_factor_limit,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    batch = (pid_bh // H).to(tl.int64)
+    head = pid_bh % H
+    base = batch * T * H * D + head * D
+    row_stride = H * D
+    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
+
+    offs_s = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    kv_in = (offs_s[:, None] < T) & (offs_d[None, :] < D)
+    kv_offsets = base + offs_s[:, None] * row_stride + offs_d[None, :]
+    v = tl.load(v_ptr + kv_offsets, mask=kv_in, other=0.0).to(tl.float32)
+    dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+
+    # Causal: queries before the key block see none of its keys.
+    first_query = (pid_s * BLOCK_K // BLOCK_Q) * BLOCK_Q if CAUSAL else 0
+    for start in range(first_query, T, BLOCK_Q):
+        offs_t = start + tl.arange(0, BLOCK_Q)
+        td_in = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+        td_offsets = base + offs_t[:, None] * row_stride + offs_d[None, :]
+        do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+        w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
+            w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+        if tl.max(log_factor) > log_factor_limit:
+            # The shifted exps would be too small to carry P: one key at a time, exact.
+            for i in range(BLOCK_K):
+                key = pid_s * BLOCK_K + i
+                p_do = _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride,
+                                        CAUSAL) * do
+                v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
+                                other=0.0).to(tl.float32)
+                is_key = (offs_s == key)[:, None]
+                dv = tl.where(is_key, dv + tl.sum(p_do, 0)[None, :], dv)
+                dk = tl.where(is_key, dk + tl.sum(p_do * (v_key[None, :] - o), 0)[None, :], dk)
+        else:
+            a = tl.exp(w - row_ref[:, None])  # [0, 1]; 0 where not visible
+            g = do * tl.exp(log_factor)  # F <= 1 / DEN_FLOOR here
+            g_scale, g_unscale = _operand_scale(tl.max(tl.abs(g), 0), HALF_OPERANDS)
+            go = g * o
+            go_scale, go_unscale = _operand_scale(tl.max(tl.abs(go), 0), HALF_OPERANDS)
+            a_scale, a_unscale = _operand_scale(tl.full([BLOCK_K], 1.0, tl.float32), HALF_OPERANDS)
+            a_t = tl.trans(a) * a_scale[:, None]
+            x = _scaled_product(a_t, a_unscale, g * g_scale[None, :], g_unscale, SPLIT, OP_DTYPE, DOT_PRECISION)
+            y = _scaled_product(a_t, a_unscale, go * go_scale[None, :], go_unscale, SPLIT, OP_DTYPE, DOT_PRECISION)
+            e = tl.exp(k - col_ref[None, :])
+            dv += e * x
+            dk += e * (v * x - y)
+    tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
+    tl.store(dk_ptr + kv_offsets, dk.to(dk_ptr.dtype.element_ty), mask=kv_in)
+
+
+# dw_ts = sum_{b,h,d} P_tsd do_td (v_sd - o_td). With the same factorization, A (shared by batch and heads)
+# comes out of the sum: dw = A * sum_{b,h} (G @ (E * v)^T - (G * o) @ E^T), contracted over D.
+@triton.jit
+def _aft_bwd_dw_kernel(
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dw_ptr,
+    B, T, H, D, log_factor_limit,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row_stride = H * D
+    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
+    offs_t = pid_t * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_s = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
+    dw = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+
+    n_heads = B * H
+    if CAUSAL:
+        if pid_s * BLOCK_K > pid_t * BLOCK_Q + BLOCK_Q - 1:
+            n_heads = 0  # every key after every query: dw is zero
+    for bh in range(0, n_heads):
+        base = (bh // H).to(tl.int64) * T * H * D + (bh % H) * D
+        for d_start in range(0, D, BLOCK_D):
+            offs_d = d_start + tl.arange(0, BLOCK_D)
+            td_in = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+            td_offsets = base + offs_t[:, None] * row_stride + offs_d[None, :]
+            do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+            w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
+                w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+            if tl.max(log_factor) > log_factor_limit:
+                for i in range(BLOCK_K):
+                    key = pid_s * BLOCK_K + i
+                    p_do = _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride,
+                                            CAUSAL) * do
+                    v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
+                                    other=0.0).to(tl.float32)
+                    column = tl.sum(p_do * (v_key[None, :] - o), 1)
+                    dw = tl.where((offs_s == key)[None, :], dw + column[:, None], dw)
+            else:
+                v = tl.load(v_ptr + base + offs_s[:, None] * row_stride + offs_d[None, :],
+                            mask=(offs_s[:, None] < T) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+                e = tl.where(offs_s[:, None] < T, tl.exp(k - col_ref[None, :]), 0.0)
+                ev = e * v
+                g = do * tl.exp(log_factor)
+                go = g * o
+                g_scale, g_unscale = _operand_scale(tl.max(tl.abs(g), 1), HALF_OPERANDS)
+                go_scale, go_unscale = _operand_scale(tl.max(tl.abs(go), 1), HALF_OPERANDS)
+                ev_scale, ev_unscale = _operand_scale(tl.max(tl.abs(ev), 1), HALF_OPERANDS)
+                e_scale, e_unscale = _operand_scale(tl.max(e, 1), HALF_OPERANDS)
+                gv = _scaled_product(g * g_scale[:, None], g_unscale, tl.trans(ev * ev_scale[:, None]), ev_unscale,
+                                     SPLIT, OP_DTYPE, DOT_PRECISION)
+                gov = _scaled_product(go * go_scale[:, None], go_unscale, tl.trans(e * e_scale[:, None]), e_unscale,
+                                      SPLIT, OP_DTYPE, DOT_PRECISION)
+                a = tl.exp(w - row_ref[:, None])
+                dw += a * (gv - gov)
+    ts_in = (offs_t[:, None] < T) & (offs_s[None, :] < T)
+    tl.store(dw_ptr + offs_t[:, None] * T + offs_s[None, :], dw.to(dw_ptr.dtype.element_ty), mask=ts_in)
+
+
+def chunkwise_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict[str, torch.Tensor],
+    do: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    chunk_size: int = 64,
+    block_q: int = 64,
+    block_d: int = 128,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    precision: str = "auto",
+    **ignored: object,
+) -> dict[str, torch.Tensor]:
+    """Gradients of <do, o> for the chunkwise forward: {"w": dw [T, T], "k": dk, "v": dv}, in the input dtype."""
+    B, T, H, D = k.shape
+    half_operands = k.dtype != torch.float32
+    if precision == "auto":
+        precision = "split" if k.dtype == torch.float16 else "single"
+    BLOCK_D = min(block_size(D), block_d)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dw = torch.empty_like(w)
+    common = dict(
+        CAUSAL=causal,
+        SPLIT=half_operands and precision == "split",
+        HALF_OPERANDS=half_operands,
+        DOT_PRECISION="tf32" if half_operands else "ieee",
+        BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    limit = LOG_FACTOR_LIMIT[half_operands]
+    _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, BLOCK_D))](
+        w, k, v, o, saved["lse"], do, dk, dv, T, H, D, limit, **common)
+    _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
+        w, k, v, o, saved["lse"], do, dw, B, T, H, D, limit, **common)
+    return {"w": dw, "k": dk, "v": dv}
+
+
+BACKWARD = {"chunkwise": chunkwise_backward}
