@@ -338,6 +338,14 @@ def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.co
 
 
 @triton.jit
+def _two_sum(a, b):
+    """(s, err) with s = fl(a + b) and s + err = a + b exactly (Knuth's TwoSum, no branch)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+@triton.jit
 def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
     """One (query block, key block, channel block) tile's factorized logs: w masked to -inf where not visible,
     the row references m_t (0 for rows that see no key), the key tile, the channel references m_d, and
@@ -357,8 +365,12 @@ def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, ro
     row_ref = tl.where(sees_a_key, row_max, 0.0)
     col_ref = tl.max(tl.where(key_in[:, None], k, -float("inf")), 0)  # finite: every key block starts inside T
     lse = tl.load(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :],
-                  mask=row_in[:, None] & d_in[None, :], other=float("inf"))
-    log_factor = tl.where(sees_a_key[:, None], row_ref[:, None] + col_ref[None, :] - lse, -float("inf"))
+                  mask=row_in[:, None] & d_in[None, :], other=0.0)
+    # m_t + m_d - lse_td is a small number made of large ones (|lse| is a few units): summed with TwoSum, its
+    # error is that of the result rather than of lse's magnitude, for every entry of P it scales.
+    refs, refs_err = _two_sum(row_ref[:, None], col_ref[None, :])
+    log_factor, log_factor_err = _two_sum(refs, -lse)
+    log_factor = tl.where(sees_a_key[:, None] & d_in[None, :], log_factor + (refs_err + log_factor_err), -float("inf"))
     return w, row_ref, k, col_ref, log_factor
 
 
