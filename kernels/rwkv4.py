@@ -51,7 +51,7 @@ import triton.language as tl
 
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
-__all__ = ["recurrent", "chunkwise", "OPTIONS"]
+__all__ = ["recurrent", "chunkwise", "recurrent_backward", "chunkwise_backward", "BACKWARD", "OPTIONS"]
 
 _POWERS_OF_TWO = (16, 32, 64, 128, 256)
 
@@ -107,9 +107,10 @@ def _load_state(a_ptr, b_ptr, p_ptr, offs, mask, HAS_STATE: tl.constexpr, BLOCK_
 @triton.jit
 def _rwkv4_recurrent_kernel(
     w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
-    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr,
+    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr, log_den_ptr, residual_ptr, steps_out_ptr,
     T, C,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    SAVE_FOR_BACKWARD: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
     BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     batch, channel_block = tl.program_id(0), tl.program_id(1)
@@ -125,6 +126,8 @@ def _rwkv4_recurrent_kernel(
     k_ptrs = k_ptr + sequence + channels  # pointers advance by one token (C) per step
     v_ptrs = v_ptr + sequence + channels
     o_ptrs = o_ptr + sequence + channels
+    log_den_ptrs = log_den_ptr + sequence + channels
+    residual_ptrs = residual_ptr + sequence + channels
     for _ in tl.range(0, T, num_stages=NUM_STAGES):
         k_t = tl.load(k_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
         v_t = tl.load(v_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
@@ -134,8 +137,16 @@ def _rwkv4_recurrent_kernel(
         top = tl.maximum(p, bonus)
         e_state = tl.exp(p - top)
         e_token = tl.exp(bonus - top)
-        o_t = (e_state * a + e_token * v_t) / (e_state * b + e_token)
-        tl.store(o_ptrs, o_t.to(o_ptr.dtype.element_ty), mask=channel_ok)
+        denominator = e_state * b + e_token
+        o_t = (e_state * a + e_token * v_t) / denominator
+        o_rounded = o_t.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptrs, o_rounded, mask=channel_ok)
+        if SAVE_FOR_BACKWARD:
+            tl.store(log_den_ptrs, top + tl.log(denominator), mask=channel_ok)
+            log_den_ptrs += C
+        if SAVE_RESIDUAL:
+            tl.store(residual_ptrs, (o_t - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=channel_ok)
+            residual_ptrs += C
 
         decayed = anchor - (steps + 1).to(tl.float32) * w
         top = tl.maximum(decayed, k_t)
@@ -154,6 +165,8 @@ def _rwkv4_recurrent_kernel(
         tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
         tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
         tl.store(p_out_ptr + state_offs, anchor - steps.to(tl.float32) * w, mask=channel_ok)
+        if SAVE_FOR_BACKWARD:  # which logit the final p is: the backward routes p's cotangent to it
+            tl.store(steps_out_ptr + state_offs, steps, mask=channel_ok)
 
 
 # Chunkwise form, CHUNK tokens per step (oracles/rwkv4.py, _chunk). For query t
@@ -170,9 +183,10 @@ def _rwkv4_recurrent_kernel(
 @triton.jit
 def _rwkv4_chunkwise_kernel(
     w_ptr, u_ptr, k_ptr, v_ptr, o_ptr,
-    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr,
+    a_in_ptr, b_in_ptr, p_in_ptr, a_out_ptr, b_out_ptr, p_out_ptr, log_den_ptr, residual_ptr, steps_out_ptr,
     T, C,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    SAVE_FOR_BACKWARD: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     batch, channel_block = tl.program_id(0), tl.program_id(1)
@@ -195,6 +209,8 @@ def _rwkv4_chunkwise_kernel(
     k_ptrs = k_ptr + tile_offs  # pointers advance by one chunk (CHUNK * C) per step
     v_ptrs = v_ptr + tile_offs
     o_ptrs = o_ptr + tile_offs
+    log_den_ptrs = log_den_ptr + tile_offs
+    residual_ptrs = residual_ptr + tile_offs
     for start in tl.range(0, T, CHUNK, num_stages=NUM_STAGES):
         row_ok = start + position < T
         tile_ok = row_ok[:, None] & channel_ok[None, :]
@@ -210,7 +226,15 @@ def _rwkv4_chunkwise_kernel(
         e_state = tl.exp(state_logit - top)
         numerator = tl.sum(weight * v[None, :, :], axis=1) + e_state * a[None, :]
         denominator = tl.sum(weight, axis=1) + e_state * b[None, :]
-        tl.store(o_ptrs, (numerator / denominator).to(o_ptr.dtype.element_ty), mask=tile_ok)
+        o_tile = numerator / denominator
+        o_rounded = o_tile.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptrs, o_rounded, mask=tile_ok)
+        if SAVE_FOR_BACKWARD:
+            tl.store(log_den_ptrs, top + tl.log(denominator), mask=tile_ok)
+            log_den_ptrs += CHUNK * C
+        if SAVE_RESIDUAL:
+            tl.store(residual_ptrs, (o_tile - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty), mask=tile_ok)
+            residual_ptrs += CHUNK * C
 
         # State: decay everything to the chunk's last valid token, renormalize to the largest logit.
         n = tl.minimum(T - start, CHUNK)
@@ -237,12 +261,132 @@ def _rwkv4_chunkwise_kernel(
         tl.store(a_out_ptr + state_offs, a, mask=channel_ok)
         tl.store(b_out_ptr + state_offs, b, mask=channel_ok)
         tl.store(p_out_ptr + state_offs, anchor - steps.to(tl.float32) * w, mask=channel_ok)
+        if SAVE_FOR_BACKWARD:  # which logit the final p is: the backward routes p's cotangent to it
+            tl.store(steps_out_ptr + state_offs, steps, mask=channel_ok)
+
+
+# Backward, one reverse sweep over the tokens (module docstring, "Backward"). Per channel, with
+# P_t = log D_t the forward's saved log-denominator, o_t in fp32 (o plus its saved residual) and the
+# adjoint (gA, gB; hA, hB the same weighted by each reader's lag) held at the log-scale r:
+#   key t:    e = e^{k_t + r};  dv_t = e gA,  dk_t = e (v_t gA + gB),  dw -= e (v_t hA + hB)
+#   query t:  lam = e^{u + k_t - P_t};  dv_t += do_t lam,  dk_t += do_t lam (v_t - o_t),  du += the same
+#   step:     r' = max(r - w, -P_t),  f = e^{r - w - r'},  g = e^{-P_t - r'}
+#             hA = f (hA + gA),  hB = f (hB + gB),  gA = f gA + g do_t,  gB = f gB - g do_t o_t
+# k_t + r <= 0 and u + k_t - P_t <= 0 (D_t holds both terms); one of f, g is 1 and the other the
+# exponential of -|gap| with gap = (r + P_t) - w, formed from the nearby r and -P_t first so that it is
+# rounded once at its own small size. r is kept as anchor - steps * w (as p in the forward), and dw, du,
+# sums of many signed terms, are compensated (Kahan) sums.
+@triton.jit
+def _kahan_add(total, compensation, term):
+    """total + term with the rounding error of earlier additions carried in compensation."""
+    corrected = term - compensation
+    new_total = total + corrected
+    return new_total, (new_total - total) - corrected
+
+
+@triton.jit
+def _rwkv4_backward_kernel(
+    w_ptr, u_ptr, k_ptr, v_ptr, o_ptr, residual_ptr, do_ptr, log_den_ptr,
+    dk_ptr, dv_ptr, dw_ptr, du_ptr,
+    a_in_ptr, b_in_ptr, p_in_ptr, da_in_ptr, db_in_ptr, dp_in_ptr,
+    da_out_ptr, db_out_ptr, p_out_ptr, dp_anchor_ptr, steps_out_ptr,
+    T, C,
+    HAS_RESIDUAL: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, HAS_FINAL_COTANGENT: tl.constexpr,
+    BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    batch, channel_block = tl.program_id(0), tl.program_id(1)
+    channels = channel_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_ok = channels < C
+    w = tl.load(w_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + channels, mask=channel_ok, other=0.0).to(tl.float32)
+    state_offs = batch * C + channels
+
+    # The adjoint of the state after the last token: e^{-p_T} (da_T, db_T) on the scale-free (A, B).
+    if HAS_FINAL_COTANGENT:
+        anchor = -tl.load(p_out_ptr + state_offs, mask=channel_ok, other=0.0)
+        grad_a = tl.load(da_out_ptr + state_offs, mask=channel_ok, other=0.0)
+        grad_b = tl.load(db_out_ptr + state_offs, mask=channel_ok, other=0.0)
+        # p_T is one logit, decayed final_steps times: key T-1-final_steps, or the initial p when final_steps = T.
+        final_steps = tl.load(steps_out_ptr + state_offs, mask=channel_ok, other=0)
+        dp_anchor = tl.load(dp_anchor_ptr + state_offs, mask=channel_ok, other=0.0)
+    else:
+        anchor = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+        grad_a = tl.zeros([BLOCK_C], dtype=tl.float32)
+        grad_b = tl.zeros([BLOCK_C], dtype=tl.float32)
+        final_steps = tl.full([BLOCK_C], -1, dtype=tl.int32)
+        dp_anchor = tl.zeros([BLOCK_C], dtype=tl.float32)
+    steps = tl.zeros([BLOCK_C], dtype=tl.int32)
+    lag_a = tl.zeros([BLOCK_C], dtype=tl.float32)
+    lag_b = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw = tl.where(final_steps >= 0, -final_steps.to(tl.float32) * dp_anchor, 0.0)
+    du = tl.zeros([BLOCK_C], dtype=tl.float32)
+    dw_error = tl.zeros([BLOCK_C], dtype=tl.float32)
+    du_error = tl.zeros([BLOCK_C], dtype=tl.float32)
+
+    last = batch.to(tl.int64) * T * C + (T - 1) * C + channels  # pointers step back one token (C) per step
+    k_ptrs, v_ptrs, o_ptrs, do_ptrs = k_ptr + last, v_ptr + last, o_ptr + last, do_ptr + last
+    residual_ptrs, log_den_ptrs, dk_ptrs, dv_ptrs = residual_ptr + last, log_den_ptr + last, dk_ptr + last, dv_ptr + last
+    for back in tl.range(0, T, num_stages=NUM_STAGES):
+        k_t = tl.load(k_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        v_t = tl.load(v_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        o_t = tl.load(o_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            o_t += tl.load(residual_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        do_t = tl.load(do_ptrs, mask=channel_ok, other=0.0).to(tl.float32)
+        log_den = tl.load(log_den_ptrs, mask=channel_ok, other=0.0)
+
+        # Key t, through the state it joins (A_t = e^{-w} A_{t-1} + e^{k_t} v_t).
+        e_key = tl.exp(k_t + (anchor - steps.to(tl.float32) * w))
+        dv_t = e_key * grad_a
+        dk_t = e_key * (v_t * grad_a + grad_b) + tl.where(back == final_steps, dp_anchor, 0.0)
+        dw, dw_error = _kahan_add(dw, dw_error, -e_key * (v_t * lag_a + lag_b))
+        # Query t, through its own bonus term.
+        weighted = do_t * tl.exp(u + k_t - log_den)
+        dv_t += weighted
+        dk_t += weighted * (v_t - o_t)
+        du, du_error = _kahan_add(du, du_error, weighted * (v_t - o_t))
+        tl.store(dk_ptrs, dk_t.to(dk_ptr.dtype.element_ty), mask=channel_ok)
+        tl.store(dv_ptrs, dv_t.to(dv_ptr.dtype.element_ty), mask=channel_ok)
+
+        # Move the adjoint before token t: decay it once, add query t's read of the state.
+        gap = (anchor + log_den) - (steps + 1).to(tl.float32) * w  # (r - w) - (-P_t)
+        keep = gap > 0  # the decayed adjoint stays the larger: keep its anchor
+        e_old = tl.exp(tl.minimum(gap, 0.0))
+        e_query = tl.exp(-tl.maximum(gap, 0.0)) * do_t
+        lag_a = e_old * (lag_a + grad_a)
+        lag_b = e_old * (lag_b + grad_b)
+        grad_a = e_old * grad_a + e_query
+        grad_b = e_old * grad_b - e_query * o_t
+        anchor = tl.where(keep, anchor, -log_den)
+        steps = tl.where(keep, steps + 1, 0)
+        k_ptrs -= C
+        v_ptrs -= C
+        o_ptrs -= C
+        residual_ptrs -= C
+        do_ptrs -= C
+        log_den_ptrs -= C
+        dk_ptrs -= C
+        dv_ptrs -= C
+
+    # The adjoint now belongs to the initial state (A, B) = e^p (a, b), which token 0 read without decay.
+    if HAS_INITIAL_STATE:
+        a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, True, BLOCK_C)
+        e_initial = tl.exp(p + (anchor - steps.to(tl.float32) * w))  # 0 for the empty state p = -inf
+        da = e_initial * grad_a
+        db = e_initial * grad_b
+        dp = tl.where(e_initial > 0, a * da + b * db, 0.0) + tl.where(final_steps == T, dp_anchor, 0.0)
+        dw, dw_error = _kahan_add(dw, dw_error, tl.where(e_initial > 0, -e_initial * (a * lag_a + b * lag_b), 0.0))
+        tl.store(da_in_ptr + state_offs, da, mask=channel_ok)
+        tl.store(db_in_ptr + state_offs, db, mask=channel_ok)
+        tl.store(dp_in_ptr + state_offs, dp, mask=channel_ok)
+    tl.store(dw_ptr + state_offs, dw, mask=channel_ok)
+    tl.store(du_ptr + state_offs, du, mask=channel_ok)
 
 
 def _launch(
     kernel: triton.JITFunction,
     w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    state: tuple[torch.Tensor, ...] | None, return_state: bool,
+    state: tuple[torch.Tensor, ...] | None, return_state: bool, saved: dict[str, torch.Tensor] | None,
     block_c: int, num_warps: int, await_checks: Callable[[], None], **meta: int,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     B, T, C = k.shape
@@ -251,12 +395,22 @@ def _launch(
     # Unused pointer slots get a valid tensor; the constexpr flags compile their accesses out.
     a_in, b_in, p_in = state if state is not None else (o, o, o)
     a_out, b_out, p_out = final if final is not None else (o, o, o)
+    log_den, residual, steps_out = o, o, o
+    save_residual = saved is not None and o.dtype != torch.float32  # an fp32 o is its own fp32 value
+    if saved is not None:
+        log_den = saved["log_denominator"] = torch.empty((B, T, C), dtype=torch.float32, device=k.device)
+        if final is not None:
+            steps_out = saved["final_steps"] = torch.empty((B, C), dtype=torch.int32, device=k.device)
+            saved["final_state"] = final
+    if save_residual:
+        residual = saved["output_residual"] = torch.empty_like(o)
     block_c = min(block_c, block_size(C))
     grid = (B, triton.cdiv(C, block_c))
     launch_after_checks(await_checks, Launch(
         kernel, grid,
-        w, u, k, v, o, a_in, b_in, p_in, a_out, b_out, p_out, T, C,
+        w, u, k, v, o, a_in, b_in, p_in, a_out, b_out, p_out, log_den, residual, steps_out, T, C,
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
+        SAVE_FOR_BACKWARD=saved is not None, SAVE_RESIDUAL=save_residual,
         BLOCK_C=block_c, num_warps=num_warps, **meta,
     ))
     return o, final
@@ -268,11 +422,15 @@ def recurrent(
     block_c: int = OPTIONS["recurrent"]["block_c"][0],
     num_warps: int = OPTIONS["recurrent"]["num_warps"][0],
     num_stages: int = OPTIONS["recurrent"]["num_stages"][0],
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """RWKV-4 WKV one token at a time (the running-maximum loop); returns (o, (a, b, p) or None)."""
+    """RWKV-4 WKV one token at a time (the running-maximum loop); returns (o, (a, b, p) or None).
+
+    With ``saved`` (a dict), also stores what the backward needs in it (module docstring, "Backward").
+    """
     return _launch(
-        _rwkv4_recurrent_kernel, w, u, k, v, state, return_state, block_c, num_warps, await_checks,
+        _rwkv4_recurrent_kernel, w, u, k, v, state, return_state, saved, block_c, num_warps, await_checks,
         NUM_STAGES=num_stages,
     )
 
@@ -284,15 +442,82 @@ def chunkwise(
     block_c: int = OPTIONS["chunkwise"]["block_c"][0],
     num_warps: int = OPTIONS["chunkwise"]["num_warps"][0],
     num_stages: int = OPTIONS["chunkwise"]["num_stages"][0],
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """RWKV-4 WKV by chunks of ``chunk_size`` tokens (log-sum-exp inside, state between).
 
-    Returns (o, (a, b, p) or None).
+    Returns (o, (a, b, p) or None). With ``saved`` (a dict), also stores what the backward needs in it.
     """
     if chunk_size not in OPTIONS["chunkwise"]["chunk_size"][1]:
         raise ValueError(f"chunk_size must be one of {OPTIONS['chunkwise']['chunk_size'][1]}; got {chunk_size!r}")
     return _launch(
-        _rwkv4_chunkwise_kernel, w, u, k, v, state, return_state, block_c, num_warps, await_checks,
+        _rwkv4_chunkwise_kernel, w, u, k, v, state, return_state, saved, block_c, num_warps, await_checks,
         CHUNK=chunk_size, NUM_STAGES=num_stages,
     )
+
+
+def _backward(
+    *, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+    saved: dict[str, torch.Tensor], d_state: tuple[torch.Tensor, ...] | None,
+    state: tuple[torch.Tensor, ...] | None, block_c: int, num_warps: int, num_stages: int,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    B, T, C = k.shape
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    # One row per batch for w and u (each program writes its own), summed over the batch below in fp32.
+    dw_rows, du_rows = (torch.empty((B, C), dtype=torch.float32, device=k.device) for _ in range(2))
+    a_in, b_in, p_in = state if state is not None else (dw_rows,) * 3
+    d_initial = tuple(torch.empty_like(part) for part in state) if state is not None else (dw_rows,) * 3
+    da_out = db_out = p_out = dp_anchor = steps_out = dw_rows
+    if d_state is not None:
+        a_out, b_out, p_out = saved["final_state"]
+        da_out, db_out, dp_out = d_state
+        # The final (a, b) = e^{-p} (A, B): p's own cotangent, less what rescaling (A, B) takes, goes to p's logit.
+        dp_anchor = dp_out - a_out * da_out - b_out * db_out
+        steps_out = saved["final_steps"]
+    block_c = min(block_c, block_size(C))
+    residual = saved.get("output_residual", o)
+    _rwkv4_backward_kernel[(B, triton.cdiv(C, block_c))](
+        w, u, k, v, o, residual, do, saved["log_denominator"],
+        dk, dv, dw_rows, du_rows,
+        a_in, b_in, p_in, *d_initial,
+        da_out, db_out, p_out, dp_anchor, steps_out,
+        T, C,
+        HAS_RESIDUAL="output_residual" in saved, HAS_INITIAL_STATE=state is not None,
+        HAS_FINAL_COTANGENT=d_state is not None, BLOCK_C=block_c, NUM_STAGES=num_stages, num_warps=num_warps,
+    )
+    grads: dict[str, torch.Tensor | tuple[torch.Tensor, ...]] = {
+        "w": dw_rows.sum(0).to(w.dtype), "u": du_rows.sum(0).to(u.dtype), "k": dk, "v": dv,
+    }
+    if state is not None:
+        grads["initial_state"] = d_initial
+    return grads
+
+
+def recurrent_backward(
+    *, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+    saved: dict[str, torch.Tensor], d_state: tuple[torch.Tensor, ...] | None,
+    state: tuple[torch.Tensor, ...] | None = None,
+    block_c: int = OPTIONS["recurrent"]["block_c"][0],
+    num_warps: int = OPTIONS["recurrent"]["num_warps"][0],
+    num_stages: int = OPTIONS["recurrent"]["num_stages"][0],
+    **ignored: object,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Gradients of the recurrent form: the reverse sweep with the forward's tiling options."""
+    return _backward(w=w, u=u, k=k, v=v, o=o, do=do, saved=saved, d_state=d_state, state=state,
+                     block_c=block_c, num_warps=num_warps, num_stages=num_stages)
+
+
+def chunkwise_backward(
+    *, w: torch.Tensor, u: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+    saved: dict[str, torch.Tensor], d_state: tuple[torch.Tensor, ...] | None,
+    state: tuple[torch.Tensor, ...] | None = None, **ignored: object,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+    """Gradients of the chunkwise form: the same reverse sweep (module docstring, "Backward"), with the
+    recurrent form's tiling, since the sweep is one token per step whatever the forward's chunk size."""
+    return _backward(w=w, u=u, k=k, v=v, o=o, do=do, saved=saved, d_state=d_state, state=state,
+                     block_c=OPTIONS["recurrent"]["block_c"][0], num_warps=OPTIONS["recurrent"]["num_warps"][0],
+                     num_stages=OPTIONS["recurrent"]["num_stages"][0])
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}
