@@ -121,6 +121,14 @@ def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.cons
 
 
 @triton.jit
+def _two_sum(a, b):
+    """(s, err) with s = fl(a + b) and s + err = a + b exactly (Knuth's TwoSum, no branch)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+@triton.jit
 def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_start, key_end, row_stride,
                     k_ref, running_max, num, den, CAUSAL: tl.constexpr):
     """Keys key_start..key_end-1 added one at a time to (num, den), relative to exp(running_max) per (t, d).
@@ -264,7 +272,9 @@ def _aft_fwd_kernel(
     tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=in_tile)
     if STORE_LSE:
         # log sum_i exp(w_ti + k_id) in absolute terms: the backward's normalizer.
-        lse = running_max + k_ref[None, :] + tl.log(den)
+        # running_max and k_ref are a few units each, log(den) smaller: TwoSum keeps the sum to one rounding.
+        refs, refs_err = _two_sum(running_max, k_ref[None, :])
+        lse = refs + (tl.log(den) + refs_err)
         tl.store(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse, mask=in_tile)
 
 
@@ -338,14 +348,6 @@ def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.co
 
 
 @triton.jit
-def _two_sum(a, b):
-    """(s, err) with s = fl(a + b) and s + err = a + b exactly (Knuth's TwoSum, no branch)."""
-    s = a + b
-    b_part = s - a
-    return s, (a - (s - b_part)) + (b - b_part)
-
-
-@triton.jit
 def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
     """One (query block, key block, channel block) tile's factorized logs: w masked to -inf where not visible,
     the row references m_t (0 for rows that see no key), the key tile, the channel references m_d, and
@@ -399,7 +401,7 @@ def _aft_bwd_dkdv_kernel(
     w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dk_ptr, dv_ptr,
     T, H, D, log_factor_limit,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -428,8 +430,13 @@ def _aft_bwd_dkdv_kernel(
         o = tl.load(o_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
         w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
             w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
-        if tl.max(log_factor) > log_factor_limit:
-            # The shifted exps would be too small to carry P: one key at a time, exact.
+        exact = tl.max(log_factor) > log_factor_limit  # the shifted exps would be too small to carry P
+        if EXACT_DIAGONAL:
+            # Near the diagonal o_t is an average of few values, close to v_s: v * (A^T G) - A^T (G * o)
+            # cancels there, where the per-key sum of P do (v - o) does not.
+            exact = exact | (start < (pid_s + 1) * BLOCK_K - 1)
+        if exact:
+            # One key at a time, exact.
             for i in range(BLOCK_K):
                 key = pid_s * BLOCK_K + i
                 p_do = _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride,
@@ -552,7 +559,7 @@ def chunkwise_backward(
     )
     limit = LOG_FACTOR_LIMIT[half_operands]
     _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, BLOCK_D))](
-        w, k, v, o, saved["lse"], do, dk, dv, T, H, D, limit, **common)
+        w, k, v, o, saved["lse"], do, dk, dv, T, H, D, limit, EXACT_DIAGONAL=causal and not half_operands, **common)
     _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
         w, k, v, o, saved["lse"], do, dw, B, T, H, D, limit, **common)
     return {"w": dw, "k": dk, "v": dv}
