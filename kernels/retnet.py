@@ -71,6 +71,15 @@ def expm1(x):
 
 
 @triton.jit
+def decay_factors(log_decay):
+    """(keep, change) for a scalar log decay <= 0 with exp(log_decay) x = keep * x + change * x, accurate at both
+    ends: (1, expm1) near 0, where exp rounded next to 1 would lose the decay's low bits, and (0, exp) beyond
+    -0.5, where 1 + expm1 would lose a small exp (exp(-20) = 2e-9 is below fp32's spacing at 1)."""
+    near_one = log_decay > -0.5
+    return tl.where(near_one, 1.0, 0.0), tl.where(near_one, expm1(log_decay), tl.exp(log_decay))
+
+
+@triton.jit
 def _chunkwise_kernel(
     q, k, v, g, o, initial_state, final_state, chunk_states,
     T, H, K, V, scale,
@@ -130,7 +139,8 @@ def _chunkwise_kernel(
         # Rows past the chunk's length have v = 0; their exponent is clamped to 0, never positive.
         length = tl.minimum(T - start, CHUNK)
         to_end = tl.exp(tl.where(rows < length, (length - 1 - rows).to(tl.float32), 0.0) * log_decay)
-        S = dot_lowp_f32(tl.trans(k_c), v_c.to(tl.float32) * to_end[:, None], S + expm1(length.to(tl.float32) * log_decay) * S, PRECISION, RESCALE)
+        keep, change = decay_factors(length.to(tl.float32) * log_decay)
+        S = dot_lowp_f32(tl.trans(k_c), v_c.to(tl.float32) * to_end[:, None], keep * S + change * S, PRECISION, RESCALE)
         qk_chunk += CHUNK * H * K
         v_chunk += CHUNK * H * V
 
@@ -146,7 +156,7 @@ def _recurrent_kernel(
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
 ):
     # The literal recurrence, one token at a time, in fp32:
-    #   S = S + expm1(g) S + k_t v_t^T,   o_t = S^T (scale q_t)
+    #   S = exp(g) S + k_t v_t^T,   o_t = S^T (scale q_t)
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -156,7 +166,7 @@ def _recurrent_kernel(
     values = pid_v * BV + tl.arange(0, BV)
     key_ok = keys < K
     value_ok = values < V
-    decay_minus_one = expm1(tl.load(g + h).to(tl.float32))
+    keep, change = decay_factors(tl.load(g + h).to(tl.float32))
 
     S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
     S_mask = key_ok[:, None] & value_ok[None, :]
@@ -173,7 +183,7 @@ def _recurrent_kernel(
         q_now = scale * tl.load(q_t, mask=key_ok, other=0.0).to(tl.float32)
         k_now = tl.load(k_t, mask=key_ok, other=0.0).to(tl.float32)
         v_now = tl.load(v_t, mask=value_ok, other=0.0).to(tl.float32)
-        S += decay_minus_one * S + k_now[:, None] * v_now[None, :]
+        S = keep * S + change * S + k_now[:, None] * v_now[None, :]
         out = tl.sum(q_now[:, None] * S, axis=0)
         tl.store(o_t, out.to(o.dtype.element_ty), mask=value_ok)
         q_t += H * K
@@ -296,7 +306,7 @@ def _recurrent_tangent_sweep_kernel(
     values = pid_v * BV + tl.arange(0, BV)
     key_ok = keys < K
     value_ok = values < V
-    decay_minus_one = expm1(tl.load(g + h).to(tl.float32))
+    keep, change = decay_factors(tl.load(g + h).to(tl.float32))
 
     S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
     S_mask = key_ok[:, None] & value_ok[None, :]
@@ -316,8 +326,8 @@ def _recurrent_tangent_sweep_kernel(
         v_now = tl.load(v + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
         do_now = tl.load(do + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
         carried = M + S
-        M = carried + decay_minus_one * carried
-        S += decay_minus_one * S + k_now[:, None] * v_now[None, :]
+        M = keep * carried + change * carried
+        S = keep * S + change * S + k_now[:, None] * v_now[None, :]
         tl.store(dq_parts + dq_row + keys, scale * tl.sum(S * do_now[None, :], axis=1), mask=key_ok)
         dg += scale * tl.sum(tl.sum(M * do_now[None, :], axis=1) * q_now)
         qk_row += H * K
@@ -340,7 +350,7 @@ def _recurrent_reverse_sweep_kernel(
     #   D_t = E + scale q_t do_t^T   (the cotangent of S_t)
     #   dk_t = D_t v_t               (this V block's share of the sum over V)
     #   dv_t = D_t^T k_t
-    #   E = exp(g) D_t, as E = D_t + expm1(g) D_t
+    #   E = exp(g) D_t
     # and dS_0 = E after t = 1.
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -351,7 +361,7 @@ def _recurrent_reverse_sweep_kernel(
     values = pid_v * BV + tl.arange(0, BV)
     key_ok = keys < K
     value_ok = values < V
-    decay_minus_one = expm1(tl.load(g + h).to(tl.float32))
+    keep, change = decay_factors(tl.load(g + h).to(tl.float32))
 
     S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
     S_mask = key_ok[:, None] & value_ok[None, :]
@@ -371,7 +381,7 @@ def _recurrent_reverse_sweep_kernel(
         D = E + (scale * q_now)[:, None] * do_now[None, :]
         tl.store(dk_parts + dk_row + keys, tl.sum(D * v_now[None, :], axis=1), mask=key_ok)
         tl.store(dv + v_row + values, tl.sum(D * k_now[:, None], axis=0).to(dv.dtype.element_ty), mask=value_ok)
-        E = D + decay_minus_one * D
+        E = keep * D + change * D
         qk_row -= H * K
         v_row -= H * V
         dk_row -= H * K
@@ -425,8 +435,9 @@ def _chunk_state_gradients_kernel(
         do_c = tl.load(do + (b.to(tl.int64) * T + start) * H * V + h * V + v_tile,
                        mask=row_ok[:, None] & value_ok[None, :], other=0.0)
         length = tl.minimum(T - start, CHUNK)
-        dS = dot_lowp_f32(tl.trans(q_c), do_c.to(tl.float32) * query_decay[:, None],
-                          dS + expm1(length.to(tl.float32) * log_decay) * dS, PRECISION, RESCALE)
+        keep, change = decay_factors(length.to(tl.float32) * log_decay)
+        dS = dot_lowp_f32(tl.trans(q_c), do_c.to(tl.float32) * query_decay[:, None], keep * dS + change * dS,
+                          PRECISION, RESCALE)
 
     if STORE_INITIAL_GRAD:
         tl.store(d_initial_state + pid_bh.to(tl.int64) * K * V + S_tile, dS, mask=S_mask)
@@ -523,7 +534,7 @@ def _gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     B, H = dg_parts.shape[:2]
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {
         "q": dq.to(q.dtype), "k": dk.to(k.dtype), "v": dv,
-        "g": dg_parts.reshape(B, H, -1).sum(dim=(0, 2)).to(g.dtype),
+        "g": dg_parts.reshape(B, H, -1).double().sum(dim=(0, 2)).to(g.dtype),
     }
     if d_initial is not None:
         grads["initial_state"] = (d_initial,)

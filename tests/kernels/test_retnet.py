@@ -1,7 +1,9 @@
 """retnet kernels (kernels/retnet.py) beyond the generic test: strong decays (g = -20 per step),
 no decay, T=1, non-power-of-two head dimensions over several V blocks, an fp16 state above fp16's
-range, every precision mode and chunk size, the expm1 helper, bad options. CPU (Triton
-interpreter), fp16 and fp32."""
+range, every precision mode and chunk size, the expm1 helper, bad options. The backward likewise
+(against float64 autograd through the oracle, tests/test_kernel_gradients.py's measure), with
+either cotangent alone, and the chunk states the forward saves for it. CPU (Triton interpreter),
+fp16 and fp32."""
 
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import triton.language as tl
 import attnlab
 from attnlab.kernel import kernel
 from kernel_checks import EXCESS_BOUND, STATE_BOUND, check_stateful_kernel
-from attnlab.kernels.retnet import expm1
-from attnlab.metrics import measure, rel_err
+from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
+from attnlab.kernels.retnet import chunkwise, expm1
+from attnlab.metrics import measure, measure_gradients, rel_err
+from attnlab.registry import bounds_for
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -122,3 +126,153 @@ def test_bad_options_raise(opts, message):
 def test_recurrent_rejects_chunk_options():
     with pytest.raises(TypeError, match="chunk_size"):
         kernel("retnet", "recurrent", chunk_size=16)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+# fp32 gradients of inputs off the registry's defaults (g = -20, g = 0): dg sums T * K * V products in fp32 to a few
+# units of roundoff (5 to 7.5 x its floor measured at g = (-20, -0.5), where dg is two numbers and the floor is
+# 2.8e-8, under half fp32's u; fp32 arithmetic with the same steps in torch lands at the same few u). The registry's
+# fp32 gradient bound for any input is 48; this holds them tighter.
+FP32_GRADIENT_BOUND = 8.0
+
+
+def _check_gradients(x: dict, dtype: torch.dtype, form: str, *, with_do: bool = True, with_d_state: bool = True,
+                     default_inputs: bool = True, **opts) -> dict[str, float]:
+    """Gradients of <do, o> (+ <dS, final state>) by the kernel's backward against float64 autograd through the
+    oracle, on x rounded to dtype (its initial state, if any, in fp32): dtypes, shapes, finite, and each
+    gradient's excess within the gradient bound (fp16 2; fp32 the default-inputs bound, 4, else
+    FP32_GRADIENT_BOUND). A cotangent left out is zero (do) or absent (dS); a gradient whose exact value is then
+    zero must be exactly zero."""
+    x = {n: (t.float() if n == "initial_state" else t.to(dtype)) for n, t in x.items()}
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g")}
+    if "initial_state" in x:
+        leaves["initial_state"] = x["initial_state"].detach().clone().requires_grad_()
+    o, final = kernel("retnet", form, **opts)(**{**x, **leaves}, return_state=True)
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double()
+    if not with_do:
+        do = torch.zeros_like(do)
+    d_state = torch.randn(final.shape, generator=gen, dtype=torch.float64).float().double() if with_d_state else None
+    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    for n, grad in grads.items():
+        assert grad.shape == leaves[n].shape and grad.dtype == leaves[n].dtype, (n, grad.shape, grad.dtype)
+        assert bool(torch.isfinite(grad).all()), n
+    reference = oracle_gradients("retnet", x, do, d_state)
+    exact_zeros = [n for n, r in reference.items() if not bool(r.any())]
+    for n in exact_zeros:
+        assert not bool(grads[n].any()), n
+    reference = {n: r for n, r in reference.items() if n not in exact_zeros}
+    dtypes = {**gradient_dtypes("retnet", x), "initial_state": dtype}  # the state's built from input-dtype terms
+    floors = gradient_floor("retnet", x, do, d_state, base=reference)
+    measured = measure_gradients({n: grads[n] for n in reference}, reference, dtypes, floors)
+    bounds = bounds_for(attnlab.formulation("retnet"), str(dtype).removeprefix("torch."))
+    bound = bounds.gradient_accuracy if dtype != torch.float32 else bounds.on_default_inputs if default_inputs \
+        else FP32_GRADIENT_BOUND
+    for n, m in measured.items():
+        assert m.nonfinite == 0 and m.excess <= bound, (n, m.as_dict())
+    return {n: m.excess for n, m in measured.items()}
+
+
+def _with_state(x: dict, seed: int = 11) -> dict:
+    """x with an initial state the formulation reaches: the final state of another input of x's shape."""
+    B, T, H, K = x["q"].shape
+    other = _sample(T=T, K=K, V=x["v"].shape[-1], H=H, seed=seed)
+    return {**x, "initial_state": attnlab.oracle("retnet", "chunkwise", "float64")(**other, return_state=True)[1]}
+
+
+CHUNK_16 = {"chunkwise": {"chunk_size": 16}, "recurrent": {}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_at_T_1(form, dtype):
+    _check_gradients(_with_state(_sample(T=1)), dtype, form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_over_partial_chunks(form):
+    """T = 45: two full chunks of 16 and a partial one of 13, with a state in and out."""
+    _check_gradients(_with_state(_sample(T=45)), torch.float16, form, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_with_head_dims_not_powers_of_two_over_several_v_blocks(form):
+    """K=20 pads to a 32 tile; V=24 spans two V blocks of 16, so dq and dk sum blocks' shares."""
+    x = _with_state(_sample(T=21, K=20, V=24))
+    _check_gradients(x, torch.float16, form, block_v=16, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_with_large_odd_head_dims(form):
+    """The one large case: K=72, V=100 (four V blocks of 32), T not a multiple of the chunk."""
+    x = _with_state(_sample(T=19, K=72, V=100, H=1))
+    _check_gradients(x, torch.float16, form, block_v=32, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_under_a_decay_of_minus_20_stay_finite_and_exact(form, dtype):
+    """exp(-20) per step: every decayed term underflows within a few steps, no exponent is positive."""
+    x = _with_state(_sample(T=40))
+    x["g"] = torch.tensor([-20.0, -0.5], dtype=torch.float64)
+    _check_gradients(x, dtype, form, default_inputs=False, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_without_decay(form):
+    """g = 0: dg's weights (the steps each term spans) grow to T, and the state never shrinks."""
+    x = _with_state(_sample(T=70))
+    x["g"] = torch.zeros(2, dtype=torch.float64)
+    _check_gradients(x, torch.float32, form, default_inputs=False, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
+def test_gradients_at_every_chunk_size(chunk_size):
+    _check_gradients(_with_state(_sample(T=45)), torch.float16, "chunkwise", chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("precision", ["split", "tf32", "ieee"])
+def test_gradients_at_every_precision(precision):
+    _check_gradients(_with_state(_sample(T=40)), torch.float16, "chunkwise", precision=precision, chunk_size=16)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_from_the_final_state_alone(form):
+    """do = 0: dq is exactly zero; dk, dv, dg and dS_0 come from the final state's cotangent alone."""
+    _check_gradients(_with_state(_sample(T=37)), torch.float16, form, with_do=False, **CHUNK_16[form])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_from_the_output_alone(form):
+    """No loss reads the final state: the backward gets d_state = None."""
+    _check_gradients(_with_state(_sample(T=37)), torch.float16, form, with_d_state=False, **CHUNK_16[form])
+
+
+def test_chunkwise_saves_the_state_entering_each_chunk():
+    """With a saved dict, the forward keeps the state entering each chunk (the final state of the tokens before
+    it) and its output is unchanged; without one it keeps nothing."""
+    x = {n: (t.float() if n == "initial_state" else t.to(torch.float16)) for n, t in _with_state(_sample(T=45)).items()}
+    call = dict(q=x["q"], k=x["k"], v=x["v"], g=x["g"], scale=16 ** -0.5, state=(x["initial_state"],),
+                return_state=True, chunk_size=16)
+    saved: dict[str, torch.Tensor] = {}
+    o, _ = chunkwise(**call, saved=saved)
+    assert torch.equal(o, chunkwise(**call)[0])
+    states = saved["chunk_states"]
+    assert states.shape == (1, 2, 3, 16, 16) and states.dtype == torch.float32
+    assert torch.equal(states[:, :, 0], x["initial_state"])
+    for c in (1, 2):
+        prefix = {n: (t[:, :16 * c] if n in "qkv" else t) for n, t in x.items()}
+        expected = attnlab.oracle("retnet", "chunkwise", "float64")(**prefix, return_state=True)[1]
+        assert rel_err(states[:, :, c], expected) <= STATE_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradient_of_a_decay_of_minus_20_on_every_head(form):
+    """dg ~ 2e-7 from terms decayed by exp(-20) alone: carried as exp(g) x, not x + expm1(g) x (whose factor rounds
+    to 0 in fp32), it keeps its accuracy in fp32."""
+    x = _with_state(_sample(T=40))
+    x["g"] = torch.full((2,), -20.0, dtype=torch.float64)
+    _check_gradients(x, torch.float32, form, default_inputs=False, **CHUNK_16[form])
