@@ -442,7 +442,8 @@ def chunkwise(
         q, k, v, o, v_inverse, lse, o_residual,
         T, H, K, V, scale * LOG2E,
         CAUSAL=causal,
-        SPLIT_P=(precision == "split") and not fp32,
+        # Under autograd (saved) every precision but "input" splits P: D = do.o then sees o to ~2^-16, not 2^-11.
+        SPLIT_P=(precision == "split" or (saved is not None and precision != "input")) and not fp32,
         V_SCALED=v_scaled,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
@@ -535,13 +536,16 @@ def _dkdv_step(
     else:
         lse = tl.load(lse_head + offs_m)
         delta = tl.load(delta_head + offs_m)
-    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee" if FP32 else "tf32") * qk_scale
+    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee" if FP32 else "tf32")
+    # One FMA on the GPU: the scaled score is not rounded before lse is taken off (a large score's rounding
+    # would otherwise cost |s| 2^-24 in the exponent).
+    exponent_t = tl.fma(scores_t, qk_scale, -lse[None, :])
     if MASK:
         visible = query_ok[None, :] & (offs_n < T)[:, None]
         if CAUSAL:
             visible = visible & (offs_m[None, :] >= offs_n[:, None])
-        scores_t = tl.where(visible, scores_t, -float("inf"))
-    p_t = tl.exp2(scores_t - lse[None, :])
+        exponent_t = tl.where(visible, exponent_t, -float("inf"))
+    p_t = tl.exp2(exponent_t)
     dv = _accumulate_dot(p_t, do, dv, FP32, SPLIT, RESCALE)
     dp_t = tl.dot(v, tl.trans(do), input_precision="ieee" if FP32 else "tf32")
     ds_t = p_t * (dp_t - delta[None, :])
@@ -615,13 +619,14 @@ def _dq_step(
     key_ok = offs_n < T
     k = _load_tile(k_head + offs_n[:, None] * (H * K) + offs_k[None, :], key_ok, offs_k < K, MASK, not EVEN_K)
     v = _load_tile(v_head + offs_n[:, None] * (H * V) + offs_v[None, :], key_ok, offs_v < V, MASK, not EVEN_V)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32 else "tf32") * qk_scale
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32 else "tf32")
+    exponent = tl.fma(scores, qk_scale, -lse[:, None])
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        scores = tl.where(visible, scores, -float("inf"))
-    p = tl.exp2(scores - lse[:, None])
+        exponent = tl.where(visible, exponent, -float("inf"))
+    p = tl.exp2(exponent)
     dp = tl.dot(do, tl.trans(v), input_precision="ieee" if FP32 else "tf32")
     ds = p * (dp - delta[:, None])
     return _accumulate_dot(ds, k, dq, FP32, SPLIT, RESCALE)

@@ -31,6 +31,8 @@ or exact identities.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import triton
@@ -39,13 +41,15 @@ from hypothesis import given, settings, strategies as st
 
 import attnlab
 from attnlab.kernel import kernel
-from attnlab.metrics import conditioning_floor, measure
+from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
+from attnlab.metrics import conditioning_floor, measure, measure_gradients
+from attnlab.registry import bounds_for
 from attnlab.kernels import softmax as softmax_kernels
 from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels.softmax import (
     OPTIONS, _launch_config, _tma_fits, _v_convert_rows, _v_to_fp16,
 )
-from kernel_checks import EXCESS_BOUND
+from kernel_checks import ANY_PRECISION_EXCESS_BOUND, EXCESS_BOUND
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
@@ -254,3 +258,144 @@ def test_default_launch_configs(itemsize, widest):
     if itemsize == 2:
         assert itemsize * widest * (block_m + 2 * num_stages * block_n) <= 232448
     assert _launch_config(itemsize, widest, 16, 16, 2, 1) == (16, 16, 2, 1)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+# The Triton backward (softmax.BACKWARD["chunkwise"]) against float64 autograd through the oracle
+# (attnlab.gradients), each gradient as an excess over max(its rounding floor in the returned dtype, its
+# conditioning floor): fp16 within the registry's gradient bound (2), fp32 within the default-input bound (4),
+# "input" (P and dS rounded once, FlashAttention's rounding) within ANY_PRECISION_EXCESS_BOUND.
+
+GRADIENT_BOUND = {torch.float16: bounds_for(attnlab.formulation("softmax"), "float16").gradient_accuracy,
+                  torch.float32: EXCESS_BOUND[torch.float32]}
+# Backward block shapes (rows per program, rows per step, warps, stages) that make T <= 70 span several
+# programs and several steps, with the masked (diagonal, tail) and unmasked steps all taken.
+SMALL_BACKWARD_CONFIGS = [(16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 2, 1)]
+
+
+def _gradients(x, causal=True, scale=None, do=None, **opts):
+    """(kernel gradients {q, k, v}, do in float64) of <do, o>, do drawn from the seed unless given."""
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")}
+    o = kernel("softmax", **opts)(**leaves, causal=causal, scale=scale)
+    if do is None:
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        do = do.to(o.dtype).double()
+    got = torch.autograd.grad(o, list(leaves.values()), do.to(o.dtype))
+    for g, leaf in zip(got, leaves.values()):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape
+    return dict(zip(leaves, got)), do
+
+
+def _gradient_excess(x, causal=True, scale=None, **opts):
+    """The excess of each gradient; asserts all are finite."""
+    grads, do = _gradients(x, causal, scale, **opts)
+    call = {**x, "causal": causal, "scale": scale}
+    reference = oracle_gradients("softmax", call, do)
+    floors = gradient_floor("softmax", call, do, base=reference)
+    measured = measure_gradients(grads, reference, gradient_dtypes("softmax", call), floors)
+    assert all(m.nonfinite == 0 for m in measured.values()), {n: m.as_dict() for n, m in measured.items()}
+    return {n: m.excess for n, m in measured.items()}
+
+
+def _small_backward_blocks(monkeypatch, config):
+    monkeypatch.setattr(softmax_kernels, "_BACKWARD_CONFIGS", {key: config for key in softmax_kernels._BACKWARD_CONFIGS})
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_gradients_match_the_oracle_with_odd_head_dims(dtype, causal):
+    x = _inputs(dtype, T=37, K=20, V=24)
+    assert max(_gradient_excess(x, causal).values()) <= GRADIENT_BOUND[dtype]
+
+
+def test_gradients_with_wide_odd_head_dims():
+    x = _inputs(torch.float16, T=70, K=40, V=100, H=1)
+    assert max(_gradient_excess(x, causal=False).values()) <= GRADIENT_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("config", SMALL_BACKWARD_CONFIGS, ids=lambda c: f"{c[0]}x{c[1]}")
+def test_gradients_over_several_blocks(dtype, causal, config, monkeypatch):
+    """T = 70: partial last blocks of every size, key blocks that end past T, diagonal blocks of both shapes."""
+    _small_backward_blocks(monkeypatch, config)
+    x = _inputs(dtype, T=70, K=16, V=16, H=1)
+    assert max(_gradient_excess(x, causal).values()) <= GRADIENT_BOUND[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_single_token_gradients(dtype, causal):
+    """One key: o = v, so dv = do exactly, and dq, dk are 0 up to dP - D, two fp32 sums of do.v in different
+    orders (a few ulps of |do| |v|; exactly 0 is not promised)."""
+    x = _inputs(dtype, T=1, K=16, V=24, B=2)
+    grads, do = _gradients(x, causal)
+    assert torch.equal(grads["v"].double(), do)
+    size = do.abs().sum(-1, keepdim=True) * x["v"].double().abs().amax() * x["k"].double().abs().amax()
+    assert torch.all(grads["q"].double().abs() <= 8 * torch.finfo(torch.float32).eps * size)
+    assert torch.all(grads["k"].double().abs() <= 8 * torch.finfo(torch.float32).eps * size)
+
+
+@pytest.mark.parametrize("precision", ["auto", "split", "fp16", "input"])
+def test_gradients_at_every_precision(precision):
+    """Under autograd every precision but "input" splits P in the forward (its fp32 o feeds D) and carries P and
+    dS as hi + lo in the backward: the floor in fp16; "input" rounds each once."""
+    x = _inputs(torch.float16, T=50, K=16, V=16)
+    bound = ANY_PRECISION_EXCESS_BOUND if precision == "input" else 1.1
+    assert max(_gradient_excess(x, precision=precision).values()) <= bound
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 3.0], ids=["negative", "zero", "peaked"])
+def test_gradient_scales(dtype, scale):
+    x = _inputs(dtype, T=40, K=16, V=16)
+    assert max(_gradient_excess(x, scale=scale).values()) <= GRADIENT_BOUND[dtype]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_gradients_on_rows_one_key_dominates(causal):
+    """Scores spanning ~100 nats: P is one-hot to fp16 precision on most rows, dP_ij - D_i cancels, and a D taken
+    from the fp16-rounded o would be off by the output rounding (FlashAttention's dq error). D from the
+    forward's fp32 o keeps every gradient at the floor."""
+    x = _inputs(torch.float16, T=64, K=16, V=16, q_std=8.0)
+    assert max(_gradient_excess(x, causal, scale=1.0).values()) <= 1.1
+
+
+def test_zero_cotangent_gives_zero_gradients():
+    x = _inputs(torch.float16, T=45, K=16, V=16)
+    grads, _ = _gradients(x, do=torch.zeros(1, 45, 2, 16, dtype=torch.float64))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads.values())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_backward_causality(dtype, monkeypatch):
+    """do = 0 from position c on: q's gradient there, and k's and v's (keys seen only by later queries), are 0."""
+    _small_backward_blocks(monkeypatch, SMALL_BACKWARD_CONFIGS[0])
+    x = _inputs(dtype, T=60, K=16, V=16)
+    do = torch.randn(1, 60, 2, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    do[:, 27:] = 0
+    grads, _ = _gradients(x, do=do.to(dtype).double())
+    for g in grads.values():
+        assert torch.equal(g[:, 27:], torch.zeros_like(g[:, 27:]))
+        assert g[:, :27].abs().amax() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_forward_saves_lse_and_the_output_residual(dtype):
+    """saved["lse"] is log2 sum_i exp(scale q.k_i) per row ([B, H, T], fp32); o + saved["o_residual"] (16-bit
+    inputs) is o before its rounding, closer to the exact o than o is."""
+    x = _inputs(dtype, T=50, K=16, V=24)
+    saved = {}
+    o, _ = softmax_kernels.chunkwise(**x, scale=16**-0.5, causal=True, saved=saved)
+    q, k = x["q"].double(), x["k"].double()
+    scores = torch.einsum("bthk,bshk->bhts", q, k) * 16**-0.5
+    scores = scores.masked_fill(torch.ones(50, 50, dtype=torch.bool).triu(1), -float("inf"))
+    lse = torch.logsumexp(scores, -1) / math.log(2)
+    assert saved["lse"].dtype == torch.float32 and saved["lse"].shape == (1, 2, 50)
+    assert (saved["lse"].double() - lse).abs().max() <= 1e-5 * lse.abs().max()
+    if dtype == torch.float32:
+        assert "o_residual" not in saved
+        return
+    exact = REFERENCE(**x, causal=True)
+    unrounded = o.double() + saved["o_residual"].double()
+    assert (unrounded - exact).norm() < 0.05 * (o.double() - exact).norm()
