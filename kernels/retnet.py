@@ -20,10 +20,49 @@ Decays are applied in log space with every exponent <= 0, the masks applied
 before the exponential: within a chunk exp((i - j) g) for i >= j, to the
 state from the queries exp((i + 1) g) as a row factor after the dot (so q
 stays an exact operand), and to the values exp((C - 1 - j) g) for the state
-update (C the chunk's length). The state's own decay is applied as
-S + expm1(C g) S, and the recurrent kernel's as S + expm1(g) S, because
-exp(g) rounded to fp32 next to 1 (g = log(1 - 2^-20) for RetNet's last
-heads) would bias S by 2^-25 per step, 5e-4 relative after 16384 steps.
+update (C the chunk's length). A state's own decay by exp(x) (x = C g per
+chunk, g per token) is keep * S + change * S (``decay_factors``): near x = 0
+S + expm1(x) S, because exp(x) rounded to fp32 next to 1 (g = log(1 - 2^-20)
+for RetNet's last heads) would bias S by 2^-25 per step, 5e-4 relative after
+16384 steps; below x = -0.5 exp(x) S, because 1 + expm1(x) would lose a small
+exp(x) (exp(-20) is below fp32's spacing at 1, and the decayed terms are all
+dg is made of there).
+
+Backward (``BACKWARD``). With D_t the cotangent of S_t (dS_T that of the final
+state, 0 when no loss reads it), the dual recurrence runs backward in time:
+
+    D_t = exp(g) D_{t+1} + scale q_t do_t^T   (D_T = dS_T + scale q_T do_T^T)
+    dq_t = scale S_t do_t,   dk_t = D_t v_t,   dv_t = D_t^T k_t,   dS_0 = exp(g) D_1
+    dg = sum_t <D_t, exp(g) S_{t-1}> = sum over pairs (write of k_j v_j^T or S_0, read by q_i or dS_T) of
+         (steps between them) * (the pair's term)
+
+dg is the one gate gradient: g is constant in time, so it is the sum of the
+per-step gate gradients. The usual arrangement, sum_t t (q_t.dq_t - k_t.dk_t)
+plus state terms (a reverse cumulative sum of per-step gradients), weights
+terms of both signs by up to T and cancels catastrophically for long T; here
+every term is weighted by the decay steps it spans, a weight >= 0, so the sum
+cancels no more than its terms do.
+
+- ``recurrent_backward``: a forward sweep recomputing S_t with its tangent
+  M_t = dS_t/dg = exp(g) (M_{t-1} + S_{t-1}), giving dq_t and
+  dg = sum_t scale q_t^T M_t do_t + <dS_T, M_T>; then a reverse sweep giving
+  dk, dv and dS_0. Both one token per step with the state in registers, as
+  the forward; the V blocks' shares of dq and dk are summed on the host.
+  Nothing is saved: recomputing S costs what the forward cost.
+- ``chunkwise_backward``: a reverse pass over chunks (grid V blocks x B*H)
+  writes the cotangent dS_{c+1} of the state leaving each chunk; then every
+  chunk at once (grid chunks x B*H, each program looping over V blocks):
+      dq_i = scale exp((i+1) g) S_c do_i + sum_{j<=i} scale exp((i-j) g) (do_i.v_j) k_j
+      dk_j = exp((C-1-j) g) dS_{c+1} v_j + sum_{i>=j} scale exp((i-j) g) (do_i.v_j) q_i
+      dv_j = exp((C-1-j) g) dS_{c+1}^T k_j + sum_{i>=j} A_ij do_i
+  with A the forward's decayed scores, and the chunk's share of dg:
+      sum_ij (i-j) A_ij (do_i.v_j) + sum_i (i+1) q_i.dq_i(S_c) + sum_j (C-1-j) k_j.dk_j(dS_{c+1})
+      + C exp(C g) <S_c, dS_{c+1}>.
+  The forward saves the state entering each chunk, S_c, in fp32 (one store
+  per chunk of the state it already holds; B*H*chunks*K*V*4 bytes, 512 MiB at
+  the reference shape) rather than the backward recomputing it: a recompute
+  would write the same states and read k and v again. fp32, not the input
+  dtype as fla keeps them, because the split dots need the state's low bits.
 
 ``precision`` and the fp32-operand dots are linear_attn's (kernels/_numerics.py,
 ``dot_f32_lowp`` and ``dot_lowp_f32``): "split" (default) carries the fp32 score
@@ -183,7 +222,7 @@ def _recurrent_kernel(
         q_now = scale * tl.load(q_t, mask=key_ok, other=0.0).to(tl.float32)
         k_now = tl.load(k_t, mask=key_ok, other=0.0).to(tl.float32)
         v_now = tl.load(v_t, mask=value_ok, other=0.0).to(tl.float32)
-        S = keep * S + change * S + k_now[:, None] * v_now[None, :]
+        S = keep * S + (change * S + k_now[:, None] * v_now[None, :])
         out = tl.sum(q_now[:, None] * S, axis=0)
         tl.store(o_t, out.to(o.dtype.element_ty), mask=value_ok)
         q_t += H * K
@@ -315,7 +354,7 @@ def _recurrent_tangent_sweep_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
     M = tl.zeros([BK, BV], dtype=tl.float32)
-    dg = 0.0
+    dg = tl.zeros([BK], dtype=tl.float32)  # per key row, reduced once at the end
 
     qk_row = (b.to(tl.int64) * T * H + h) * K
     v_row = (b.to(tl.int64) * T * H + h) * V
@@ -327,16 +366,16 @@ def _recurrent_tangent_sweep_kernel(
         do_now = tl.load(do + v_row + values, mask=value_ok, other=0.0).to(tl.float32)
         carried = M + S
         M = keep * carried + change * carried
-        S = keep * S + change * S + k_now[:, None] * v_now[None, :]
+        S = keep * S + (change * S + k_now[:, None] * v_now[None, :])
         tl.store(dq_parts + dq_row + keys, scale * tl.sum(S * do_now[None, :], axis=1), mask=key_ok)
-        dg += scale * tl.sum(tl.sum(M * do_now[None, :], axis=1) * q_now)
+        dg += scale * tl.sum(M * do_now[None, :], axis=1) * q_now
         qk_row += H * K
         v_row += H * V
         dq_row += H * K
 
     if HAS_FINAL_GRAD:
-        dg += tl.sum(tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0) * M)
-    tl.store(dg_parts + pid_bh * tl.num_programs(0) + pid_v, dg)
+        dg += tl.sum(tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0) * M, axis=1)
+    tl.store(dg_parts + pid_bh * tl.num_programs(0) + pid_v, tl.sum(dg, axis=0))
 
 
 @triton.jit
@@ -489,7 +528,7 @@ def _chunk_input_gradients_kernel(
     dA = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     do_S = tl.zeros([CHUNK, BK], dtype=tl.float32)   # do_i S^T, summed over V blocks
     v_dS = tl.zeros([CHUNK, BK], dtype=tl.float32)   # v_j dS^T, summed over V blocks
-    S_dS = 0.0                                        # <S, dS>
+    S_dS = tl.zeros([BK], dtype=tl.float32)          # <S, dS> per key row
     v_base = (b.to(tl.int64) * T + start) * H * V + h * V
     S_base = (pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + pid_c) * K * V
     for v_start in range(0, V, BV):
@@ -507,7 +546,7 @@ def _chunk_input_gradients_kernel(
         dA = tl.dot(do_c, tl.trans(v_c), dA, input_precision=INPUT_PRECISION)
         do_S = dot_lowp_f32(do_c, tl.trans(S), do_S, PRECISION, RESCALE)
         v_dS = dot_lowp_f32(v_c, tl.trans(dS), v_dS, PRECISION, RESCALE)
-        S_dS += tl.sum(S * dS)
+        S_dS += tl.sum(S * dS, axis=1)
         dv_c = to_end[:, None] * dot_lowp_f32(k_c, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), PRECISION, RESCALE)
         dv_c = dot_f32_lowp(tl.trans(A), do_c, dv_c, PRECISION, RESCALE)
         tl.store(dv + v_offsets, dv_c.to(dv.dtype.element_ty), mask=v_mask)
@@ -523,7 +562,7 @@ def _chunk_input_gradients_kernel(
     dg = tl.sum(distance * A * dA)
     dg += tl.sum((rows + 1).to(tl.float32) * tl.sum(q_c.to(tl.float32) * dq_from_state, axis=1))
     dg += tl.sum(steps_to_end * tl.sum(k_c.to(tl.float32) * dk_from_state, axis=1))
-    dg += length.to(tl.float32) * tl.exp(length.to(tl.float32) * log_decay) * S_dS
+    dg += length.to(tl.float32) * tl.exp(length.to(tl.float32) * log_decay) * tl.sum(S_dS, axis=0)
     tl.store(dg_parts + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_c, dg)
 
 
