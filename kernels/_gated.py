@@ -92,6 +92,47 @@ rounds them to bf16 anyway); both halve the dominant memory traffic
 
 Measurements behind these choices (timings, emulated excess): reports/bench.md,
 "Design history moved from the kernel docstrings".
+
+Backward. The cotangents are do (o's) and dS_T (the final state's, or none); dS_c is the
+cotangent of the state entering chunk c (dS_NT = dS_T, dS_0 the initial state's gradient):
+
+    dS_c  = (exp(Gk_C) exp(Gv_C)^T) * dS_{c+1} + scale (q * exp(Gk))^T (do * exp(Gv))
+    dA_tj = scale sum_v do_t[v] v_j[v] exp(Gv_t[v] - Gv_j[v])            (j <= t)
+    dq_t  = scale exp(Gk_t) * (S_c (do_t * exp(Gv_t)))        + sum_{j<=t} dA_tj exp(Gk_t - Gk_j) * k_j
+    dk_j  = exp(Gk_C - Gk_j) * (dS_{c+1} (v_j * exp(Gv_C - Gv_j))) + sum_{t>=j} dA_tj exp(Gk_t - Gk_j) * q_t
+    dv_j  = exp(Gv_C - Gv_j) * (dS_{c+1}^T (k_j * exp(Gk_C - Gk_j)))
+            + scale sum_{t>=j} A_tj exp(Gv_t - Gv_j) * do_t
+
+Every decay is the forward's: prefix and suffix span sums, and the reference-row levels for the
+intra-chunk pairs (dq, o on a level's upper rows, dk, dv on its lower rows), so no exponent is
+positive. The log gate gk_s (s in chunk c) acts on exactly the terms whose decay spans s: the
+state's decay across the chunk, the inter terms q_t S_c with t >= s and k_j dS_{c+1} with j < s,
+and the intra pairs j < s <= t. Its gradient sums those terms directly:
+
+    dgk_s = exp(Gk_C) * sum_v (exp(Gv_C) * S_c * dS_{c+1}) + sum_{t>=s} q_t dq_t^inter
+            + sum_{j<s} k_j dk_j^inter + sum_levels spanning @ (q * dq_level + k * dk_level)
+
+and dgv_s the same on the value side (do, o in place of q, dq; v, dv in place of k, dk). The
+textbook route, a reverse cumulative sum of q * dq - k * dk over the sequence, is the same number
+written as a difference: each pair enters with + at t and - at j, and on fp32 inputs the
+cancellation cost 7x to 23x the rounding floor on the registry's inputs (1.3x to 1.6x here). A
+level's spanning sums are masked sums of products within one half-block (a dot of a 0/1 matrix
+with the products), and none crosses a chunk: the chunk's view takes S_c and dS_{c+1} as given.
+
+Chunkwise launches: the chunk states h (the forward's kernel, again), the state cotangents dh
+(sequential over chunks, from the last), A and dA (the forward's scores kernel, on (q, k, gk) and
+on (do, v, gv)), then dq, dk, dgk (per K block) and dv, dgv (per V block), parallel over chunks.
+The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
+a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
+backward keeps h, dh, A and dA in fp32 and runs "fp16" as "split" (the stored scaled fp16 tiles
+are the forward's); o for dgv is recomputed in fp32 (the returned o is rounded, and do * o is
+what the value gate's gradient sums).
+
+Recurrent backward: dgk_t = sum_v dS_t * D_t * S_{t-1} needs the forward's states in reverse order.
+The forward (with ``saved``) stores the state every RECURRENT_SEGMENT steps (B H T K V / 64 floats);
+the backward walks the segments from the last, replays each one's states into a per-program
+scratch, then runs the dual recurrence backwards through it (dS += scale q_t do_t^T; dq_t, dk_t, dv_t,
+dgk_t, dgv_t; dS = D_t * dS). dq, dk and dgk sum over V blocks: one fp32 part per block, added after.
 """
 
 from __future__ import annotations
@@ -109,6 +150,9 @@ from attnlab.kernels._util import (
 
 PRECISIONS = ("auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input")
 CHUNK_SIZES = (16, 32, 64)
+# The recurrent backward's segment: the forward checkpoints the state every RECURRENT_SEGMENT steps, and
+# the backward replays one segment at a time (module docstring, "Backward").
+RECURRENT_SEGMENT = 64
 
 # The fastest chunkwise setting (one bf16/fp16 tensor-core dot per product, h and A stored in
 # bf16 for bf16 inputs), as flash-linear-attention computes; ``attnlab bench`` times it beside
@@ -562,15 +606,17 @@ def _chunk_output_kernel(
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, o_ptr, initial_ptr, final_ptr,
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, o_ptr, initial_ptr, final_ptr, checkpoint_ptr,
     scale, T, H,
     K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
+    SEGMENT: tl.constexpr,
 ):
     """The literal recurrence, one token at a time, fp32 state [K, BV] in registers.
 
     S = exp(gk_t)[:, None] * exp(gv_t)[None, :] * S + k_t v_t^T;  o_t = S^T (scale q_t).
-    One program per (V block, batch*head).
+    One program per (V block, batch*head). With SEGMENT > 0 (gradients wanted) the state entering
+    every SEGMENT-th step is stored in checkpoint [B*H, cdiv(T, SEGMENT), K, V] for the backward.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0)
@@ -590,6 +636,10 @@ def _recurrent_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     for t in range(0, T):
+        if SEGMENT > 0:
+            checkpoint_offsets = (bh.to(tl.int64) * tl.cdiv(T, SEGMENT) + t // SEGMENT) * K * V
+            tl.store(checkpoint_ptr + checkpoint_offsets + keys[:, None] * V + values[None, :], S,
+                     mask=state_mask & (t % SEGMENT == 0))
         k_offsets = ((b * T + t) * H + h) * K + keys
         v_offsets = ((b * T + t) * H + h) * V + values
         q = tl.load(q_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32)
@@ -610,8 +660,389 @@ def _recurrent_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# Backward kernels
+# --------------------------------------------------------------------------------------------
+
+
+# NT is not specialized, as in the forward's states kernel.
+@triton.jit(do_not_specialize=["NT"])
+def _chunk_state_grads_kernel(
+    q_ptr, do_ptr, gk_ptr, gv_ptr, dh_ptr, d_final_ptr, d_initial_ptr,
+    scale, T, H, NT,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr,
+):
+    """dh[bh, c] = dS_{c+1}, the cotangent of the state leaving chunk c, and the initial state's gradient dS_0.
+
+    dS_c = (exp(Gk_C) exp(Gv_C)^T) * dS_{c+1} + scale (q * exp(Gk))^T (do * exp(Gv)),
+    the forward's state recurrence run backwards (prefix sums Gk, Gv where the forward has suffix
+    sums; q, do where it has k, v). One program per (K block, V block, batch*head), looping over
+    the chunks from the last.
+    """
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    kb = pid % NK
+    vb = (pid // NK) % NV
+    bh = pid // (NK * NV)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    local = tl.arange(0, BT)
+    upto = local[None, :] <= local[:, None]
+    keys = kb * BK + tl.arange(0, BK)
+    values = vb * BV + tl.arange(0, BV)
+    key_mask = keys < K
+    value_mask = values < V
+    state_offsets = keys[:, None] * V + values[None, :]
+    state_mask = key_mask[:, None] & value_mask[None, :]
+    if HAS_D_FINAL:
+        dS = tl.load(d_final_ptr + bh64 * K * V + state_offsets, mask=state_mask, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for i in range(0, NT):
+        c = NT - 1 - i
+        tl.store(dh_ptr + (bh64 * NT + c) * K * V + state_offsets, dS, mask=state_mask)
+        rows = c * BT + local
+        row_mask = rows < T
+        q_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
+        q_mask = row_mask[:, None] & key_mask[None, :]
+        do_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
+        do_mask = row_mask[:, None] & value_mask[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0)
+        do = tl.load(do_ptr + do_offsets, mask=do_mask, other=0.0)
+        if HAS_GK:
+            gk = tl.load(gk_ptr + q_offsets, mask=q_mask, other=0.0)
+            q = q.to(tl.float32) * tl.exp(span_sums(upto, gk, DT != tl.float32))
+            dS = dS * tl.exp(tl.sum(gk.to(tl.float32), axis=0))[:, None]
+        if HAS_GV:
+            gv = tl.load(gv_ptr + do_offsets, mask=do_mask, other=0.0)
+            do = do.to(tl.float32) * tl.exp(span_sums(upto, gv, DT != tl.float32))
+            dS = dS * tl.exp(tl.sum(gv.to(tl.float32), axis=0))[None, :]
+        dS += scale * _dot(tl.trans(q), do, tl.zeros([BK, BV], dtype=tl.float32), PRECISION, DT)
+
+    if STORE_D_INITIAL:
+        tl.store(d_initial_ptr + bh64 * K * V + state_offsets, dS, mask=state_mask)
+
+
+@triton.jit
+def _spanning(local, LEVEL: tl.constexpr):
+    """[BT, BT] 0/1: row s, column x, where x's level-LEVEL term spans s (module docstring, "Backward"):
+    x in s's own half of its block of 2 HALF rows, x >= s in an upper half (the later position t of
+    pairs (t, j), j in the lower half, with j < s <= t), x < s in a lower half (the earlier one, j)."""
+    HALF: tl.constexpr = 1 << LEVEL
+    same_half = (local[:, None] // HALF) == (local[None, :] // HALF)
+    upper = ((local % (2 * HALF)) >= HALF)[:, None]
+    return same_half & (upper == (local[None, :] >= local[:, None]))
+
+
+@triton.jit
+def _chunk_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dA_ptr, dq_ptr, dk_ptr, dgk_ptr,
+    scale, T, H, NT,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr,
+):
+    """dq, dk and the key gate's gradient of one chunk; one program per (K block, chunk, batch*head).
+
+    With dA_tj = scale sum_v do_t[v] v_j[v] exp(Gv_t[v] - Gv_j[v]) (the scores kernel on do, v, gv):
+        dq_t = scale exp(Gk_t) * (S_c (do_t * exp(Gv_t))) + sum_{j<=t} dA_tj exp(Gk_t - Gk_j) * k_j
+        dk_j = exp(Gk_C - Gk_j) * (dS_{c+1} (v_j * exp(Gv_C - Gv_j))) + sum_{t>=j} dA_tj exp(Gk_t - Gk_j) * q_t
+    The intra sums take the forward's reference-row levels on the K side (module docstring): at
+    each level, with E = exp(select_l @ gk),
+        dq_l = (upper * E) * ((same_block * dA) @ (lower * k * E)),
+        dk_l = (lower * E) * ((same_block * dA)^T @ (upper * q * E)),
+    and the diagonal dA_tt needs no decay. dgk_s sums the terms whose decay spans s, each once:
+        dgk_s = exp(Gk_C) * sum_v (S_c * dS_{c+1}) + sum_{t>=s} q_t dq_t^inter + sum_{j<s} k_j dk_j^inter
+                + sum_l spanning_l @ (q * dq_l + k * dk_l)
+    (masked sums of products: no difference of two large sums).
+    """
+    NK: tl.constexpr = (K + BK - 1) // BK
+    pid = tl.program_id(0)
+    kb = pid % NK
+    c = (pid // NK) % NT
+    bh = pid // (NK * NT)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    local = tl.arange(0, BT)
+    upto = local[None, :] <= local[:, None]
+    after = local[None, :] > local[:, None]
+    rows = c * BT + local
+    row_mask = rows < T
+    keys = kb * BK + tl.arange(0, BK)
+    key_mask = keys < K
+    k_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
+    k_mask = row_mask[:, None] & key_mask[None, :]
+    q = tl.load(q_ptr + k_offsets, mask=k_mask, other=0.0)
+    k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)
+
+    # The inter-chunk terms, before their key decays: (do * exp(Gv)) @ S_c^T and (v * exp(Gv_C - Gv)) @ dS_{c+1}^T;
+    # and sum_v S_c * dS_{c+1}, the state's decay across the chunk.
+    from_state = tl.zeros([BT, BK], dtype=tl.float32)
+    to_state = tl.zeros([BT, BK], dtype=tl.float32)
+    through_state = tl.zeros([BK], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        values = v0 + tl.arange(0, BV)
+        value_mask = values < V
+        v_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
+        v_mask = row_mask[:, None] & value_mask[None, :]
+        do = tl.load(do_ptr + v_offsets, mask=v_mask, other=0.0)
+        v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
+        if HAS_GV:
+            gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
+            do = do.to(tl.float32) * tl.exp(span_sums(upto, gv, DT != tl.float32))
+            v = v.to(tl.float32) * tl.exp(span_sums(after, gv, DT != tl.float32))
+            gv_total = tl.sum(gv.to(tl.float32), axis=0)
+        state_offsets = (bh64 * NT + c) * K * V + keys[None, :] * V + values[:, None]
+        state_mask = key_mask[None, :] & value_mask[:, None]
+        S_transposed = tl.load(h_ptr + state_offsets, mask=state_mask, other=0.0)
+        dS_transposed = tl.load(dh_ptr + state_offsets, mask=state_mask, other=0.0)
+        from_state = _dot(do, S_transposed, from_state, PRECISION, DT)
+        to_state = _dot(v, dS_transposed, to_state, PRECISION, DT)
+        if HAS_GK:
+            if HAS_GV:
+                S_transposed = S_transposed * tl.exp(gv_total)[:, None]
+            through_state += tl.sum(S_transposed * dS_transposed, axis=0)
+
+    dA = scale * tl.load(dA_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :])
+    zero = tl.zeros([BT, BK], dtype=tl.float32)
+    if HAS_GK:
+        gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        dq = scale * from_state * tl.exp(span_sums(upto, gk, DT != tl.float32))
+        dk = to_state * tl.exp(span_sums(after, gk, DT != tl.float32))
+        dgk = through_state[None, :] * tl.exp(tl.sum(gk.to(tl.float32), axis=0))[None, :] + zero
+        dgk = _dot((local[None, :] >= local[:, None]).to(DT), q * dq, dgk, PRECISION, DT)
+        dgk = _dot((local[None, :] < local[:, None]).to(DT), k * dk, dgk, PRECISION, DT)
+        diagonal = tl.sum(tl.where(local[:, None] == local[None, :], dA, 0.0), axis=1)[:, None]
+        dq += diagonal * k
+        dk += diagonal * q
+        for level in tl.static_range(LEVELS):
+            upper, _, same_block, select = _level_select(local, level)
+            decay = tl.exp(span_sums(select, gk, DT != tl.float32))
+            pairs = tl.where(same_block, dA, 0.0)
+            dq_level = tl.where(upper, decay, 0.0) * _dot(pairs, tl.where(upper, 0.0, k * decay), zero, PRECISION, DT)
+            dk_level = tl.where(upper, 0.0, decay) * _dot(tl.trans(pairs), tl.where(upper, q * decay, 0.0), zero,
+                                                          PRECISION, DT)
+            dgk = _dot(_spanning(local, level).to(DT), q * dq_level + k * dk_level, dgk, PRECISION, DT)
+            dq += dq_level
+            dk += dk_level
+        tl.store(dgk_ptr + k_offsets, dgk.to(dgk_ptr.dtype.element_ty), mask=k_mask)
+    else:
+        dq = _dot(dA, k, scale * from_state, PRECISION, DT)
+        dk = _dot(tl.trans(dA), q, to_state, PRECISION, DT)
+    tl.store(dq_ptr + k_offsets, dq.to(dq_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(dk_ptr + k_offsets, dk.to(dk_ptr.dtype.element_ty), mask=k_mask)
+
+
+@triton.jit
+def _chunk_dv_kernel(
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, A_ptr, dv_ptr, dgv_ptr,
+    scale, T, H, NT,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr,
+):
+    """dv and the value gate's gradient of one chunk; one program per (V block, chunk, batch*head).
+
+        dv_j = exp(Gv_C - Gv_j) * (dS_{c+1}^T (k_j * exp(Gk_C - Gk_j))) + scale sum_{t>=j} A_tj exp(Gv_t - Gv_j) * do_t
+    with the forward's scores A. With gv the intra sum takes the reference-row levels on the V side,
+        dv_l = scale (lower * E) * ((same_block * A)^T @ (upper * do * E)),   E = exp(select_l @ gv),
+    and dgv is the dual of the key gate's (the dqk kernel) with do, o in place of q, dq and v, dv:
+        dgv_s = exp(Gv_C) * sum_k (S_c * dS_{c+1}) + sum_{t>=s} do_t o_t^inter + sum_{j<s} v_j dv_j^inter
+                + sum_l spanning_l @ (do * o_l + v * dv_l),
+    o's terms recomputed in fp32 as the forward's output kernel does.
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    vb = pid % NV
+    c = (pid // NV) % NT
+    bh = pid // (NV * NT)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    local = tl.arange(0, BT)
+    upto = local[None, :] <= local[:, None]
+    after = local[None, :] > local[:, None]
+    rows = c * BT + local
+    row_mask = rows < T
+    values = vb * BV + tl.arange(0, BV)
+    value_mask = values < V
+    v_offsets = ((b * T + rows[:, None]) * H + h) * V + values[None, :]
+    v_mask = row_mask[:, None] & value_mask[None, :]
+    v = tl.load(v_ptr + v_offsets, mask=v_mask, other=0.0)
+    do = tl.load(do_ptr + v_offsets, mask=v_mask, other=0.0)
+
+    # The inter-chunk terms, before their value decays: (k * exp(Gk_C - Gk)) @ dS_{c+1}; with gv also o's
+    # (q * exp(Gk)) @ S_c and sum_k S_c * dS_{c+1}, the state's decay across the chunk.
+    to_state = tl.zeros([BT, BV], dtype=tl.float32)
+    from_state = tl.zeros([BT, BV], dtype=tl.float32)
+    through_state = tl.zeros([BV], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        keys = k0 + tl.arange(0, BK)
+        key_mask = keys < K
+        k_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
+        k_mask = row_mask[:, None] & key_mask[None, :]
+        state_offsets = (bh64 * NT + c) * K * V + keys[:, None] * V + values[None, :]
+        state_mask = key_mask[:, None] & value_mask[None, :]
+        k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)
+        if HAS_GK:
+            gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
+            k = k.to(tl.float32) * tl.exp(span_sums(after, gk, DT != tl.float32))
+        dS = tl.load(dh_ptr + state_offsets, mask=state_mask, other=0.0)
+        to_state = _dot(k, dS, to_state, PRECISION, DT)
+        if HAS_GV:
+            q = tl.load(q_ptr + k_offsets, mask=k_mask, other=0.0)
+            S = tl.load(h_ptr + state_offsets, mask=state_mask, other=0.0)
+            if HAS_GK:
+                q = q.to(tl.float32) * tl.exp(span_sums(upto, gk, DT != tl.float32))
+                S_decayed = S * tl.exp(tl.sum(gk.to(tl.float32), axis=0))[:, None]
+            else:
+                S_decayed = S
+            from_state = _dot(q, S, from_state, PRECISION, DT)
+            through_state += tl.sum(S_decayed * dS, axis=0)
+
+    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :])
+    zero = tl.zeros([BT, BV], dtype=tl.float32)
+    if HAS_GV:
+        gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
+        v = v.to(tl.float32)
+        do = do.to(tl.float32)
+        dv = to_state * tl.exp(span_sums(after, gv, DT != tl.float32))
+        o = scale * from_state * tl.exp(span_sums(upto, gv, DT != tl.float32))
+        dgv = through_state[None, :] * tl.exp(tl.sum(gv.to(tl.float32), axis=0))[None, :] + zero
+        dgv = _dot((local[None, :] >= local[:, None]).to(DT), do * o, dgv, PRECISION, DT)
+        dgv = _dot((local[None, :] < local[:, None]).to(DT), v * dv, dgv, PRECISION, DT)
+        diagonal = tl.sum(tl.where(local[:, None] == local[None, :], A, 0.0), axis=1)[:, None]
+        dv += scale * diagonal * do
+        for level in tl.static_range(LEVELS):
+            upper, _, same_block, select = _level_select(local, level)
+            decay = tl.exp(span_sums(select, gv, DT != tl.float32))
+            pairs = tl.where(same_block, A, 0.0)
+            dv_level = (scale * tl.where(upper, 0.0, decay)) * _dot(tl.trans(pairs), tl.where(upper, do * decay, 0.0),
+                                                                    zero, PRECISION, DT)
+            o_level = (scale * tl.where(upper, decay, 0.0)) * _dot(pairs, tl.where(upper, 0.0, v * decay), zero,
+                                                                   PRECISION, DT)
+            dgv = _dot(_spanning(local, level).to(DT), do * o_level + v * dv_level, dgv, PRECISION, DT)
+            dv += dv_level
+        tl.store(dgv_ptr + v_offsets, dgv.to(dgv_ptr.dtype.element_ty), mask=v_mask)
+    else:
+        dv = to_state + scale * _dot(tl.trans(A), do, zero, PRECISION, DT)
+    tl.store(dv_ptr + v_offsets, dv.to(dv_ptr.dtype.element_ty), mask=v_mask)
+
+
+@triton.jit
+def _recurrent_backward_kernel(
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, checkpoint_ptr, scratch_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dgk_ptr, dgv_ptr, d_final_ptr, d_initial_ptr,
+    scale, B, T, H,
+    K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SEGMENT: tl.constexpr,
+    HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
+):
+    """The recurrence's dual, backwards in time, the state's cotangent dS [K, BV] in fp32:
+
+        dS += scale q_t do_t^T
+        dq_t = scale S_t do_t,  dk_t = dS v_t,  dv_t = dS^T k_t
+        dgk_t = sum_v dS * D_t * S_{t-1},  dgv_t = sum_k dS * D_t * S_{t-1},   D_t = exp(gk_t) exp(gv_t)^T
+        dS = D_t * dS
+    from the final state's cotangent to the initial state's gradient. The states S_{t-1}, S_t are
+    replayed one segment at a time from the forward's checkpoints into this program's scratch
+    [SEGMENT + 1, BK, BV] (slot i: the state after i steps of the segment), then read backwards.
+    dq, dk and dgk are sums over V: this V block's part goes to its own slice [vb] of theirs.
+    One program per (V block, batch*head).
+    """
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0)
+    vb = pid % NV
+    bh = pid // NV
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    keys = tl.arange(0, BK)
+    values = vb * BV + tl.arange(0, BV)
+    key_mask = keys < K
+    value_mask = values < V
+    state_offsets = keys[:, None] * V + values[None, :]
+    state_mask = key_mask[:, None] & value_mask[None, :]
+    scratch = scratch_ptr + pid.to(tl.int64) * (SEGMENT + 1) * BK * BV + keys[:, None] * BV + tl.arange(0, BV)[None, :]
+    part = vb.to(tl.int64) * B * T * H * K  # this V block's slice of dq, dk, dgk
+    if HAS_D_FINAL:
+        dS = tl.load(d_final_ptr + bh.to(tl.int64) * K * V + state_offsets, mask=state_mask, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+
+    segments = tl.cdiv(T, SEGMENT)
+    for i in range(0, segments):
+        start = (segments - 1 - i) * SEGMENT
+        steps = tl.minimum(SEGMENT, T - start)
+        S = tl.load(checkpoint_ptr + (bh.to(tl.int64) * segments + start // SEGMENT) * K * V + state_offsets,
+                    mask=state_mask, other=0.0)
+        tl.store(scratch, S)
+        for s in range(0, steps):
+            t = start + s
+            k_offsets = ((b * T + t) * H + h) * K + keys
+            v_offsets = ((b * T + t) * H + h) * V + values
+            k = tl.load(k_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32)
+            if HAS_GK:
+                S = S * tl.exp(tl.load(gk_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32))[:, None]
+            if HAS_GV:
+                S = S * tl.exp(tl.load(gv_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32))[None, :]
+            S += k[:, None] * v[None, :]
+            tl.store(scratch + (s + 1) * BK * BV, S)
+        tl.debug_barrier()  # the replayed states are read back in another thread layout
+
+        for j in range(0, steps):
+            s = steps - 1 - j
+            t = start + s
+            k_offsets = ((b * T + t) * H + h) * K + keys
+            v_offsets = ((b * T + t) * H + h) * V + values
+            q = tl.load(q_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32)
+            S = tl.load(scratch + (s + 1) * BK * BV)
+            dS += (scale * q)[:, None] * do[None, :]
+            tl.store(dq_ptr + part + k_offsets, tl.sum(S * do[None, :], axis=1) * scale, mask=key_mask)
+            tl.store(dk_ptr + part + k_offsets, tl.sum(dS * v[None, :], axis=1), mask=key_mask)
+            tl.store(dv_ptr + v_offsets, tl.sum(dS * k[:, None], axis=0).to(dv_ptr.dtype.element_ty),
+                     mask=value_mask)
+            if HAS_GK or HAS_GV:
+                decay = tl.full([BK, BV], 1.0, tl.float32)
+                if HAS_GK:
+                    decay = decay * tl.exp(tl.load(gk_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32))[:, None]
+                if HAS_GV:
+                    decay = decay * tl.exp(tl.load(gv_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32))[None, :]
+                dS_decayed = dS * decay
+                through = dS_decayed * tl.load(scratch + s * BK * BV)
+                if HAS_GK:
+                    tl.store(dgk_ptr + part + k_offsets, tl.sum(through, axis=1), mask=key_mask)
+                if HAS_GV:
+                    tl.store(dgv_ptr + v_offsets, tl.sum(through, axis=0).to(dgv_ptr.dtype.element_ty),
+                             mask=value_mask)
+                dS = dS_decayed
+        tl.debug_barrier()  # the next segment overwrites the scratch
+
+    if STORE_D_INITIAL:
+        tl.store(d_initial_ptr + bh.to(tl.int64) * K * V + state_offsets, dS, mask=state_mask)
+
+
+# --------------------------------------------------------------------------------------------
 # Drivers
 # --------------------------------------------------------------------------------------------
+
+
+def _resolve_precision(precision: str, DT: tl.dtype) -> str:
+    """The dot mode a launch runs: "auto" by input dtype, and exact fp32 dots for fp32 inputs."""
+    if precision == "auto":
+        precision = {tl.bfloat16: "fp16", tl.float16: "split", tl.float32: "ieee"}[DT]
+    if DT == tl.float32 and precision in ("fp16", "split", "input"):
+        precision = "ieee"  # the operands already are fp32: splitting or rounding changes nothing
+    return precision
 
 
 def chunkwise(
@@ -629,17 +1060,19 @@ def chunkwise(
     block_v: int = 128,
     num_warps: int = 4,
     num_stages: int = 2,
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
 
-    The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel. Head dims that are not
+    The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel. ``saved`` (gradients wanted)
+    stays empty: the backward recomputes what it needs (module docstring, "Backward"). Head dims that are not
     multiples of 16 go to the recurrent kernel on the GPU (kernels/_util.gpu_shape_known_bad).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V, max_K=256):
-        return recurrent(q, k, v, gk, gv, scale, state, return_state, await_checks=await_checks)
+        return recurrent(q, k, v, gk, gv, scale, state, return_state, saved=saved, await_checks=await_checks)
     BT = min(chunk_size, block_size(T))
     NT = triton.cdiv(T, BT)
     BK = min(block_k, block_size(K))
@@ -647,10 +1080,7 @@ def chunkwise(
     levels = BT.bit_length() - 1
     BC = min(16, BT)  # the scores kernel's sub-chunks
     DT = triton_dtype(q.dtype)
-    if precision == "auto":
-        precision = {tl.bfloat16: "fp16", tl.float16: "split", tl.float32: "ieee"}[DT]
-    if DT == tl.float32 and precision in ("fp16", "split", "input"):
-        precision = "ieee"  # the operands already are fp32: splitting or rounding changes nothing
+    precision = _resolve_precision(precision, DT)
     device = q.device
 
     gk_arg = gk if gk is not None else q  # never read when absent
@@ -703,9 +1133,12 @@ def recurrent(
     scale: float,
     state: tuple[torch.Tensor, ...] | None,
     return_state: bool,
+    saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-    """The literal recurrence: one program per (V block, batch*head), a loop over T."""
+    """The literal recurrence: one program per (V block, batch*head), a loop over T. With ``saved``
+    (gradients wanted) it also stores the state entering every RECURRENT_SEGMENT-th step there, as
+    "checkpoints" (module docstring, "Backward")."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = block_size(K)
@@ -713,15 +1146,157 @@ def recurrent(
     BV = min(block_size(V), max(16, 4096 // BK))
     o = torch.empty_like(v)
     final = torch.empty((B, H, K, V), dtype=torch.float32, device=q.device) if return_state else o
+    if saved is not None:
+        saved["checkpoints"] = torch.empty((B * H, triton.cdiv(T, RECURRENT_SEGMENT), K, V), dtype=torch.float32,
+                                           device=q.device)
     launch_after_checks(await_checks, Launch(
         _recurrent_kernel, (triton.cdiv(V, BV) * B * H,),
         q, k, v,
         gk if gk is not None else q, gv if gv is not None else v,
-        o, state[0] if state is not None else o, final,
+        o, state[0] if state is not None else o, final, saved["checkpoints"] if saved is not None else o,
         scale, T, H,
         K=K, V=V, BK=BK, BV=BV,
         HAS_GK=gk is not None, HAS_GV=gv is not None,
         HAS_INITIAL=state is not None, STORE_FINAL=return_state,
+        SEGMENT=RECURRENT_SEGMENT if saved is not None else 0,
         num_warps=4,
     ))
     return o, ((final,) if return_state else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Backward drivers
+# --------------------------------------------------------------------------------------------
+
+
+def chunkwise_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor | None,
+    gv: torch.Tensor | None,
+    scale: float,
+    state: tuple[torch.Tensor, ...] | None,
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor, ...] | None,
+    chunk_size: int = 64,
+    precision: str = "auto",
+    block_k: int = 64,
+    block_v: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    saved: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...] | None]:
+    """The chunkwise backward (module docstring, "Backward"): gradients of q, k, v, gk, gv (None where the
+    gate is absent) and, with an initial state, "initial_state"."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if gpu_shape_known_bad(K, V, max_K=256):  # the forward ran the recurrent kernel
+        return recurrent_backward(q, k, v, gk, gv, scale, state, do, d_state, saved)
+    BT = min(chunk_size, block_size(T))
+    NT = triton.cdiv(T, BT)
+    BK = min(block_k, block_size(K))
+    BV = min(block_v, block_size(V))
+    levels = BT.bit_length() - 1
+    BC = min(16, BT)
+    DT = triton_dtype(q.dtype)
+    # The scaled-fp16 storage of "fp16" is the forward's; the backward keeps h, dh, A, dA in fp32 and
+    # splits the fp32 operands (an accuracy at or above "fp16"'s, at up to three dots per product).
+    precision = _resolve_precision("split" if precision == "fp16" else precision, DT)
+    device = q.device
+    f32 = dict(dtype=torch.float32, device=device)
+    gk_arg = gk if gk is not None else q  # never read when absent
+    gv_arg = gv if gv is not None else v
+    h = torch.empty((B * H, NT, K, V), **f32)
+    dh = torch.empty((B * H, NT, K, V), **f32)
+    A = torch.empty((B * H, NT, BT, BT), **f32)
+    dA = torch.empty((B * H, NT, BT, BT), **f32)
+    d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dgk = torch.empty_like(gk) if gk is not None else None
+    dgv = torch.empty_like(gv) if gv is not None else None
+    unused = torch.empty((1,), **f32)  # the scale buffers of "fp16", which the backward does not use
+    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    flags = dict(PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
+    gates = dict(HAS_GK=gk is not None, HAS_GV=gv is not None)
+    # Recomputed: the chunk states h and the scores A (the forward's own kernels), and dA, which is
+    # the scores kernel on (do, v, gv) in place of (q, k, gk).
+    _chunk_states_kernel[(NK * NV * B * H,)](
+        k, v, gk_arg, gv_arg, h, unused, unused, state[0] if state is not None else h, h, T, H, NT,
+        K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_INITIAL=state is not None, STORE_FINAL=False,
+        **gates, **flags,
+    )
+    _chunk_state_grads_kernel[(NK * NV * B * H,)](
+        q, do, gk_arg, gv_arg, dh, d_state[0] if d_state is not None else dh,
+        d_initial if d_initial is not None else dh, scale, T, H, NT,
+        K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=state is not None,
+        **gates, **flags,
+    )
+    scores = dict(BT=BT, BC=BC, LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **flags)
+    _chunk_scores_kernel[(NT * B * H,)](
+        q, k, gk_arg, A, unused, T, H, NT, K=K, BK=BK, HAS_GK=gk is not None, **scores,
+    )
+    _chunk_scores_kernel[(NT * B * H,)](
+        do, v, gv_arg, dA, unused, T, H, NT, K=V, BK=min(block_k, block_size(V)), HAS_GK=gv is not None, **scores,
+    )
+    _chunk_dqk_kernel[(NK * NT * B * H,)](
+        q, k, v, gk_arg, gv_arg, do, h, dh, dA, dq, dk, dgk if dgk is not None else unused,
+        scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
+    )
+    _chunk_dv_kernel[(NV * NT * B * H,)](
+        q, k, v, gk_arg, gv_arg, do, h, dh, A, dv, dgv if dgv is not None else unused,
+        scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
+    )
+    grads = {"q": dq, "k": dk, "v": dv, "gk": dgk, "gv": dgv}
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial,)
+    return grads
+
+
+def recurrent_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gk: torch.Tensor | None,
+    gv: torch.Tensor | None,
+    scale: float,
+    state: tuple[torch.Tensor, ...] | None,
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor, ...] | None,
+    saved: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...] | None]:
+    """The recurrent backward (module docstring, "Backward"): one reverse pass over time, replaying the
+    forward's checkpointed states a segment at a time. Gradients of q, k, v, gk, gv (None where the gate
+    is absent) and, with an initial state, "initial_state"."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK = block_size(K)
+    # Two fp32 tiles (S, dS) live across steps: half the forward's tile, <= 2048 entries each.
+    BV = min(block_size(V), max(16, 2048 // BK))
+    NV = triton.cdiv(V, BV)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # Sums over V of the V blocks' parts (one part, written in place, when one block spans V).
+    dq_parts = torch.empty((NV, B, T, H, K), **f32)
+    dk_parts = torch.empty((NV, B, T, H, K), **f32)
+    dgk_parts = torch.empty((NV, B, T, H, K), **f32) if gk is not None else None
+    dv = torch.empty_like(v)
+    dgv = torch.empty_like(gv) if gv is not None else None
+    d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
+    scratch = torch.empty((NV * B * H, RECURRENT_SEGMENT + 1, BK, BV), **f32)
+    _recurrent_backward_kernel[(NV * B * H,)](
+        q, k, v, gk if gk is not None else q, gv if gv is not None else v, do, saved["checkpoints"], scratch,
+        dq_parts, dk_parts, dv, dgk_parts if dgk_parts is not None else dq_parts, dgv if dgv is not None else dv,
+        d_state[0] if d_state is not None else scratch, d_initial if d_initial is not None else scratch,
+        scale, B, T, H,
+        K=K, V=V, BK=BK, BV=BV, SEGMENT=RECURRENT_SEGMENT, HAS_GK=gk is not None, HAS_GV=gv is not None,
+        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=state is not None, num_warps=4,
+    )
+    grads = {
+        "q": dq_parts.sum(0).to(q.dtype), "k": dk_parts.sum(0).to(k.dtype), "v": dv,
+        "gk": dgk_parts.sum(0).to(gk.dtype) if gk is not None else None, "gv": dgv,
+    }
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial,)
+    return grads

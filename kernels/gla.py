@@ -20,15 +20,51 @@ SPEED_OPTIONS = {"chunkwise": dict(_gated.SPEED_OPTIONS)}
 
 def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    state: tuple[torch.Tensor, ...] | None, return_state: bool, **options,
+    state: tuple[torch.Tensor, ...] | None, return_state: bool,
+    saved: dict[str, torch.Tensor] | None = None, **options,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """Chunkwise form; its options (chunk_size, precision, block sizes, launch settings) are OPTIONS."""
-    return _gated.chunkwise(q, k, v, g, None, scale, state, return_state, **options)
+    return _gated.chunkwise(q, k, v, g, None, scale, state, return_state, saved=saved, **options)
 
 
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    state: tuple[torch.Tensor, ...] | None, return_state: bool, **options,
+    state: tuple[torch.Tensor, ...] | None, return_state: bool,
+    saved: dict[str, torch.Tensor] | None = None, **options,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The literal recurrence, one token at a time."""
-    return _gated.recurrent(q, k, v, g, None, scale, state, return_state, **options)
+    return _gated.recurrent(q, k, v, g, None, scale, state, return_state, saved=saved, **options)
+
+
+def _returned(r: dict, state: tuple[torch.Tensor, ...] | None) -> dict:
+    """The shared backward's gradients under this formulation's names."""
+    grads = {"q": r["q"], "k": r["k"], "v": r["v"], "g": r["gk"]}
+    if state is not None:
+        grads["initial_state"] = r["initial_state"]
+    return grads
+
+
+def chunkwise_backward(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+    state: tuple[torch.Tensor, ...] | None, do: torch.Tensor, d_state: tuple[torch.Tensor, ...] | None,
+    saved: dict[str, torch.Tensor], chunk_size: int = 64, precision: str = "auto", block_k: int = 64, block_v: int = 128,
+    num_warps: int = 4, num_stages: int = 2, **ignored,
+) -> dict:
+    """Gradients of the chunkwise form (kernels/_gated.py, "Backward"); o is not needed."""
+    r = _gated.chunkwise_backward(q, k, v, g, None, scale, state, do, d_state, chunk_size=chunk_size,
+                                  precision=precision, block_k=block_k, block_v=block_v,
+                                  num_warps=num_warps, num_stages=num_stages, saved=saved)
+    return _returned(r, state)
+
+
+def recurrent_backward(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
+    state: tuple[torch.Tensor, ...] | None, do: torch.Tensor, d_state: tuple[torch.Tensor, ...] | None,
+    saved: dict[str, torch.Tensor], **ignored,
+) -> dict:
+    """Gradients of the recurrent form (kernels/_gated.py, "Backward"): saved holds the forward's
+    checkpoints; o is not needed."""
+    return _returned(_gated.recurrent_backward(q, k, v, g, None, scale, state, do, d_state, saved), state)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}

@@ -1,6 +1,7 @@
 """gla kernels (kernels/gla.py, kernels/_gated.py) beyond the generic test: strong gates, T=1,
 head dimensions above one tile and not powers of two, an fp16 state above fp16's range,
-every precision mode and chunk size, bad options. CPU (Triton interpreter), fp16 and fp32."""
+every precision mode and chunk size, bad options; and the backward's gradients against the float64
+oracle's in the same cases. CPU (Triton interpreter), fp16 and fp32."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel
+from attnlab.metrics import measure_gradients
 from kernel_checks import check_stateful_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
@@ -109,3 +112,111 @@ def test_bad_options_are_refused_before_launch(opts, message):
 def test_recurrent_takes_no_options():
     with pytest.raises(TypeError, match="chunk_size"):
         kernel("gla", "recurrent", chunk_size=16)
+
+
+# --- backward (kernels/_gated.py, "Backward") ---------------------------------------------------------------
+
+
+def check_gradients(name: str, form: str, x: dict, dtype: torch.dtype, *, with_do: bool = True,
+                    with_d_state: bool = True, **opts) -> dict[str, float]:
+    """The kernel's gradients of ``<do, o> + <dS, final state>`` on x rounded to dtype (x's initial_state,
+    if any, in fp32) against the float64 oracle's: dtypes, shapes, finiteness and the excess bound of
+    tests/test_kernel_gradients.py (fp16 2, fp32 4). ``with_do=False`` puts do = 0 (only the final
+    state's cotangent), ``with_d_state=False`` leaves the final state out of the loss. Returns the excess
+    per gradient."""
+    f = attnlab.formulation(name)
+    x = {n: (t if t is None or n == "initial_state" else t.to(dtype)) for n, t in x.items()}
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if t is not None and n != "initial_state"}
+    state = x.get("initial_state")
+    state_leaf = state.detach().clone().float().requires_grad_() if state is not None else None
+    call = {**x, **leaves, **({"initial_state": state_leaf} if state is not None else {})}
+    o, final = kernel(name, form, **opts)(**call, return_state=True)
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double() * with_do
+    d_state = torch.randn(final.shape, generator=gen, dtype=torch.float64).float().double() if with_d_state else None
+    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
+    got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
+    grads = dict(zip(leaves, got))
+    for n, g in grads.items():
+        assert g.dtype == dtype and g.shape == leaves[n].shape, n
+    if state is not None:
+        grads["initial_state"] = got[-1]
+        assert got[-1].dtype == torch.float32
+    reference = oracle_gradients(f, x, do, d_state)
+    dtypes = gradient_dtypes(f, x)
+    if state is not None:
+        dtypes["initial_state"] = dtype
+    measured = measure_gradients(grads, reference, dtypes, gradient_floor(f, x, do, d_state, base=reference))
+    bound = 4.0 if dtype == torch.float32 else 2.0
+    for n, m in measured.items():
+        assert m.nonfinite == 0 and m.excess <= bound, (n, m.as_dict())
+    return {n: m.excess for n, m in measured.items()}
+
+
+def _with_state(x: dict, seed: int = 20) -> dict:
+    """x with an initial state the recurrence can reach: the final state of another draw."""
+    B, T, H, K = x["q"].shape
+    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
+    return {**x, "initial_state": attnlab.oracle("gla", "chunkwise", "float64")(**other, return_state=True)[1].float()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_across_chunks_and_segments(form, dtype):
+    """T = 70: five chunks of 16, the last partial (chunkwise); two replay segments of the recurrent backward,
+    the second partial; an initial state and both cotangents, H = 2."""
+    x = _with_state(_sample(T=70, H=2, seed=21))
+    check_gradients("gla", form, x, dtype, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_at_one_position(form):
+    check_gradients("gla", form, _with_state(_sample(T=1, seed=22)), torch.float32)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_odd_head_dims(form):
+    """K = 20, V = 24: masked tiles on both sides; a partial chunk of 32."""
+    check_gradients("gla", form, _with_state(_sample(T=21, K=20, V=24, seed=23)), torch.float16)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_head_dims_over_one_tile(form):
+    """K = 100, V = 72 in blocks of 32: the backward's loops over K and V blocks and its per-block parts."""
+    opts = {"chunk_size": 16, "block_k": 32, "block_v": 32} if form == "chunkwise" else {}
+    check_gradients("gla", form, _sample(T=18, K=100, V=72, seed=24), torch.float16, **opts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_with_gates_of_minus_20(form, dtype):
+    """exp(-20) per step on half the key channels and at random steps: every decay exponent stays <= 0,
+    the gate's gradient is summed directly (no difference of cumulative sums)."""
+    x = _sample(T=40, seed=25)
+    strong = torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(26), dtype=torch.float64) < 0.3
+    strong[..., ::2] = True
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    check_gradients("gla", form, _with_state(x), dtype, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_the_final_state_alone(form):
+    """do = 0: every gradient comes from the final state's cotangent (dq is exactly 0)."""
+    check_gradients("gla", form, _with_state(_sample(T=37, seed=27)), torch.float16, with_do=False,
+                    **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_the_output_alone(form):
+    """No loss reads the final state (its cotangent is None)."""
+    check_gradients("gla", form, _sample(T=37, seed=28), torch.float16, with_d_state=False,
+                    **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("precision", ["auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input"])
+def test_gradients_in_every_precision_mode_and_chunk_size(precision, chunk_size):
+    """The backward runs "fp16" as "split" (it keeps h, dh, A and dA in fp32); the interpreter computes
+    tf32/tf32x3/ieee dots exactly in fp32."""
+    check_gradients("gla", "chunkwise", _with_state(_sample(T=45, seed=29)), torch.float16,
+                    precision=precision, chunk_size=chunk_size)
