@@ -51,7 +51,9 @@ cancels no more than its terms do.
   Nothing is saved: recomputing S costs what the forward cost.
 - ``chunkwise_backward``: a reverse pass over chunks (grid V blocks x B*H)
   writes the cotangent dS_{c+1} of the state leaving each chunk; then every
-  chunk at once (grid chunks x B*H, each program looping over V blocks):
+  chunk at once, dq, dk and dg by K blocks of 64 (grid K blocks x chunks x
+  B*H, each program looping over V blocks) and dv by V blocks (grid V blocks
+  x chunks x B*H), as fla's chunk_simple_gla splits them:
       dq_i = scale exp((i+1) g) S_c do_i + sum_{j<=i} scale exp((i-j) g) (do_i.v_j) k_j
       dk_j = exp((C-1-j) g) dS_{c+1} v_j + sum_{i>=j} scale exp((i-j) g) (do_i.v_j) q_i
       dv_j = exp((C-1-j) g) dS_{c+1}^T k_j + sum_{i>=j} A_ij do_i
@@ -96,6 +98,11 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
+
+# The chunkwise backward's dq, dk and dg kernel tiles K by this (one program per K block, chunk and head, as fla's
+# dq/dk kernel): its accumulators (two [C, K block] fp32 tiles, dA [C, C], the states' [K block, V block] tiles)
+# would not fit the registers with all of K = 128 at C = 64. dA = do v^T is recomputed per K block.
+QUERY_KEY_BLOCK = 64
 
 
 @triton.jit
@@ -483,38 +490,37 @@ def _chunk_state_gradients_kernel(
 
 
 @triton.jit
-def _chunk_input_gradients_kernel(
-    q, k, v, g, do, chunk_states, chunk_state_grads, dq, dk, dv, dg_parts,
+def _chunk_query_key_gradients_kernel(
+    q, k, v, g, do, chunk_states, chunk_state_grads, dq, dk, dg_parts,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
-    # One program: chunk c of head (b, h), every V block in turn. With S the state entering the chunk, dS the
-    # cotangent of the state leaving it, C the chunk's length, rows i, j, A the forward's decayed scores
-    # A_ij = scale exp((i - j) g) q_i.k_j (i >= j) and dA_ij = do_i.v_j:
-    #   dq_i = scale exp((i + 1) g) S do_i + sum_j scale exp((i - j) g) dA_ij k_j
-    #   dk_j = exp((C - 1 - j) g) dS v_j   + sum_i scale exp((i - j) g) dA_ij q_i
-    #   dv_j = exp((C - 1 - j) g) dS^T k_j + sum_i A_ij do_i
-    # and this chunk's share of dg, every term times the decay steps it spans (all >= 0, so nothing cancels
-    # beyond the terms themselves): (i - j) for A_ij dA_ij, i + 1 for the read of S, C - 1 - j for the write
-    # into the leaving state, C for S carried through the chunk:
-    #   sum_ij (i - j) A_ij dA_ij + sum_i (i + 1) q_i.dq_i(S) + sum_j (C - 1 - j) k_j.dk_j(dS)
-    #   + C exp(C g) <S, dS>
-    pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One program: K block pid_k of chunk c of head (b, h), every V block in turn. With S the state entering the
+    # chunk, dS the cotangent of the state leaving it, C the chunk's length, rows i, j and dA_ij = do_i.v_j:
+    #   dq_i = scale exp((i + 1) g) S do_i + sum_{j<=i} scale exp((i - j) g) dA_ij k_j
+    #   dk_j = exp((C - 1 - j) g) dS v_j   + sum_{i>=j} scale exp((i - j) g) dA_ij q_i
+    # and this K block's share of the chunk's dg, every term times the decay steps it spans (>= 0): i - j for the
+    # pair (i, j), i + 1 for a read of S, C - 1 - j for a write into the leaving state, C for S carried through:
+    #   sum_ij (i - j) scale exp((i - j) g) (q_i.k_j) dA_ij + sum_i (i + 1) q_i.dq_i(S)
+    #   + sum_j (C - 1 - j) k_j.dk_j(dS) + C exp(C g) <S, dS>
+    # Each sum over keys splits over K blocks, so the blocks' shares add up (on the host).
+    pid_k = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
     start = pid_c * CHUNK
     length = tl.minimum(T - start, CHUNK)
 
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
+    keys = pid_k * BK + tl.arange(0, BK)
     row_ok = rows < length
     key_ok = keys < K
     log_decay = tl.load(g + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
     distance = tl.where(causal, rows[:, None] - rows[None, :], 0).to(tl.float32)
-    decay = tl.where(causal, tl.exp(distance * log_decay), 0.0)
+    decay = tl.where(causal, scale * tl.exp(distance * log_decay), 0.0)
     query_decay = scale * tl.exp((rows + 1).to(tl.float32) * log_decay)
     steps_to_end = tl.where(row_ok, length - 1 - rows, 0).to(tl.float32)
     to_end = tl.exp(steps_to_end * log_decay)
@@ -523,7 +529,6 @@ def _chunk_input_gradients_kernel(
     qk_mask = row_ok[:, None] & key_ok[None, :]
     q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
     k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
-    A = scale * decay * tl.dot(q_c, tl.trans(k_c), input_precision=INPUT_PRECISION)
 
     dA = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)
     do_S = tl.zeros([CHUNK, BK], dtype=tl.float32)   # do_i S^T, summed over V blocks
@@ -542,28 +547,72 @@ def _chunk_input_gradients_kernel(
         do_c = tl.load(do + v_offsets, mask=v_mask, other=0.0)
         S = tl.load(chunk_states + S_offsets, mask=S_mask, other=0.0)
         dS = tl.load(chunk_state_grads + S_offsets, mask=S_mask, other=0.0)
-
         dA = tl.dot(do_c, tl.trans(v_c), dA, input_precision=INPUT_PRECISION)
         do_S = dot_lowp_f32(do_c, tl.trans(S), do_S, PRECISION, RESCALE)
         v_dS = dot_lowp_f32(v_c, tl.trans(dS), v_dS, PRECISION, RESCALE)
         S_dS += tl.sum(S * dS, axis=1)
-        dv_c = to_end[:, None] * dot_lowp_f32(k_c, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), PRECISION, RESCALE)
-        dv_c = dot_f32_lowp(tl.trans(A), do_c, dv_c, PRECISION, RESCALE)
-        tl.store(dv + v_offsets, dv_c.to(dv.dtype.element_ty), mask=v_mask)
 
     dq_from_state = query_decay[:, None] * do_S
     dk_from_state = to_end[:, None] * v_dS
-    d_scores = scale * decay * dA
-    dq_c = dot_f32_lowp(d_scores, k_c, dq_from_state, PRECISION, RESCALE)
-    dk_c = dot_f32_lowp(tl.trans(d_scores), q_c, dk_from_state, PRECISION, RESCALE)
-    tl.store(dq + qk_offsets, dq_c.to(dq.dtype.element_ty), mask=qk_mask)
-    tl.store(dk + qk_offsets, dk_c.to(dk.dtype.element_ty), mask=qk_mask)
+    d_scores = decay * dA
+    tl.store(dq + qk_offsets, dot_f32_lowp(d_scores, k_c, dq_from_state, PRECISION, RESCALE).to(dq.dtype.element_ty),
+             mask=qk_mask)
+    tl.store(dk + qk_offsets,
+             dot_f32_lowp(tl.trans(d_scores), q_c, dk_from_state, PRECISION, RESCALE).to(dk.dtype.element_ty),
+             mask=qk_mask)
 
-    dg = tl.sum(distance * A * dA)
+    scores = tl.dot(q_c, tl.trans(k_c), input_precision=INPUT_PRECISION)  # this K block's share of q_i.k_j
+    dg = tl.sum(distance * d_scores * scores)
     dg += tl.sum((rows + 1).to(tl.float32) * tl.sum(q_c.to(tl.float32) * dq_from_state, axis=1))
     dg += tl.sum(steps_to_end * tl.sum(k_c.to(tl.float32) * dk_from_state, axis=1))
     dg += length.to(tl.float32) * tl.exp(length.to(tl.float32) * log_decay) * tl.sum(S_dS, axis=0)
-    tl.store(dg_parts + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_c, dg)
+    tl.store(dg_parts + (pid_bh.to(tl.int64) * tl.num_programs(1) + pid_c) * tl.num_programs(0) + pid_k, dg)
+
+
+@triton.jit
+def _chunk_value_gradients_kernel(
+    q, k, g, do, chunk_state_grads, dv,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # One program: V block pid_v of chunk c of head (b, h). With dS the cotangent of the state leaving the chunk,
+    # C its length and A the forward's decayed scores, A_ij = scale exp((i - j) g) q_i.k_j for i >= j:
+    #   dv_j = exp((C - 1 - j) g) dS^T k_j + sum_{i>=j} A_ij do_i
+    pid_v = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    start = pid_c * CHUNK
+    length = tl.minimum(T - start, CHUNK)
+
+    rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    row_ok = rows < length
+    key_ok = keys < K
+    value_ok = values < V
+    log_decay = tl.load(g + h).to(tl.float32)
+    causal = rows[:, None] >= rows[None, :]
+    distance = tl.where(causal, rows[:, None] - rows[None, :], 0).to(tl.float32)
+    to_end = tl.exp(tl.where(row_ok, length - 1 - rows, 0).to(tl.float32) * log_decay)
+
+    qk_offsets = (b.to(tl.int64) * T + start) * H * K + h * K + rows[:, None] * (H * K) + keys[None, :]
+    qk_mask = row_ok[:, None] & key_ok[None, :]
+    q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
+    k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
+    v_offsets = (b.to(tl.int64) * T + start) * H * V + h * V + rows[:, None] * (H * V) + values[None, :]
+    v_mask = row_ok[:, None] & value_ok[None, :]
+    do_c = tl.load(do + v_offsets, mask=v_mask, other=0.0)
+    S_offsets = (pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + pid_c) * K * V + keys[:, None] * V + values[None, :]
+    dS = tl.load(chunk_state_grads + S_offsets, mask=key_ok[:, None] & value_ok[None, :], other=0.0)
+
+    scores = tl.dot(q_c, tl.trans(k_c), input_precision=INPUT_PRECISION)
+    A = tl.where(causal, scale * scores * tl.exp(distance * log_decay), 0.0)
+    dv_c = to_end[:, None] * dot_lowp_f32(k_c, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), PRECISION, RESCALE)
+    dv_c = dot_f32_lowp(tl.trans(A), do_c, dv_c, PRECISION, RESCALE)
+    tl.store(dv + v_offsets, dv_c.to(dv.dtype.element_ty), mask=v_mask)
 
 
 def _gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, dq: torch.Tensor,
@@ -622,13 +671,20 @@ def chunkwise_backward(
         num_warps=num_warps, num_stages=num_stages,
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dg_parts = torch.empty(B, H, chunks, dtype=torch.float32, device=q.device)
-    _chunk_input_gradients_kernel[(chunks, B * H)](
-        q, k, v, g, do, saved["chunk_states"], chunk_state_grads, dq, dk, dv, dg_parts,
+    key_block = min(BK, QUERY_KEY_BLOCK)
+    key_blocks = triton.cdiv(K, key_block)
+    dg_parts = torch.empty(B, H, chunks, key_blocks, dtype=torch.float32, device=q.device)
+    dots = dict(INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
+                num_warps=num_warps, num_stages=num_stages)
+    _chunk_query_key_gradients_kernel[(key_blocks, chunks, B * H)](
+        q, k, v, g, do, saved["chunk_states"], chunk_state_grads, dq, dk, dg_parts,
         T, H, K, V, scale,
-        CHUNK=chunk_size, BK=BK, BV=BV,
-        INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
-        num_warps=num_warps, num_stages=num_stages,
+        CHUNK=chunk_size, BK=key_block, BV=BV, **dots,
+    )
+    _chunk_value_gradients_kernel[(triton.cdiv(V, BV), chunks, B * H)](
+        q, k, g, do, chunk_state_grads, dv,
+        T, H, K, V, scale,
+        CHUNK=chunk_size, BK=BK, BV=BV, **dots,
     )
     return _gradients(q, k, v, g, dq, dk, dv, dg_parts, d_initial)
 
