@@ -318,6 +318,12 @@ def _rwkv4_backward_kernel(
     steps = tl.zeros([BLOCK_C], dtype=tl.int32)
     lag_a = tl.zeros([BLOCK_C], dtype=tl.float32)
     lag_b = tl.zeros([BLOCK_C], dtype=tl.float32)
+    # The initial state's log-scale gradient a gA + b gB (and its lag-weighted twin for dw), carried term by
+    # term: formed at the end from the rounded gA and gB it cancels catastrophically whenever the outputs sit
+    # near the state's own average a / b.
+    a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, HAS_INITIAL_STATE, BLOCK_C)
+    grad_p = a * grad_a + b * grad_b
+    lag_p = tl.zeros([BLOCK_C], dtype=tl.float32)
     dw = tl.where(final_steps >= 0, -final_steps.to(tl.float32) * dp_anchor, 0.0)
     du = tl.zeros([BLOCK_C], dtype=tl.float32)
     dw_error = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -357,6 +363,9 @@ def _rwkv4_backward_kernel(
         lag_b = e_old * (lag_b + grad_b)
         grad_a = e_old * grad_a + e_query
         grad_b = e_old * grad_b - e_query * o_t
+        if HAS_INITIAL_STATE:
+            lag_p = e_old * (lag_p + grad_p)
+            grad_p = e_old * grad_p + e_query * (a - b * o_t)
         anchor = tl.where(keep, anchor, -log_den)
         steps = tl.where(keep, steps + 1, 0)
         k_ptrs -= C
@@ -370,12 +379,11 @@ def _rwkv4_backward_kernel(
 
     # The adjoint now belongs to the initial state (A, B) = e^p (a, b), which token 0 read without decay.
     if HAS_INITIAL_STATE:
-        a, b, p = _load_state(a_in_ptr, b_in_ptr, p_in_ptr, state_offs, channel_ok, True, BLOCK_C)
         e_initial = tl.exp(p + (anchor - steps.to(tl.float32) * w))  # 0 for the empty state p = -inf
         da = e_initial * grad_a
         db = e_initial * grad_b
-        dp = tl.where(e_initial > 0, a * da + b * db, 0.0) + tl.where(final_steps == T, dp_anchor, 0.0)
-        dw, dw_error = _kahan_add(dw, dw_error, tl.where(e_initial > 0, -e_initial * (a * lag_a + b * lag_b), 0.0))
+        dp = e_initial * grad_p + tl.where(final_steps == T, dp_anchor, 0.0)
+        dw, dw_error = _kahan_add(dw, dw_error, -e_initial * lag_p)
         tl.store(da_in_ptr + state_offs, da, mask=channel_ok)
         tl.store(db_in_ptr + state_offs, db, mask=channel_ok)
         tl.store(dp_in_ptr + state_offs, dp, mask=channel_ok)
