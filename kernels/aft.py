@@ -161,9 +161,9 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
 
 @triton.jit
 def _aft_fwd_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
     T, H, D, den_floor,
-    STORE_LSE: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -269,13 +269,23 @@ def _aft_fwd_kernel(
             w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d, T, D, factorized_end, key_end,
             row_stride, k_ref, running_max, num, den, CAUSAL)
     o = num / den
-    tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=in_tile)
+    o_rounded = o.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o_rounded, mask=in_tile)
+    if STORE_O_RESIDUAL:
+        # What rounding o to 16 bits dropped, itself in 16 bits: o + residual carries about twice o's bits.
+        residual = (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty)
+        tl.store(o_residual_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], residual, mask=in_tile)
     if STORE_LSE:
         # log sum_i exp(w_ti + k_id) in absolute terms: the backward's normalizer.
         # running_max and k_ref are a few units each, log(den) smaller: TwoSum keeps the sum to one rounding.
+        # running_max and k_ref are a few units each (far more for shifted keys), log(den) smaller: summed with
+        # TwoSum, the result is lse + its rounding residual, which fp32 inputs keep (16-bit ones need not).
         refs, refs_err = _two_sum(running_max, k_ref[None, :])
-        lse = refs + (tl.log(den) + refs_err)
+        lse, lse_residual = _two_sum(refs, tl.log(den) + refs_err)
         tl.store(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse, mask=in_tile)
+        if STORE_LSE_RESIDUAL:
+            tl.store(lse_residual_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse_residual,
+                     mask=in_tile)
 
 
 def chunkwise(
@@ -301,15 +311,20 @@ def chunkwise(
         precision = "split" if k.dtype == torch.float16 else "single"
     BLOCK_D = min(block_size(D), block_d)
     o = torch.empty_like(v)
-    lse = o
+    lse = lse_residual = o_residual = o
     if saved is not None:
         lse = saved["lse"] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if half_operands:
+            o_residual = saved["o_residual"] = torch.empty_like(v)
+        else:
+            lse_residual = saved["lse_residual"] = torch.empty_like(lse)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
     launch_after_checks(await_checks, Launch(
         _aft_fwd_kernel, grid,
-        w, k, v, o, lse,
+        w, k, v, o, lse, lse_residual, o_residual,
         T, H, D, DEN_FLOOR[half_operands],
-        STORE_LSE=saved is not None, CAUSAL=causal,
+        STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
+        STORE_O_RESIDUAL=saved is not None and half_operands, CAUSAL=causal,
         SPLIT=half_operands and precision == "split",
         HALF_OPERANDS=half_operands,
         DOT_PRECISION="tf32" if half_operands else "ieee",
@@ -348,7 +363,8 @@ def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.co
 
 
 @triton.jit
-def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
+def _aft_tile_logs(w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride,
+                   CAUSAL: tl.constexpr):
     """One (query block, key block, channel block) tile's factorized logs: w masked to -inf where not visible,
     the row references m_t (0 for rows that see no key), the key tile, the channel references m_d, and
     log_factor_td = m_t + m_d - lse_td (-inf for rows or channels outside the tile or seeing no key)."""
@@ -366,18 +382,39 @@ def _aft_tile_logs(w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, ro
     sees_a_key = row_max > -float("inf")
     row_ref = tl.where(sees_a_key, row_max, 0.0)
     col_ref = tl.max(tl.where(key_in[:, None], k, -float("inf")), 0)  # finite: every key block starts inside T
-    lse = tl.load(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :],
-                  mask=row_in[:, None] & d_in[None, :], other=0.0)
     # m_t + m_d - lse_td is a small number made of large ones (|lse| is a few units): summed with TwoSum, its
     # error is that of the result rather than of lse's magnitude, for every entry of P it scales.
     refs, refs_err = _two_sum(row_ref[:, None], col_ref[None, :])
     log_factor, log_factor_err = _two_sum(refs, -lse)
-    log_factor = tl.where(sees_a_key[:, None] & d_in[None, :], log_factor + (refs_err + log_factor_err), -float("inf"))
+    log_factor += refs_err + log_factor_err - lse_residual
+    log_factor = tl.where(sees_a_key[:, None] & d_in[None, :], log_factor, -float("inf"))
     return w, row_ref, k, col_ref, log_factor
 
 
 @triton.jit
-def _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride, CAUSAL: tl.constexpr):
+def _load_lse(lse_ptr, lse_residual_ptr, offsets, mask, HAS_RESIDUAL: tl.constexpr):
+    """The forward's log-normalizer as (lse, its rounding residual; 0 where none was saved)."""
+    lse = tl.load(lse_ptr + offsets, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(lse_residual_ptr + offsets, mask=mask, other=0.0)
+    else:
+        residual = tl.zeros_like(lse)
+    return lse, residual
+
+
+@triton.jit
+def _load_o(o_ptr, o_residual_ptr, offsets, mask, HAS_RESIDUAL: tl.constexpr):
+    """The forward's fp32 o to about twice the 16-bit precision (o + its saved rounding residual): v - o is
+    small where one key dominates a weight, and o's own rounding would show there."""
+    o = tl.load(o_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        o += tl.load(o_residual_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return o
+
+
+@triton.jit
+def _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D, row_stride,
+                     CAUSAL: tl.constexpr):
     """P_{t,key,d} = exp(w_t,key + k_key,d - lse_td) for one key over a [BLOCK_Q, BLOCK_D] tile, exactly:
     lse_td bounds every logit of row t, so the exponent is <= 0 (up to its rounding). 0 outside the tile."""
     row_in = offs_t < T
@@ -386,11 +423,12 @@ def _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row
     if CAUSAL:
         seen = seen & (key <= offs_t)
     w_col = tl.load(w_ptr + offs_t * T + key, mask=seen, other=0.0).to(tl.float32)
-    w_col = tl.where(seen, w_col, -float("inf"))
     k_row = tl.load(k_ptr + base + key * row_stride + offs_d, mask=d_in & (key < T), other=0.0).to(tl.float32)
-    lse = tl.load(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :],
-                  mask=row_in[:, None] & d_in[None, :], other=float("inf"))
-    return tl.exp(w_col[:, None] + k_row[None, :] - lse)
+    # As in _aft_tile_logs: the exponent is small, its parts are not; TwoSum rounds it once.
+    logit, logit_err = _two_sum(w_col[:, None], k_row[None, :])
+    exponent, exponent_err = _two_sum(logit, -lse)
+    exponent += logit_err + exponent_err - lse_residual
+    return tl.where(seen[:, None] & d_in[None, :], tl.exp(exponent), 0.0)
 
 
 # dv_sd = sum_t P_tsd do_td,   dk_sd = sum_t P_tsd do_td (v_sd - o_td),   P_tsd = exp(w_ts + k_sd - lse_td).
@@ -398,7 +436,7 @@ def _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row
 # F = exp(m_t + m_d - lse): with G = do * F, dv = E * (A^T G) and dk = E * (v * (A^T G) - A^T (G * o)).
 @triton.jit
 def _aft_bwd_dkdv_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dk_ptr, dv_ptr,
+    w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dk_ptr, dv_ptr,
     T, H, D, log_factor_limit,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
@@ -427,9 +465,10 @@ def _aft_bwd_dkdv_kernel(
         td_in = (offs_t[:, None] < T) & (offs_d[None, :] < D)
         td_offsets = base + offs_t[:, None] * row_stride + offs_d[None, :]
         do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
-        o = tl.load(o_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+        o = _load_o(o_ptr, o_residual_ptr, td_offsets, td_in, HALF_OPERANDS)
+        lse, lse_residual = _load_lse(lse_ptr, lse_residual_ptr, td_offsets, td_in, not HALF_OPERANDS)
         w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
-            w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+            w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
         exact = tl.max(log_factor) > log_factor_limit  # the shifted exps would be too small to carry P
         if EXACT_DIAGONAL:
             # Near the diagonal o_t is an average of few values, close to v_s: v * (A^T G) - A^T (G * o)
@@ -439,7 +478,7 @@ def _aft_bwd_dkdv_kernel(
             # One key at a time, exact.
             for i in range(BLOCK_K):
                 key = pid_s * BLOCK_K + i
-                p_do = _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride,
+                p_do = _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D, row_stride,
                                         CAUSAL) * do
                 v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
                                 other=0.0).to(tl.float32)
@@ -467,10 +506,10 @@ def _aft_bwd_dkdv_kernel(
 # comes out of the sum: dw = A * sum_{b,h} (G @ (E * v)^T - (G * o) @ E^T), contracted over D.
 @triton.jit
 def _aft_bwd_dw_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, do_ptr, dw_ptr,
+    w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dw_ptr,
     B, T, H, D, log_factor_limit,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -484,6 +523,8 @@ def _aft_bwd_dw_kernel(
     if CAUSAL:
         if pid_s * BLOCK_K > pid_t * BLOCK_Q + BLOCK_Q - 1:
             n_heads = 0  # every key after every query: dw is zero
+    # As for dk: near the diagonal G @ (E * v)^T - (G * o) @ E^T cancels, the per-key sum does not.
+    on_diagonal = EXACT_DIAGONAL and (pid_t * BLOCK_Q < (pid_s + 1) * BLOCK_K - 1)
     for bh in range(0, n_heads):
         base = (bh // H).to(tl.int64) * T * H * D + (bh % H) * D
         for d_start in range(0, D, BLOCK_D):
@@ -491,13 +532,14 @@ def _aft_bwd_dw_kernel(
             td_in = (offs_t[:, None] < T) & (offs_d[None, :] < D)
             td_offsets = base + offs_t[:, None] * row_stride + offs_d[None, :]
             do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
-            o = tl.load(o_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
+            o = _load_o(o_ptr, o_residual_ptr, td_offsets, td_in, HALF_OPERANDS)
+            lse, lse_residual = _load_lse(lse_ptr, lse_residual_ptr, td_offsets, td_in, not HALF_OPERANDS)
             w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
-                w_ptr, k_ptr, lse_ptr, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
-            if tl.max(log_factor) > log_factor_limit:
+                w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+            if on_diagonal or (tl.max(log_factor) > log_factor_limit):
                 for i in range(BLOCK_K):
                     key = pid_s * BLOCK_K + i
-                    p_do = _aft_key_weights(w_ptr, k_ptr, lse_ptr, base, key, offs_t, offs_d, T, D, row_stride,
+                    p_do = _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D, row_stride,
                                             CAUSAL) * do
                     v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
                                     other=0.0).to(tl.float32)
@@ -562,10 +604,14 @@ def chunkwise_backward(
         num_warps=num_warps, num_stages=num_stages,
     )
     limit = LOG_FACTOR_LIMIT[half_operands]
+    o_residual = saved.get("o_residual", o)
+    exact_diagonal = causal and not half_operands  # fp32: its floor is below what the cancellation leaves
+    lse_residual = saved.get("lse_residual", saved["lse"])
     _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, BLOCK_D))](
-        w, k, v, o, saved["lse"], do, dk, dv, T, H, D, limit, EXACT_DIAGONAL=causal and not half_operands, **common)
+        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit, EXACT_DIAGONAL=exact_diagonal, **common)
     _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
-        w, k, v, o, saved["lse"], do, dw, B, T, H, D, limit, **common)
+        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit, EXACT_DIAGONAL=exact_diagonal,
+        **common)
     return {"w": dw, "k": dk, "v": dv}
 
 

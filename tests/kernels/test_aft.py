@@ -297,10 +297,10 @@ def test_backward_shifted_keys(dtype, shift, causal):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_backward_wide_bias_and_keys_take_the_exact_path(dtype):
     # w, k ~ N(0, 8^2): tiles whose factor exp(m_t + m_d - lse) passes 1 / DEN_FLOOR are summed per key.
-    # Off the registry's inputs: fp32 is held to the gradient accuracy bound (48); fp16 measured 3.4, over its 2:
-    # one key dominates each weight, so v - o is small and o's rounding to fp16 shows (reported).
+    # One key dominates each weight, so v - o is small: o's rounding to fp16 would show (3.4) without the saved
+    # residual. Off the registry's inputs fp32 is held to the gradient accuracy bound (48; measured 8.3 for dv).
     x = _inputs(dtype, T=40, D=16, H=1, spread=8.0)
-    _assert_gradients_within(x, dtype, causal=True, bound=4.0 if dtype == torch.float16 else 48.0,
+    _assert_gradients_within(x, dtype, causal=True, bound=48.0 if dtype == torch.float32 else None,
                              block_q=16, chunk_size=16)
 
 
