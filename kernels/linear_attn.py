@@ -41,6 +41,48 @@ Numerics of the chunkwise kernel (the knobs are ``OPTIONS``):
 
 Measurements behind these choices (emulated excess): reports/bench.md,
 "Design history moved from the kernel docstrings".
+
+Backward (``BACKWARD``; attnlab.kernel's autograd node). With fq = phi(q),
+fk = phi(k), num_t = S_t^T fq_t, den_t = fq_t . z_t, the output's weight
+w_t = 1 / den_t (normalized) or scale, and do_o_t = do_t . o_t (0 when not
+normalized), the cotangents of num_t and den_t are w_t do_t and -w_t do_o_t
+(the quotient rule), and the state's cotangents run backwards from the final
+state's (d_state, or zero):
+
+    dS_{t-1} = dS_t + w_t fq_t do_t^T,      dz_{t-1} = dz_t - w_t do_o_t fq_t
+    dfq_t = w_t (S_t do_t - do_o_t z_t)
+    dfk_t = dS_t v_t + dz_t,                dv_t = dS_t^T fk_t
+    dq = dfq phi'(q),  dk = dfk phi'(k)     (elu1: phi' = 1 for x > 0, else exp(x))
+
+and the initial state's gradient is (dS_0, dz_0). dfq_t cancels: fq_t . dfq_t
+= 0 (o_t is a weighted mean of the values), its terms several times its size.
+So do_o must be do . o unrounded (o rounded to fp16 alone measured dq at 2x
+its rounding floor) and formed from the same quantities as S_t do_t, so that
+the cancellation holds in their rounding too; w multiplies the difference, and
+divides (1 / den then a product would round twice). Nothing is gated: no
+exponent appears but phi's and phi''s, exp(min(x, 0)).
+
+- ``chunkwise``: the forward saves, per head, S and z at every chunk's start
+  (fp32, [B, H, chunks, K, V] and [B, H, chunks, K]: the states it computes
+  anyway, written once, where recomputing them would read k and v again and
+  run another sequential pass), den per row (fp32) and, for 16-bit inputs,
+  o's rounding residual o_fp32 - o in the input dtype (o is never stored
+  twice: with o it carries o to ~22 bits in fp16). Then three launches:
+  do . (o + residual) per row; a reverse pass over chunks per (V block,
+  head) that writes dS, dz after every chunk and returns (dS_0, dz_0); and
+  every chunk in parallel ((chunk, head) programs, all of K, looping over V
+  blocks) for dq, dk, dv by the chunk's tiles (_chunk_gradients_kernel). That
+  last kernel forms do . num itself from its own tiles (do v^T, do S^T), the
+  consistent do_o of the cancellation above; the reverse pass's dz uses the
+  residual's. Dots take the forward's ``precision`` and ``feature_precision``
+  (do, v, k, q are exact input tiles; A, the states and their cotangents
+  fp32 operands), so "round" features differentiate the rounded features'
+  function (a speed setting: dq measured 2.2x its floor in fp16 at T=40).
+- ``recurrent``: saves nothing; two sequential sweeps per (V block, head),
+  every sum in fp32 and compensated (Kahan: a running sum of T terms keeps
+  ~1 rounding instead of ~sqrt(T), measured fp32 dq 5.2 -> 3.9, dS_0 5.0 ->
+  0.7): forward for S_t, z_t, the parts of S_t do_t and do . num_t per V
+  block (summed on the host into dq), then reverse for dk, dv and the state.
 """
 
 from __future__ import annotations
@@ -84,10 +126,12 @@ def elu1(x):
 def _chunkwise_kernel(
     q, k, v, o,
     initial_S, initial_z, final_S, final_z,
+    saved_den, saved_residual, chunk_S, chunk_z,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    SAVE: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: V block pid_v of head (b, h). Per chunk of rows i, j (features fq = phi(q), fk = phi(k)):
@@ -95,6 +139,7 @@ def _chunkwise_kernel(
     #   num = A v + fq S,   den = rowsum(A) + fq . z      (S, z: the state before the chunk)
     #   o   = num / den  (normalize)  or  scale * num
     #   S  += fk^T v,   z += colsum(fk)
+    # SAVE (for the backward): S and z at every chunk's start, den per row, and o's rounding residual.
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -124,8 +169,16 @@ def _chunkwise_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
         z = tl.zeros([BK], dtype=tl.float32)
 
+    # The saved chunk states and den, like q, k, v: a scalar int64 start stepped per chunk, int32 tiles.
+    chunk_z_start = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) * K  # chunk 0's z of head (b, h); its S at * V
+    den_start = b.to(tl.int64) * T * H + h  # element (b, start, h) of den
     for start in range(0, T, CHUNK):
         row_ok = rows < T - start
+        if SAVE:
+            tl.store(chunk_S + chunk_z_start * V + keys[:, None] * V + values[None, :], S, mask=S_mask)
+            if NORMALIZE:
+                tl.store(chunk_z + chunk_z_start + keys, z, mask=key_ok & (pid_v == 0))
+            chunk_z_start += K
         qk_mask = row_ok[:, None] & key_ok[None, :]
         v_mask = row_ok[:, None] & value_ok[None, :]
         q_c = tl.load(q + qk_chunk + qk_tile, mask=qk_mask, other=0.0)
@@ -154,9 +207,14 @@ def _chunkwise_kernel(
         if NORMALIZE:
             denominator = tl.sum(A, axis=1) + tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
             o_c = numerator / tl.where(row_ok, denominator, 1.0)[:, None]
+            if SAVE:
+                tl.store(saved_den + den_start + rows * H, denominator, mask=row_ok & (pid_v == 0))
         else:
             o_c = scale * numerator
-        tl.store(o + v_chunk + v_tile, o_c.to(o.dtype.element_ty), mask=v_mask)
+        o_rounded = o_c.to(o.dtype.element_ty)
+        tl.store(o + v_chunk + v_tile, o_rounded, mask=v_mask)
+        if SAVE_RESIDUAL:
+            tl.store(saved_residual + v_chunk + v_tile, (o_c - o_rounded.to(tl.float32)).to(dtype), mask=v_mask)
 
         if FP32_FEATURES:
             S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
@@ -165,6 +223,7 @@ def _chunkwise_kernel(
         z += tl.sum(fk.to(tl.float32), axis=0)
         qk_chunk += CHUNK * H * K
         v_chunk += CHUNK * H * V
+        den_start += CHUNK * H
 
     if STORE_FINAL_STATE:
         tl.store(final_S + S_offsets, S, mask=S_mask)
@@ -241,6 +300,19 @@ def _state_buffers(q: torch.Tensor, V: int, state, return_state: bool):
     return initial_S, initial_z, final_S, final_z
 
 
+def _saved_buffers(q: torch.Tensor, v: torch.Tensor, normalize: bool, saved: dict | None) -> tuple:
+    """(den, o's rounding residual) for the chunkwise backward, filled into ``saved`` when normalized; (None, None)
+    otherwise. The residual (16-bit inputs): o - o rounded, in the input dtype, so that the backward's do . o reads
+    o to ~22 bits (fp16) instead of 11 (see the module docstring)."""
+    if saved is None or not normalize:
+        return None, None
+    B, T, H, _ = q.shape
+    saved["den"] = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    if q.dtype != torch.float32:
+        saved["o_residual"] = torch.empty_like(v)
+    return saved["den"], saved.get("o_residual")
+
+
 def chunkwise(
     *,
     q: torch.Tensor,
@@ -257,32 +329,46 @@ def chunkwise(
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    saved: dict | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Chunkwise linear attention; see the module docstring for the options."""
+    """Chunkwise linear attention; see the module docstring for the options and for what ``saved`` gets."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V):
         return recurrent(q=q, k=k, v=v, scale=scale, feature_map=feature_map, normalize=normalize, state=state,
-                         return_state=return_state, await_checks=await_checks)
+                         return_state=return_state, saved=saved, await_checks=await_checks)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
+    den, residual = _saved_buffers(q, v, normalize, saved)
+    chunk_S = chunk_z = None
+    if saved is not None:
+        chunks = triton.cdiv(T, chunk_size)
+        chunk_S = saved["chunk_S"] = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
+        if normalize:
+            chunk_z = saved["chunk_z"] = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(V, BV), B * H)
     launch_after_checks(await_checks, Launch(
         _chunkwise_kernel, grid,
         q, k, v, o, initial_S, initial_z, final_S, final_z,
+        den, residual, chunk_S, chunk_z,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
-        FP32_FEATURES=feature_map == "elu1" and feature_precision == "split" and q.dtype != torch.float32,
+        FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
+        SAVE=saved is not None, SAVE_RESIDUAL=residual is not None,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
     ))
     return o, ((final_S, final_z) if return_state else None)
+
+
+def _fp32_features(dtype: torch.dtype, feature_map: str, feature_precision: str) -> bool:
+    return feature_map == "elu1" and feature_precision == "split" and dtype != torch.float32
 
 
 def recurrent(
@@ -297,13 +383,15 @@ def recurrent(
     return_state: bool,
     block_v: int | None = None,
     num_warps: int = 4,
+    saved: dict | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """Token-by-token linear attention with the fp32 state in registers."""
+    """Token-by-token linear attention with the fp32 state in registers. ``saved`` is left empty: the recurrent
+    backward recomputes everything it needs (module docstring)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = block_size(K)
-    BV = block_v if block_v is not None else min(block_size(V), 32)
+    BV = _recurrent_block_v(V, block_v)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
     grid = (triton.cdiv(V, BV), B * H)
@@ -317,3 +405,485 @@ def recurrent(
         num_warps=num_warps,
     ))
     return o, ((final_S, final_z) if return_state else None)
+
+
+def _recurrent_block_v(V: int, block_v: int | None) -> int:
+    return block_v if block_v is not None else min(block_size(V), 32)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+@triton.jit
+def elu1_derivative(x):
+    """d/dx (elu(x) + 1) in fp32: 1 for x > 0, exp(x) otherwise (the exponent is clamped to <= 0)."""
+    return tl.where(x > 0, 1.0, tl.exp(tl.minimum(x, 0.0)))
+
+
+@triton.jit
+def mixed_dot(a, b, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr):
+    """acc + a @ b for operands that are each an exact input-dtype tile or an fp32 tile (the _numerics dots):
+    two input tiles multiply exactly on the tensor cores; an fp32 one enters at PRECISION (split into hi + lo)."""
+    if tl.constexpr(a.dtype != tl.float32) and tl.constexpr(b.dtype != tl.float32):
+        return tl.dot(a, b, acc)
+    elif tl.constexpr(b.dtype != tl.float32):
+        return dot_f32_lowp(a, b, acc, PRECISION, RESCALE)
+    elif tl.constexpr(a.dtype != tl.float32):
+        return dot_lowp_f32(a, b, acc, PRECISION, RESCALE)
+    else:
+        return dot_f32_f32(a, b, acc, DTYPE, PRECISION, RESCALE)
+
+
+@triton.jit
+def features(x, mask, ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
+    """phi(x) of an input tile, as the forward multiplies it: the input itself (identity), elu1 in fp32 (split
+    features) or elu1 rounded once to the input dtype; zero where masked (phi(0) = 1 must not leak in)."""
+    if ELU1:
+        f = tl.where(mask, elu1(x.to(tl.float32)), 0.0)
+        if not FP32_FEATURES:
+            f = f.to(x.dtype)
+        return f
+    else:
+        return x
+
+
+@triton.jit
+def _do_dot_o_kernel(
+    do, o, o_residual, do_o, rows_total, V,
+    BLOCK_ROWS: tl.constexpr, BV: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    # do_o_t = do_t . o_t: -do_o_t / den_t is the cotangent of den_t = phi(q_t)^T z_t (o_t = num_t / den_t). o_t is
+    # taken as o + residual, the fp32 quotient, not its rounding: dq is a difference of two terms of this size.
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    values = tl.arange(0, BV)
+    row_ok = rows < rows_total
+    mask = row_ok[:, None] & (values < V)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * V + values[None, :]
+    o_row = tl.load(o + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        o_row += tl.load(o_residual + offsets, mask=mask, other=0.0).to(tl.float32)
+    do_row = tl.load(do + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(do_o + rows, tl.sum(do_row * o_row, axis=1), mask=row_ok)
+
+
+def _do_dot_o(do: torch.Tensor, o: torch.Tensor, saved: dict) -> torch.Tensor:
+    """do . o per row, [B, T, H] fp32 (see _do_dot_o_kernel)."""
+    B, T, H, V = o.shape
+    do_o = torch.empty(B, T, H, dtype=torch.float32, device=o.device)
+    residual = saved.get("o_residual")
+    BLOCK_ROWS = 16
+    _do_dot_o_kernel[(triton.cdiv(B * T * H, BLOCK_ROWS),)](
+        do, o, residual, do_o, B * T * H, V,
+        BLOCK_ROWS=BLOCK_ROWS, BV=block_size(V), HAS_RESIDUAL=residual is not None,
+    )
+    return do_o
+
+
+@triton.jit
+def _state_cotangent_kernel(
+    q, do, den, do_o,
+    d_final_S, d_final_z, chunk_dS, chunk_dz, d_initial_S, d_initial_z,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
+    HAS_D_STATE: tl.constexpr, TRACK_Z: tl.constexpr, STORE_INITIAL: tl.constexpr,
+    PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # The reverse pass over chunks, one V block of one head: dS, dz, the cotangents of the state after chunk c,
+    # are stored for chunk c's gradients, then carried back past its rows:
+    #   dS <- dS + (w fq)^T do,   dz <- dz - (w fq)^T do_o    (w = 1 / den, or scale when not normalized)
+    # A plain reverse sum: no gates, nothing to decay, no cancellation beyond the sum's own.
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    dtype = q.dtype.element_ty
+
+    rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    z_offsets = pid_bh.to(tl.int64) * K + keys
+    if HAS_D_STATE:
+        dS = tl.load(d_final_S + S_offsets, mask=S_mask, other=0.0)
+        dz = tl.load(d_final_z + z_offsets, mask=key_ok, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+        dz = tl.zeros([BK], dtype=tl.float32)
+
+    NC = tl.cdiv(T, CHUNK)
+    for i in range(0, NC):
+        c = NC - 1 - i
+        chunk_state = pid_bh.to(tl.int64) * NC + c
+        tl.store(chunk_dS + chunk_state * K * V + keys[:, None] * V + values[None, :], dS, mask=S_mask)
+        if TRACK_Z:
+            tl.store(chunk_dz + chunk_state * K + keys, dz, mask=key_ok & (pid_v == 0))
+        t = c * CHUNK + rows
+        row_ok = t < T
+        row = (b.to(tl.int64) * T + t) * H + h
+        qk_mask = row_ok[:, None] & key_ok[None, :]
+        q_c = tl.load(q + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0)
+        do_c = tl.load(do + row[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :], other=0.0)
+        fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
+        if NORMALIZE:
+            den_c = tl.load(den + row, mask=row_ok, other=1.0)
+            dS = mixed_dot(tl.trans(fq.to(tl.float32) / den_c[:, None]), do_c, dS, dtype, PRECISION, RESCALE)
+            dz -= tl.sum(fq.to(tl.float32) * (tl.load(do_o + row, mask=row_ok, other=0.0) / den_c)[:, None], axis=0)
+        else:
+            # fq^T do exactly where both are input tiles; the scale once, on the sum.
+            dS += scale * mixed_dot(tl.trans(fq), do_c, tl.zeros([BK, BV], dtype=tl.float32), dtype, PRECISION,
+                                    RESCALE)
+
+    if STORE_INITIAL:
+        tl.store(d_initial_S + S_offsets, dS, mask=S_mask)
+        tl.store(d_initial_z + z_offsets, dz, mask=key_ok & (pid_v == 0))
+
+
+@triton.jit
+def _chunk_gradients_kernel(
+    q, k, v, do, dq, dk, dv,
+    den, chunk_S, chunk_z, chunk_dS, chunk_dz,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr, TRACK_Z: tl.constexpr,
+    PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # One program: chunk c of head (b, h), all of K, looping over V blocks. With S, z the state before the
+    # chunk, dS', dz' the cotangents of the state after it (from _state_cotangent_kernel), A = tril(fq fk^T),
+    # w = 1 / den (or scale) and do_o = do . o per row (0 when not normalized; den's cotangent is -w do_o):
+    #   do_o = w rowsum((do v^T) * A + (do S^T) * fq)      (do . num, from the tiles below: o unrounded)
+    #   dA' = tril(do v^T - do_o 1^T)                       (den_i = sum_j A_ij + fq_i . z)
+    #   dfq = w (dA' fk + do S^T - do_o z^T)
+    #   dfk = (w dA')^T fq + v dS'^T + 1 dz'^T
+    #   dv  = (w A)^T do + fk dS'
+    #   dq  = dfq phi'(q),  dk = dfk phi'(k)
+    # dfq cancels (fq . dfq = 0: o is a weighted mean of the values), so do_o is formed from the very tiles
+    # dfq is (the cancellation then holds in their rounding too), and w multiplies the difference, not each
+    # term, so that its rounding is not amplified.
+    c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    dtype = q.dtype.element_ty
+
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    row_ok = t < T
+    key_ok = keys < K
+    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
+    row = (b.to(tl.int64) * T + t) * H + h
+    qk_offsets = row[:, None] * K + keys[None, :]
+    qk_mask = row_ok[:, None] & key_ok[None, :]
+    q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
+    k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
+    fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
+    fk = features(k_c, qk_mask, ELU1, FP32_FEATURES)
+    A = tl.where(causal, mixed_dot(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION,
+                                   RESCALE), 0.0)
+    if NORMALIZE:
+        # w as a division by den: one rounding where 1 / den and a product make two.
+        den_c = tl.load(den + row, mask=row_ok, other=1.0)
+        A_weighted = A / den_c[:, None]
+    else:
+        A_weighted = A * scale
+
+    chunk_state = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + c
+    do_v = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)   # do v^T
+    do_S = tl.zeros([CHUNK, BK], dtype=tl.float32)      # do S^T
+    dfk = tl.zeros([CHUNK, BK], dtype=tl.float32)
+    for v_start in range(0, V, BV):
+        values = v_start + tl.arange(0, BV)
+        value_ok = values < V
+        v_mask = row_ok[:, None] & value_ok[None, :]
+        S_offsets = chunk_state * K * V + keys[:, None] * V + values[None, :]
+        S_mask = key_ok[:, None] & value_ok[None, :]
+        v_c = tl.load(v + row[:, None] * V + values[None, :], mask=v_mask, other=0.0)
+        do_c = tl.load(do + row[:, None] * V + values[None, :], mask=v_mask, other=0.0)
+        S = tl.load(chunk_S + S_offsets, mask=S_mask, other=0.0)
+        dS = tl.load(chunk_dS + S_offsets, mask=S_mask, other=0.0)
+        do_v = mixed_dot(do_c, tl.trans(v_c), do_v, dtype, PRECISION, RESCALE)
+        do_S = mixed_dot(do_c, tl.trans(S), do_S, dtype, PRECISION, RESCALE)
+        dfk = mixed_dot(v_c, tl.trans(dS), dfk, dtype, PRECISION, RESCALE)
+        dv_c = mixed_dot(tl.trans(A_weighted), do_c,
+                         mixed_dot(fk, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), dtype, PRECISION, RESCALE),
+                         dtype, PRECISION, RESCALE)
+        tl.store(dv + row[:, None] * V + values[None, :], dv_c.to(dtype), mask=v_mask)
+
+    if NORMALIZE:
+        do_o_c = (tl.sum(do_v * A, axis=1) + tl.sum(do_S * fq.to(tl.float32), axis=1)) / den_c
+        z = tl.load(chunk_z + chunk_state * K + keys, mask=key_ok, other=0.0)
+        dA = tl.where(causal, do_v - do_o_c[:, None], 0.0)
+        dfq = mixed_dot(dA, fk, do_S - do_o_c[:, None] * z[None, :], dtype, PRECISION, RESCALE) / den_c[:, None]
+        dA /= den_c[:, None]
+    else:
+        dA = tl.where(causal, do_v, 0.0)
+        dfq = scale * mixed_dot(dA, fk, do_S, dtype, PRECISION, RESCALE)
+        dA *= scale
+    if TRACK_Z:
+        dfk += tl.load(chunk_dz + chunk_state * K + keys, mask=key_ok, other=0.0)[None, :]
+    dfk = mixed_dot(tl.trans(dA), fq, dfk, dtype, PRECISION, RESCALE)
+    if ELU1:
+        dfq *= elu1_derivative(q_c.to(tl.float32))
+        dfk *= elu1_derivative(k_c.to(tl.float32))
+    tl.store(dq + qk_offsets, dfq.to(dtype), mask=qk_mask)
+    tl.store(dk + qk_offsets, dfk.to(dtype), mask=qk_mask)
+
+
+def _initial_state_grads(q: torch.Tensor, V: int, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if state is None:
+        return None, None
+    B, _, H, K = q.shape
+    return (torch.empty(B, H, K, V, dtype=torch.float32, device=q.device),
+            torch.empty(B, H, K, dtype=torch.float32, device=q.device))
+
+
+def _gradients(q, k, v, d_initial_S, d_initial_z) -> dict:
+    grads = {"q": q, "k": k, "v": v}
+    if d_initial_S is not None:
+        grads["initial_state"] = (d_initial_S, d_initial_z)
+    return grads
+
+
+def chunkwise_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict,
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor, torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    feature_map: str,
+    normalize: bool,
+    state: tuple[torch.Tensor, torch.Tensor] | None,
+    chunk_size: int = 64,
+    precision: str = "split",
+    feature_precision: str = "split",
+    block_v: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    **ignored: object,
+) -> dict:
+    """Gradients of the chunkwise kernel: the reverse state pass, then every chunk in parallel (module docstring)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if gpu_shape_known_bad(K, V):  # the forward ran the recurrent kernel
+        return recurrent_backward(o=o, saved=saved, do=do, d_state=d_state, q=q, k=k, v=v, scale=scale,
+                                  feature_map=feature_map, normalize=normalize, state=state)
+    BK = block_size(K)
+    BV = default_block_v(V, BK, block_v)
+    _, fp32_precision, rescale = input_split_config(q.dtype, precision)
+    chunks = triton.cdiv(T, chunk_size)
+    do_o = _do_dot_o(do, o, saved) if normalize else None
+    track_z = normalize or d_state is not None
+    chunk_dS = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
+    chunk_dz = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device) if track_z else None
+    d_final_S, d_final_z = d_state if d_state is not None else (None, None)
+    d_initial_S, d_initial_z = _initial_state_grads(q, V, state)
+    constants = dict(CHUNK=chunk_size, BK=BK, ELU1=feature_map == "elu1", NORMALIZE=normalize,
+                     FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
+                     PRECISION=fp32_precision, RESCALE=rescale, num_warps=num_warps, num_stages=num_stages)
+    _state_cotangent_kernel[(triton.cdiv(V, BV), B * H)](
+        q, do, saved.get("den"), do_o,
+        d_final_S, d_final_z, chunk_dS, chunk_dz, d_initial_S, d_initial_z,
+        T, H, K, V, scale,
+        BV=BV, HAS_D_STATE=d_state is not None, TRACK_Z=track_z, STORE_INITIAL=state is not None, **constants,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _chunk_gradients_kernel[(chunks, B * H)](
+        q, k, v, do, dq, dk, dv,
+        saved.get("den"), saved["chunk_S"], saved.get("chunk_z"), chunk_dS, chunk_dz,
+        T, H, K, V, scale,
+        BV=BV, TRACK_Z=track_z, **constants,
+    )
+    return _gradients(dq, dk, dv, d_initial_S, d_initial_z)
+
+
+@triton.jit
+def compensated_add(total, error, term):
+    """Kahan summation: total + term, with ``error`` (the rounding total has lost so far, negated) fed back in.
+    The recurrent backward sums T terms one at a time; total - error is the sum to ~1 rounding, not ~sqrt(T)."""
+    corrected = term - error
+    new_total = total + corrected
+    return new_total, (new_total - total) - corrected
+
+
+@triton.jit
+def _recurrent_query_kernel(
+    q, k, v, do, S_do_parts, do_num_parts, z_seen, den,
+    initial_S, initial_z,
+    T, H, K, V, part_stride,
+    BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
+):
+    # The forward sweep of the recurrent backward, for one V block of one head: S_t, z_t (compensated sums), and
+    # per token this block's part of S_t do_t (a K vector) and of do_t . num_t = phi(q_t) . (S_t do_t);
+    # block 0 writes z_t and den_t = phi(q_t) . z_t (the forward's, but from the compensated z). The host sums the parts: dfq_t = (S_t do_t - do_o_t z_t) / den_t with
+    # do_o_t = do_t . num_t / den_t, or scale S_t do_t. do . o is formed from these S_t do_t, so that the
+    # cancellation in dfq (phi(q_t) . dfq_t = 0) holds in their rounding too.
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    part = pid_v.to(tl.int64) * part_stride
+    if HAS_INITIAL_STATE:
+        S = tl.load(initial_S + pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :],
+                    mask=key_ok[:, None] & value_ok[None, :], other=0.0)
+        z = tl.load(initial_z + pid_bh.to(tl.int64) * K + keys, mask=key_ok, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        z = tl.zeros([BK], dtype=tl.float32)
+    S_error = tl.zeros([BK, BV], dtype=tl.float32)
+    z_error = tl.zeros([BK], dtype=tl.float32)
+    row = b.to(tl.int64) * T * H + h  # element (b, t, h); row * K + keys: of q, k; row * V + values: of v, do
+    for _ in range(0, T):
+        fk = tl.load(k + row * K + keys, mask=key_ok, other=0.0).to(tl.float32)
+        if ELU1:
+            fk = tl.where(key_ok, elu1(fk), 0.0)
+        v_t = tl.load(v + row * V + values, mask=value_ok, other=0.0).to(tl.float32)
+        S, S_error = compensated_add(S, S_error, fk[:, None] * v_t[None, :])
+        do_t = tl.load(do + row * V + values, mask=value_ok, other=0.0).to(tl.float32)
+        S_do = tl.sum((S - S_error) * do_t[None, :], axis=1)
+        tl.store(S_do_parts + part * K + row * K + keys, S_do, mask=key_ok)
+        if NORMALIZE:
+            z, z_error = compensated_add(z, z_error, fk)
+            fq = tl.load(q + row * K + keys, mask=key_ok, other=0.0).to(tl.float32)
+            if ELU1:
+                fq = tl.where(key_ok, elu1(fq), 0.0)
+            tl.store(do_num_parts + part + row, tl.sum(fq * S_do, axis=0))
+            tl.store(z_seen + row * K + keys, z - z_error, mask=key_ok & (pid_v == 0))
+            tl.store(den + row, tl.sum(fq * (z - z_error), axis=0), mask=pid_v == 0)
+        row += H
+
+
+@triton.jit
+def _recurrent_key_value_kernel(
+    q, k, v, do, dk_parts, dv,
+    den, do_o, d_final_S, d_final_z, d_initial_S, d_initial_z,
+    T, H, K, V, scale, part_stride,
+    BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_D_STATE: tl.constexpr, STORE_INITIAL: tl.constexpr,
+):
+    # The reverse sweep of the recurrent backward, for one V block of one head, in fp32, dS and dz compensated
+    # sums (their errors dS_error, dz_error). With
+    # w = 1 / den (or scale) and do_o = do . o (0 when not normalized; den's cotangent is -w do_o), dS and dz
+    # are the cotangents of S_t and z_t:
+    #   dS <- dS + w_t phi(q_t) do_t^T,   dz <- dz - w_t do_o_t phi(q_t)
+    #   dfk_t = dS v_t + dz,   dv_t = dS^T phi(k_t)
+    # dfk_t sums over V: each V block writes its part (dz in block 0's); the host sums them.
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    z_offsets = pid_bh.to(tl.int64) * K + keys
+    part = pid_v.to(tl.int64) * part_stride
+    if HAS_D_STATE:
+        dS = tl.load(d_final_S + S_offsets, mask=S_mask, other=0.0)
+        dz = tl.load(d_final_z + z_offsets, mask=key_ok, other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+        dz = tl.zeros([BK], dtype=tl.float32)
+    dS_error = tl.zeros([BK, BV], dtype=tl.float32)
+    dz_error = tl.zeros([BK], dtype=tl.float32)
+    row = (b.to(tl.int64) * T + T - 1) * H + h  # element (b, T - 1, h), stepped back
+    for _ in range(0, T):
+        q_t = tl.load(q + row * K + keys, mask=key_ok, other=0.0).to(tl.float32)
+        k_t = tl.load(k + row * K + keys, mask=key_ok, other=0.0).to(tl.float32)
+        v_t = tl.load(v + row * V + values, mask=value_ok, other=0.0).to(tl.float32)
+        do_t = tl.load(do + row * V + values, mask=value_ok, other=0.0).to(tl.float32)
+        fq = tl.where(key_ok, elu1(q_t), 0.0) if ELU1 else q_t
+        fk = tl.where(key_ok, elu1(k_t), 0.0) if ELU1 else k_t
+        if NORMALIZE:
+            den_t = tl.load(den + row)
+            dS, dS_error = compensated_add(dS, dS_error, fq[:, None] * (do_t / den_t)[None, :])
+            dz, dz_error = compensated_add(dz, dz_error, -(tl.load(do_o + row) / den_t) * fq)
+        else:
+            dS, dS_error = compensated_add(dS, dS_error, fq[:, None] * (scale * do_t)[None, :])
+        dfk = tl.sum((dS - dS_error) * v_t[None, :], axis=1) + tl.where(pid_v == 0, dz - dz_error, 0.0)
+        if ELU1:
+            dfk *= elu1_derivative(k_t)
+        tl.store(dk_parts + part + row * K + keys, dfk, mask=key_ok)
+        dv_t = tl.sum((dS - dS_error) * fk[:, None], axis=0)
+        tl.store(dv + row * V + values, dv_t.to(dv.dtype.element_ty), mask=value_ok)
+        row -= H
+
+    if STORE_INITIAL:
+        tl.store(d_initial_S + S_offsets, dS - dS_error, mask=S_mask)
+        tl.store(d_initial_z + z_offsets, dz - dz_error, mask=key_ok & (pid_v == 0))
+
+
+def recurrent_backward(
+    *,
+    o: torch.Tensor,
+    saved: dict,
+    do: torch.Tensor,
+    d_state: tuple[torch.Tensor, torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    feature_map: str,
+    normalize: bool,
+    state: tuple[torch.Tensor, torch.Tensor] | None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+    **ignored: object,
+) -> dict:
+    """Gradients of the recurrent kernel: a forward sweep for dq, then a reverse sweep for dk, dv and the state's."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BV = _recurrent_block_v(V, block_v)
+    blocks = triton.cdiv(V, BV)
+    elu = feature_map == "elu1"
+    grid = (blocks, B * H)
+    S_do_parts = torch.empty(blocks, B, T, H, K, dtype=torch.float32, device=q.device)
+    do_num_parts = torch.empty(blocks, B, T, H, dtype=torch.float32, device=q.device) if normalize else None
+    z_seen = torch.empty(B, T, H, K, dtype=torch.float32, device=q.device) if normalize else None
+    den = torch.empty(B, T, H, dtype=torch.float32, device=q.device) if normalize else None
+    initial_S, initial_z = state if state is not None else (None, None)
+    _recurrent_query_kernel[grid](
+        q, k, v, do, S_do_parts, do_num_parts, z_seen, den, initial_S, initial_z,
+        T, H, K, V, B * T * H,
+        BK=block_size(K), BV=BV, ELU1=elu, NORMALIZE=normalize, HAS_INITIAL_STATE=state is not None,
+        num_warps=num_warps,
+    )
+    q32 = q.to(torch.float32)
+    derivative = torch.where(q32 > 0, 1.0, torch.exp(q32.clamp(max=0.0))) if elu else 1.0
+    if normalize:
+        do_o = do_num_parts.sum(0) / den
+        dq = (S_do_parts.sum(0) - do_o[..., None] * z_seen) / den[..., None] * derivative
+    else:
+        do_o = None
+        dq = scale * S_do_parts.sum(0) * derivative
+
+    dk_parts = torch.empty(blocks, B, T, H, K, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(v)
+    d_final_S, d_final_z = d_state if d_state is not None else (None, None)
+    d_initial_S, d_initial_z = _initial_state_grads(q, V, state)
+    _recurrent_key_value_kernel[grid](
+        q, k, v, do, dk_parts, dv,
+        den, do_o, d_final_S, d_final_z, d_initial_S, d_initial_z,
+        T, H, K, V, scale, B * T * H * K,
+        BK=block_size(K), BV=BV, ELU1=elu, NORMALIZE=normalize,
+        HAS_D_STATE=d_state is not None, STORE_INITIAL=state is not None,
+        num_warps=num_warps,
+    )
+    return _gradients(dq.to(q.dtype), dk_parts.sum(0).to(k.dtype), dv, d_initial_S, d_initial_z)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}
