@@ -261,6 +261,20 @@ def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_st
     assert outcome.budget_spent and outcome.examples == len(replayed) + 1, outcome
 
 
+def test_the_result_that_finished_last_wins_whatever_the_file(tmp_path: Path) -> None:
+    # A resumed run's workers append to their own files: the stale "not run" of an item may sit in a file read after
+    # the one holding its newer result (gw5.jsonl after gw12.jsonl, seed.jsonl after both).
+    folder = tmp_path / "results"
+    folder.mkdir()
+    stale = {"key": "k/bfloat16/default/p", "status": "not run", "finished": "2026-11-26T01:45:00+0000"}
+    newer = {**stale, "status": "held", "finished": "2026-11-26T01:50:00+0000"}
+    other = {"key": "j/bfloat16/default/p", "status": "failed", "finished": "2026-11-26T01:40:00+0000"}
+    (folder / "gw12.jsonl").write_text(json.dumps(newer) + "\n")
+    (folder / "gw5.jsonl").write_text(json.dumps(stale) + "\n" + json.dumps(other) + "\n{\"cut off")
+    assert {k: r["status"] for k, r in results(tmp_path).items()} == {"k/bfloat16/default/p": "held",
+                                                                      "j/bfloat16/default/p": "failed"}
+
+
 def test_a_search_whose_kept_cases_spend_the_budget_ends_there_without_an_error() -> None:
     # Seen on the GPU: a kernel's first call compiled through the item budget inside the kept regressions, and the
     # search, rejecting every draw after them, ended Unsatisfiable (recorded as an error).
@@ -423,6 +437,23 @@ def test_rendering_a_folder_cut_off_before_its_summary_reads_the_plan_and_result
     assert text.index("## What this campaign found") < text.index("## Summary")
     code, _, stderr = run("--render", str(copy), "--preface", str(tmp_path / "missing.md"))
     assert code == 2 and "--preface" in stderr and "no such file" in stderr
+
+
+def test_rendering_results_merged_from_another_run_counts_them_with_the_runs_kept(finished, tmp_path: Path) -> None:
+    # Folders merge by copying their results/ together (README): the render reads them, not the older campaign.json.
+    source, _ = finished
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(source / "out"), str(copy)], check=True)
+    runs = json.loads((copy / "campaign.json").read_text())["runs"]
+    failed = next(r for r in results(copy).values() if r["status"] == "failed")
+    later = {**failed, "status": "held", "worker": "other-host", "finished": "2999-01-01T00:00:00+0000",
+             "verdicts": [{**v, "status": "held"} for v in failed.get("verdicts", [])]}
+    (copy / "results" / "other-host.jsonl").write_text(json.dumps(later) + "\n")
+    before = (copy / "campaign.md").read_text().count("FAILED")
+    run("--render", str(copy))
+    summary = json.loads((copy / "campaign.json").read_text())
+    assert summary["runs"] == runs and next(i for i in summary["items"] if i["key"] == failed["key"])["status"] == "held"
+    assert (copy / "campaign.md").read_text().count("FAILED") < before
 
 
 # ----------------------------------------------------------------------------- rendering hand-made summaries

@@ -408,7 +408,7 @@ def run_item(plan: dict[str, Any], key: str) -> dict[str, Any]:
                 record.update(_property(plan, kernel, target, convention, item))
         except Exception as error:  # noqa: BLE001 - the harness's error is this item's result, never a lost item
             record.update(status="error", detail=f"{type(error).__name__}: {error}")
-    record.update(seconds=round(time.time() - started, 2), finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    record.update(seconds=round(time.time() - started, 2), finished=time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime()))
     _append(plan, record)
     return record
 

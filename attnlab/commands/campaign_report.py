@@ -153,16 +153,19 @@ def node_id(key: str) -> str:
 
 
 def read_results(out: Path) -> dict[str, dict[str, Any]]:
-    """Every stored item result in ``out/results/*.jsonl``, by key (a later line of a key wins; a line cut off by a
-    kill is ignored)."""
-    found: dict[str, dict[str, Any]] = {}
+    """Every stored item result in ``out/results/*.jsonl``, by key: the one that finished last (a resumed run
+    appends to files of other workers' names than the run it resumes, so neither file order nor line order says
+    which is newer; records of one second keep their line order); a line cut off by a kill is ignored."""
+    records: list[dict[str, Any]] = []
     for path in sorted((out / RESULTS_DIR).glob("*.jsonl")):
         for line in path.read_text().splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            found[record["key"]] = record
+    found: dict[str, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: r.get("finished", "")):
+        found[record["key"]] = record
     return found
 
 
@@ -437,14 +440,14 @@ def render(summary: dict[str, Any], destination: Path, strict: bool = False, pre
 
 
 def load_summary(results: Path) -> dict[str, Any] | None:
-    """campaign.json, or (a run cut off before writing it) the plan with the results that landed; None when
-    there is neither."""
-    if (results / SUMMARY_NAME).exists():
-        return json.loads((results / SUMMARY_NAME).read_text())
+    """The plan with the results in ``results/`` now (folders merged by copying their results together, or a run
+    cut off before writing campaign.json), with campaign.json's runs; campaign.json alone where there is no plan;
+    None when there is neither."""
+    stored = json.loads((results / SUMMARY_NAME).read_text()) if (results / SUMMARY_NAME).exists() else None
     if (results / PLAN_NAME).exists():
         plan = json.loads((results / PLAN_NAME).read_text())
-        return summarize(results, plan, [])
-    return None
+        return summarize(results, plan, stored["runs"] if stored else [])
+    return stored
 
 
 def render_and_say(results: Path, destination: Path, strict: bool, preface: str = "") -> int:
