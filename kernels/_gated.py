@@ -1014,9 +1014,11 @@ def _recurrent_backward_kernel(
             if HAS_GK or HAS_GV:
                 decay = tl.full([BK, BV], 1.0, tl.float32)
                 if HAS_GK:
-                    decay = decay * tl.exp(tl.load(gk_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32))[:, None]
+                    gk = tl.load(gk_ptr + k_offsets, mask=key_mask, other=0.0).to(tl.float32)
+                    decay = decay * tl.exp(gk)[:, None]
                 if HAS_GV:
-                    decay = decay * tl.exp(tl.load(gv_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32))[None, :]
+                    gv = tl.load(gv_ptr + v_offsets, mask=value_mask, other=0.0).to(tl.float32)
+                    decay = decay * tl.exp(gv)[None, :]
                 dS_decayed = dS * decay
                 through = dS_decayed * tl.load(scratch + s * BK * BV)
                 if HAS_GK:
@@ -1196,7 +1198,8 @@ def chunkwise_backward(
     BT = min(chunk_size, block_size(T))
     NT = triton.cdiv(T, BT)
     BK = min(block_k, block_size(K))
-    BV = min(block_v, block_size(V))
+    # The backward's kernels hold more fp32 tiles than the forward's: V tiles of at most 64.
+    BV = min(block_v, block_size(V), 64)
     levels = BT.bit_length() - 1
     BC = min(16, BT)
     DT = triton_dtype(q.dtype)

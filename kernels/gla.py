@@ -45,9 +45,10 @@ def _returned(r: dict, state: tuple[torch.Tensor, ...] | None) -> dict:
 
 
 def chunkwise_backward(
-    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    state: tuple[torch.Tensor, ...] | None, do: torch.Tensor, d_state: tuple[torch.Tensor, ...] | None,
-    saved: dict[str, torch.Tensor], chunk_size: int = 64, precision: str = "auto", block_k: int = 64, block_v: int = 128,
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    scale: float, state: tuple[torch.Tensor, ...] | None, do: torch.Tensor,
+    d_state: tuple[torch.Tensor, ...] | None, saved: dict[str, torch.Tensor],
+    chunk_size: int = 64, precision: str = "auto", block_k: int = 64, block_v: int = 128,
     num_warps: int = 4, num_stages: int = 2, **ignored,
 ) -> dict:
     """Gradients of the chunkwise form (kernels/_gated.py, "Backward"); o is not needed."""
@@ -58,9 +59,9 @@ def chunkwise_backward(
 
 
 def recurrent_backward(
-    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, scale: float,
-    state: tuple[torch.Tensor, ...] | None, do: torch.Tensor, d_state: tuple[torch.Tensor, ...] | None,
-    saved: dict[str, torch.Tensor], **ignored,
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    scale: float, state: tuple[torch.Tensor, ...] | None, do: torch.Tensor,
+    d_state: tuple[torch.Tensor, ...] | None, saved: dict[str, torch.Tensor], **ignored,
 ) -> dict:
     """Gradients of the recurrent form (kernels/_gated.py, "Backward"): saved holds the forward's
     checkpoints; o is not needed."""

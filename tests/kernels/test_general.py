@@ -1,6 +1,7 @@
 """general kernels (kernels/general.py, kernels/_gated.py) beyond the generic test: each gate
 present or absent, strong value gates, T=1, V=100 (two value blocks, the second partial), and
-gla as the key-gate-only special case. CPU (Triton interpreter), fp16 and fp32."""
+gla as the key-gate-only special case; and the backward's gradients against the float64 oracle's in
+the same cases. CPU (Triton interpreter), fp16 and fp32."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from kernel_checks import check_stateful_kernel
+from test_gla import check_gradients  # the same check, by formulation name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -73,3 +75,67 @@ def test_gla_is_general_with_only_a_key_gate():
     o_general, s_general = kernel("general", "chunkwise")(**x, return_state=True)
     o_gla, s_gla = kernel("gla", "chunkwise")(q=x["q"], k=x["k"], v=x["v"], g=x["gk"], return_state=True)
     assert torch.equal(o_general, o_gla) and torch.equal(s_general, s_gla)
+
+
+# --- backward (kernels/_gated.py, "Backward") ---------------------------------------------------------------
+
+
+def _with_state(x: dict, seed: int = 40) -> dict:
+    """x with an initial state the recurrence can reach: the final state of another draw."""
+    B, T, H, K = x["q"].shape
+    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
+    final = attnlab.oracle("general", "chunkwise", "float64")(**other, return_state=True)[1]
+    return {**x, "initial_state": final.float()}
+
+
+def _strong(x: dict, seed: int) -> dict:
+    """exp(-20) per step at random steps of both gates and on every other value channel."""
+    gen = torch.Generator().manual_seed(seed)
+    for name in ("gk", "gv"):
+        strong = torch.rand(x[name].shape, generator=gen, dtype=torch.float64) < 0.3
+        if name == "gv":
+            strong[..., 1::2] = True
+        x[name] = torch.where(strong, torch.full_like(x[name], -20.0), x[name])
+    return x
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("gates", ["gk", "gv", ""], ids=["only-gk", "only-gv", "no-gate"])
+def test_gradients_with_each_gate_absent(gates, form):
+    """Three chunks of 16, the last partial; no gradient is returned for an absent gate."""
+    check_gradients("general", form, _with_state(_sample(T=36, seed=41, gates=gates)), torch.float16,
+                    **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_across_chunks_with_strong_gates(form, dtype):
+    """T = 50 (four chunks of 16, the last partial), both gates with exp(-20) steps, an initial state and
+    both cotangents: dgk and dgv summed directly, every exponent <= 0."""
+    x = _with_state(_strong(_sample(T=50, seed=42), seed=43))
+    check_gradients("general", form, x, dtype, **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_at_one_position(form):
+    check_gradients("general", form, _with_state(_sample(T=1, seed=44)), torch.float32)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_odd_head_dims(form):
+    """K = 20, V = 24 with both gates: masked tiles on both sides of the state."""
+    check_gradients("general", form, _with_state(_sample(T=21, K=20, V=24, seed=45)), torch.float16)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_gradients_of_the_final_state_alone(form):
+    """do = 0: every gradient, the gates' included, comes from the final state's cotangent."""
+    check_gradients("general", form, _with_state(_sample(T=37, seed=46)), torch.float16, with_do=False,
+                    **({"chunk_size": 16} if form == "chunkwise" else {}))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "input"])
+def test_gradients_with_fp16_and_input_operands(precision):
+    """The two modes that round fp32 operands hardest (the backward runs "fp16" as "split"), both gates."""
+    check_gradients("general", "chunkwise", _with_state(_strong(_sample(T=34, seed=47), seed=48)), torch.float16,
+                    precision=precision, chunk_size=16)

@@ -164,8 +164,8 @@ def _with_state(x: dict, seed: int = 20) -> dict:
 @pytest.mark.parametrize("form", FORMS)
 def test_gradients_across_chunks_and_segments(form, dtype):
     """T = 70: five chunks of 16, the last partial (chunkwise); two replay segments of the recurrent backward,
-    the second partial; an initial state and both cotangents, H = 2."""
-    x = _with_state(_sample(T=70, H=2, seed=21))
+    the second partial; an initial state and both cotangents."""
+    x = _with_state(_sample(T=70, seed=21))
     check_gradients("gla", form, x, dtype, **({"chunk_size": 16} if form == "chunkwise" else {}))
 
 
@@ -182,9 +182,10 @@ def test_gradients_of_odd_head_dims(form):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_gradients_of_head_dims_over_one_tile(form):
-    """K = 100, V = 72 in blocks of 32: the backward's loops over K and V blocks and its per-block parts."""
-    opts = {"chunk_size": 16, "block_k": 32, "block_v": 32} if form == "chunkwise" else {}
-    check_gradients("gla", form, _sample(T=18, K=100, V=72, seed=24), torch.float16, **opts)
+    """K = 40, V = 48 in blocks of 16 (chunkwise; the recurrent backward's V tiles are 32): the loops over
+    K and V blocks, partial last blocks, and the per-V-block parts of dq, dk and dg."""
+    opts = {"chunk_size": 16, "block_k": 16, "block_v": 16} if form == "chunkwise" else {}
+    check_gradients("gla", form, _sample(T=12, K=40, V=48, seed=24), torch.float16, **opts)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -213,10 +214,16 @@ def test_gradients_of_the_output_alone(form):
                     **({"chunk_size": 16} if form == "chunkwise" else {}))
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
 @pytest.mark.parametrize("precision", ["auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input"])
-def test_gradients_in_every_precision_mode_and_chunk_size(precision, chunk_size):
-    """The backward runs "fp16" as "split" (it keeps h, dh, A and dA in fp32); the interpreter computes
-    tf32/tf32x3/ieee dots exactly in fp32."""
-    check_gradients("gla", "chunkwise", _with_state(_sample(T=45, seed=29)), torch.float16,
-                    precision=precision, chunk_size=chunk_size)
+def test_gradients_in_every_precision_mode(precision):
+    """Three chunks of 16, the last partial. The backward runs "fp16" as "split" (it keeps h, dh, A and dA
+    in fp32); the interpreter computes tf32/tf32x3/ieee dots exactly in fp32."""
+    check_gradients("gla", "chunkwise", _with_state(_sample(T=33, seed=29)), torch.float16,
+                    precision=precision, chunk_size=16)
+
+
+@pytest.mark.parametrize("chunk_size", [32, 64])
+def test_gradients_in_chunks_of_32_and_64(chunk_size):
+    """Two chunks, the second partial: the levels of the larger chunks."""
+    check_gradients("gla", "chunkwise", _with_state(_sample(T=chunk_size + 13, seed=30)), torch.float32,
+                    chunk_size=chunk_size)
