@@ -124,9 +124,9 @@ Chunkwise launches: the chunk states h (the forward's kernel, again), the state 
 on (do, v, gv)), then dq, dk, dgk (per K block) and dv, dgv (per V block), parallel over chunks.
 The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
 a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
-backward keeps h, dh, A and dA in fp32 and runs "fp16" as "split" (the stored scaled fp16 tiles
-are the forward's); o for dgv is recomputed in fp32 (the returned o is rounded, and do * o is
-what the value gate's gradient sums).
+backward keeps h, dh, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"; its
+own kernels take every mode as the forward's do); o for dgv is recomputed in fp32 (the returned o
+is rounded, and do * o is what the value gate's gradient sums).
 
 Recurrent backward: dgk_t = sum_v dS_t * D_t * S_{t-1} needs the forward's states in reverse order.
 The forward (with ``saved``) stores the state every RECURRENT_SEGMENT steps (B H T K V / 64 floats);
@@ -1203,9 +1203,11 @@ def chunkwise_backward(
     levels = BT.bit_length() - 1
     BC = min(16, BT)
     DT = triton_dtype(q.dtype)
-    # The scaled-fp16 storage of "fp16" is the forward's; the backward keeps h, dh, A, dA in fp32 and
-    # splits the fp32 operands (an accuracy at or above "fp16"'s, at up to three dots per product).
-    precision = _resolve_precision("split" if precision == "fp16" else precision, DT)
+    precision = _resolve_precision(precision, DT)
+    # h, dh, A and dA stay in fp32: the forward's kernels that recompute h and A run "fp16" as "split"
+    # (with "fp16" they would store scaled fp16 tiles); the backward's own kernels take the mode as is.
+    recompute = dict(PRECISION="split" if precision == "fp16" else precision, DT=DT, num_warps=num_warps,
+                     num_stages=num_stages)
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
     gk_arg = gk if gk is not None else q  # never read when absent
@@ -1220,7 +1222,7 @@ def chunkwise_backward(
     dv = torch.empty_like(v)
     dgk = torch.empty_like(gk) if gk is not None else None
     dgv = torch.empty_like(gv) if gv is not None else None
-    unused = torch.empty((1,), **f32)  # the scale buffers of "fp16", which the backward does not use
+    unused = torch.empty((1,), **f32)  # the scale buffers of stored "fp16" tiles, which the backward does not use
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     flags = dict(PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
     gates = dict(HAS_GK=gk is not None, HAS_GV=gv is not None)
@@ -1229,7 +1231,7 @@ def chunkwise_backward(
     _chunk_states_kernel[(NK * NV * B * H,)](
         k, v, gk_arg, gv_arg, h, unused, unused, state[0] if state is not None else h, h, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_INITIAL=state is not None, STORE_FINAL=False,
-        **gates, **flags,
+        **gates, **recompute,
     )
     _chunk_state_grads_kernel[(NK * NV * B * H,)](
         q, do, gk_arg, gv_arg, dh, d_state[0] if d_state is not None else dh,
@@ -1237,7 +1239,7 @@ def chunkwise_backward(
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=state is not None,
         **gates, **flags,
     )
-    scores = dict(BT=BT, BC=BC, LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **flags)
+    scores = dict(BT=BT, BC=BC, LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **recompute)
     _chunk_scores_kernel[(NT * B * H,)](
         q, k, gk_arg, A, unused, T, H, NT, K=K, BK=BK, HAS_GK=gk is not None, **scores,
     )

@@ -136,6 +136,6 @@ def test_gradients_of_the_final_state_alone(form):
 
 @pytest.mark.parametrize("precision", ["fp16", "input"])
 def test_gradients_with_fp16_and_input_operands(precision):
-    """The two modes that round fp32 operands hardest (the backward runs "fp16" as "split"), both gates."""
+    """The two modes that round fp32 operands hardest, both gates with exp(-20) steps."""
     check_gradients("general", "chunkwise", _with_state(_strong(_sample(T=34, seed=47), seed=48)), torch.float16,
                     precision=precision, chunk_size=16)

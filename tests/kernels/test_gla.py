@@ -216,8 +216,8 @@ def test_gradients_of_the_output_alone(form):
 
 @pytest.mark.parametrize("precision", ["auto", "fp16", "split", "tf32x3", "tf32", "ieee", "input"])
 def test_gradients_in_every_precision_mode(precision):
-    """Three chunks of 16, the last partial. The backward runs "fp16" as "split" (it keeps h, dh, A and dA
-    in fp32); the interpreter computes tf32/tf32x3/ieee dots exactly in fp32."""
+    """Three chunks of 16, the last partial. "fp16" runs its power-of-two scaled fp16 dots in the backward's
+    own kernels; the interpreter computes tf32/tf32x3/ieee dots exactly in fp32."""
     check_gradients("gla", "chunkwise", _with_state(_sample(T=33, seed=29)), torch.float16,
                     precision=precision, chunk_size=16)
 
