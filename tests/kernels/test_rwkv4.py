@@ -389,3 +389,19 @@ def test_gradient_identities_key_shift_and_causality(form):
     dk, dv = torch.autograd.grad((o * do).sum(), [k, v])
     assert not bool(dk[:, 25:].any()) and not bool(dv[:, 25:].any())
     assert dk.sum(1).abs().max() <= 16 * unit_roundoff(torch.float32) * dk.abs().sum(1).max()
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_saving_for_the_backward_leaves_the_forward_bit_identical(form):
+    """The forward called with ``saved`` (as attnlab.kernel does when gradients are needed) writes the same o and
+    final state, and saves log D_t: finite with keys near 40, and at least u + k_t (D_t holds that term)."""
+    x = _inputs(torch.float16, T=37, B=2, seed=9, shift=40.0)
+    run = getattr(rwkv4_kernels, form)
+    o, final = run(**x, return_state=True)
+    saved: dict = {}
+    o_saving, final_saving = run(**x, return_state=True, saved=saved)
+    assert torch.equal(o, o_saving) and all(torch.equal(s, t) for s, t in zip(final, final_saving))
+    assert set(saved) == {"log_denominator", "output_residual", "final_steps", "final_state"}
+    log_den = saved["log_denominator"]
+    assert bool(torch.isfinite(log_den).all())
+    assert bool((log_den >= (x["u"].float() + x["k"].float()) - 1e-5 * log_den.abs()).all())
