@@ -247,7 +247,13 @@ def _aft_fwd_kernel(
     # (-inf, with empty sums, when no key was factorized).
     # Key 0, visible to every row, is the channel reference of the exact path.
     k_ref = tl.load(k_ptr + base + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    running_max = row_ref[:, None] + (col_ref - k_ref)[None, :]
+    col_shift, col_shift_err = _two_sum(col_ref, -k_ref)
+    running_max, running_max_err = _two_sum(row_ref[:, None], col_shift[None, :])
+    # running_max is R_t + R_d - k_ref rounded; rescaling by the exp of what the rounding dropped makes the sums
+    # relative to exactly exp(running_max), as lse (below) and the exact path take them.
+    dropped = tl.where(running_max > -float("inf"), running_max_err + col_shift_err[None, :], 0.0)
+    num *= tl.exp(dropped)
+    den *= tl.exp(dropped)
     # Entries whose factorized den fell below the floor are recomputed exactly,
     # entry by entry: den_td depends only on the factorized keys, which are all
     # at or before row t when causal, so the choice is causal too.
