@@ -6,7 +6,7 @@ with g [H] a per-head log decay (g <= 0). Conventions: q, k [B, T, H, K],
 v and o [B, T, H, V], g [H], one dtype (fp16, bf16 or fp32); the state
 S [B, H, K, V] is fp32 in and out; o is returned in the input dtype.
 
-Both kernels run on a grid of (V blocks, B*H): a program owns one V block of
+Both forward kernels run on a grid of (V blocks, B*H): a program owns one V block of
 one head's state in fp32 registers and loops over time. At the reference
 shape (B=8, H=16, K=V=128, 64-row chunks) the fused chunkwise pass does about
 6 MFLOP of tensor-core work per 64 KiB of q, k, v, o traffic and chunk (two
@@ -25,8 +25,8 @@ chunk, g per token) is keep * S + change * S (``decay_factors``): near x = 0
 S + expm1(x) S, because exp(x) rounded to fp32 next to 1 (g = log(1 - 2^-20)
 for RetNet's last heads) would bias S by 2^-25 per step, 5e-4 relative after
 16384 steps; below x = -0.5 exp(x) S, because 1 + expm1(x) would lose a small
-exp(x) (exp(-20) is below fp32's spacing at 1, and the decayed terms are all
-dg is made of there).
+exp(x) (exp(-20) is below fp32's spacing at 1, and at such decays dg is made of
+the decayed terms alone).
 
 Backward (``BACKWARD``). With D_t the cotangent of S_t (dS_T that of the final
 state, 0 when no loss reads it), the dual recurrence runs backward in time:
@@ -39,9 +39,10 @@ state, 0 when no loss reads it), the dual recurrence runs backward in time:
 dg is the one gate gradient: g is constant in time, so it is the sum of the
 per-step gate gradients. The usual arrangement, sum_t t (q_t.dq_t - k_t.dk_t)
 plus state terms (a reverse cumulative sum of per-step gradients), weights
-terms of both signs by up to T and cancels catastrophically for long T; here
-every term is weighted by the decay steps it spans, a weight >= 0, so the sum
-cancels no more than its terms do.
+terms of both signs by their positions, up to T, where the pairs they stand for
+span only about 1/|g| steps: it cancels by a factor near T |g| (2^11 at
+T = 4096, g = -0.5). Here every term is weighted by the decay steps it spans,
+a weight >= 0, so the sum cancels no more than its terms do.
 
 - ``recurrent_backward``: a forward sweep recomputing S_t with its tangent
   M_t = dS_t/dg = exp(g) (M_{t-1} + S_{t-1}), giving dq_t and
@@ -63,8 +64,9 @@ cancels no more than its terms do.
   The forward saves the state entering each chunk, S_c, in fp32 (one store
   per chunk of the state it already holds; B*H*chunks*K*V*4 bytes, 512 MiB at
   the reference shape) rather than the backward recomputing it: a recompute
-  would write the same states and read k and v again. fp32, not the input
-  dtype as fla keeps them, because the split dots need the state's low bits.
+  would write the same states and read k and v again (fla's chunk_simple_gla
+  recomputes them, in fp32 too). The cotangents dS_{c+1} are written in fp32
+  as well: the split dots read both states' low bits.
 
 ``precision`` and the fp32-operand dots are linear_attn's (kernels/_numerics.py,
 ``dot_f32_lowp`` and ``dot_lowp_f32``): "split" (default) carries the fp32 score
