@@ -65,6 +65,48 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 - fp32 inputs use fp32 operands with input_precision="ieee" (exact
   products); precision has no effect there.
 
+Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
+softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
+causal) and lse_td = log sum_s exp(w_ts + k_sd),
+
+    dv_sd = sum_t P_tsd do_td
+    dk_sd = sum_t P_tsd do_td (v_sd - o_td)          (so sum_s dk_sd = 0: a shift of k changes nothing)
+    dw_ts = sum_{b,h,d} P_tsd do_td (v_sd - o_td)    (w is shared by batch and heads)
+
+Per (query block, key block) tile P factorizes as in the forward:
+P = A_ts E_sd F_td with A = exp(w - m_t), E = exp(k - m_d) (block maxima,
+both in [0, 1]) and F = exp(m_t + m_d - lse_td), so with G = do * F every
+sum is two matrix products: dv = E * (A^T G), dk = E * (v * (A^T G) -
+A^T (G * o)), dw = A * sum_{b,h} (G (E * v)^T - (G * o) E^T). Two kernels,
+no atomics: one program per (key block, b * h, channel block) loops over
+query blocks for dk and dv; one per (query block, key block) loops over b, h
+and channel blocks for dw, its fp32 sum in a fixed order (deterministic).
+Dot operands are those of the forward ("precision": fp16 operands scaled by
+powers of two, split for fp16 inputs; fp32 with "ieee").
+
+- F's exponent is small but made of large numbers (|lse| a few units, ~200
+  for shifted keys): m_t + m_d - lse is summed with TwoSum (and lse's
+  residual, below), so it is rounded once, at its own size.
+- F is bounded by 1 / DEN_FLOOR: where m_t + m_d - lse passes
+  log(1 / DEN_FLOOR) in a tile (the maxima of w and k at different keys,
+  as in the forward's fallback) the tile is summed one key at a time with
+  each P entry exact, exp(w + k - lse) <= 1. So are, in fp32 only, the
+  causal diagonal tiles, where v_s - o_t is small and the factorized
+  difference cancels (fp32 excess 4-5 without; the 16-bit floors hide it).
+- T = 1 returns dv = do, dw = dk = 0 exactly (one key of weight 1).
+
+Saved vs recomputed. The forward saves, per (b, t, h, d), "lse" in fp32 (a
+softmax's row statistic, here per channel: the factorization cannot give it
+back without a second forward), and the rounding residual of one more value:
+o's (16-bit inputs, in the input dtype: o + residual is o to ~twice its
+bits, which v - o needs where one key dominates a weight: fp16 excess 3.4 ->
+1.0 with spread-8 inputs) or lse's (fp32 inputs, in fp32: at |lse| = 100
+lse's own rounding moves every weight by 50 u). o is not saved (the wrapper
+passes it); A, E, F and P are recomputed in the backward, which costs
+per tile BLOCK_Q * (BLOCK_K + BLOCK_D) exps in the dk/dv kernel and
+BLOCK_D * (BLOCK_Q + BLOCK_K) in the dw kernel, against the forward's
+BLOCK_K * (BLOCK_Q + BLOCK_D).
+
 Measurements behind these choices (emulated excess): reports/bench.md,
 "Design history moved from the kernel docstrings".
 """
@@ -163,7 +205,8 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
 def _aft_fwd_kernel(
     w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
     T, H, D, den_floor,
-    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -369,32 +412,40 @@ def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.co
 
 
 @triton.jit
-def _aft_tile_logs(w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride,
-                   CAUSAL: tl.constexpr):
-    """One (query block, key block, channel block) tile's factorized logs: w masked to -inf where not visible,
-    the row references m_t (0 for rows that see no key), the key tile, the channel references m_d, and
-    log_factor_td = m_t + m_d - lse_td (-inf for rows or channels outside the tile or seeing no key)."""
-    row_in = offs_t < T
-    key_in = offs_s < T
-    d_in = offs_d < D
-    visible = row_in[:, None] & key_in[None, :]
+def _bias_tile(w_ptr, offs_t, offs_s, T, CAUSAL: tl.constexpr):
+    """A (query block, key block) tile of w, -inf where a key is not visible, and its row references m_t
+    (max over the tile's visible keys; 0 for rows that see none, whose A row is then 0)."""
+    visible = (offs_t[:, None] < T) & (offs_s[None, :] < T)
     if CAUSAL:
         visible = visible & (offs_s[None, :] <= offs_t[:, None])
     w = tl.load(w_ptr + offs_t[:, None] * T + offs_s[None, :], mask=visible, other=0.0).to(tl.float32)
     w = tl.where(visible, w, -float("inf"))
-    k = tl.load(k_ptr + base + offs_s[:, None] * row_stride + offs_d[None, :],
-                mask=key_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)
     row_max = tl.max(w, 1)
     sees_a_key = row_max > -float("inf")
-    row_ref = tl.where(sees_a_key, row_max, 0.0)
-    col_ref = tl.max(tl.where(key_in[:, None], k, -float("inf")), 0)  # finite: every key block starts inside T
-    # m_t + m_d - lse_td is a small number made of large ones (|lse| is a few units): summed with TwoSum, its
-    # error is that of the result rather than of lse's magnitude, for every entry of P it scales.
+    return w, tl.where(sees_a_key, row_max, 0.0), sees_a_key
+
+
+@triton.jit
+def _key_tile(k_ptr, base, offs_s, offs_d, T, D, row_stride):
+    """A (key block, channel block) tile of k and E = exp(k - m_d), m_d its channel references (max over the
+    block's keys, finite: every key block starts inside T); E is 0 for keys past T."""
+    key_in = offs_s < T
+    k = tl.load(k_ptr + base + offs_s[:, None] * row_stride + offs_d[None, :],
+                mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    col_ref = tl.max(tl.where(key_in[:, None], k, -float("inf")), 0)
+    return col_ref, tl.where(key_in[:, None], tl.exp(k - col_ref[None, :]), 0.0)
+
+
+@triton.jit
+def _log_factor(row_ref, sees_a_key, col_ref, lse, lse_residual, d_in):
+    """log F_td = m_t + m_d - lse_td, -inf for rows that see no key and channels past D.
+
+    A small number made of large ones (|lse| is a few units, far more for shifted keys): summed with TwoSum,
+    its error is that of the result rather than of lse's magnitude, for every entry of P it scales."""
     refs, refs_err = _two_sum(row_ref[:, None], col_ref[None, :])
     log_factor, log_factor_err = _two_sum(refs, -lse)
     log_factor += refs_err + log_factor_err - lse_residual
-    log_factor = tl.where(sees_a_key[:, None] & d_in[None, :], log_factor, -float("inf"))
-    return w, row_ref, k, col_ref, log_factor
+    return tl.where(sees_a_key[:, None] & d_in[None, :], log_factor, -float("inf"))
 
 
 @triton.jit
@@ -461,6 +512,7 @@ def _aft_bwd_dkdv_kernel(
     kv_in = (offs_s[:, None] < T) & (offs_d[None, :] < D)
     kv_offsets = base + offs_s[:, None] * row_stride + offs_d[None, :]
     v = tl.load(v_ptr + kv_offsets, mask=kv_in, other=0.0).to(tl.float32)
+    col_ref, e = _key_tile(k_ptr, base, offs_s, offs_d, T, D, row_stride)
     dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
     dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
 
@@ -473,19 +525,18 @@ def _aft_bwd_dkdv_kernel(
         do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
         o = _load_o(o_ptr, o_residual_ptr, td_offsets, td_in, HALF_OPERANDS)
         lse, lse_residual = _load_lse(lse_ptr, lse_residual_ptr, td_offsets, td_in, not HALF_OPERANDS)
-        w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
-            w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+        w, row_ref, sees_a_key = _bias_tile(w_ptr, offs_t, offs_s, T, CAUSAL)
+        log_factor = _log_factor(row_ref, sees_a_key, col_ref, lse, lse_residual, offs_d < D)
         exact = tl.max(log_factor) > log_factor_limit  # the shifted exps would be too small to carry P
         if EXACT_DIAGONAL:
             # Near the diagonal o_t is an average of few values, close to v_s: v * (A^T G) - A^T (G * o)
             # cancels there, where the per-key sum of P do (v - o) does not.
             exact = exact | (start < (pid_s + 1) * BLOCK_K - 1)
         if exact:
-            # One key at a time, exact.
-            for i in range(BLOCK_K):
+            for i in range(BLOCK_K):  # one key at a time, each P entry exact
                 key = pid_s * BLOCK_K + i
-                p_do = _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D, row_stride,
-                                        CAUSAL) * do
+                p_do = do * _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D,
+                                             row_stride, CAUSAL)
                 v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
                                 other=0.0).to(tl.float32)
                 is_key = (offs_s == key)[:, None]
@@ -497,11 +548,10 @@ def _aft_bwd_dkdv_kernel(
             g_scale, g_unscale = _operand_scale(tl.max(tl.abs(g), 0), HALF_OPERANDS)
             go = g * o
             go_scale, go_unscale = _operand_scale(tl.max(tl.abs(go), 0), HALF_OPERANDS)
-            a_scale, a_unscale = _operand_scale(tl.full([BLOCK_K], 1.0, tl.float32), HALF_OPERANDS)
+            a_scale, a_unscale = _operand_scale(tl.full([BLOCK_K], 1.0, tl.float32), HALF_OPERANDS)  # A <= 1
             a_t = tl.trans(a) * a_scale[:, None]
             x = _scaled_product(a_t, a_unscale, g * g_scale[None, :], g_unscale, SPLIT, OP_DTYPE, DOT_PRECISION)
             y = _scaled_product(a_t, a_unscale, go * go_scale[None, :], go_unscale, SPLIT, OP_DTYPE, DOT_PRECISION)
-            e = tl.exp(k - col_ref[None, :])
             dv += e * x
             dk += e * (v * x - y)
     tl.store(dv_ptr + kv_offsets, dv.to(dv_ptr.dtype.element_ty), mask=kv_in)
@@ -531,6 +581,8 @@ def _aft_bwd_dw_kernel(
             n_heads = 0  # every key after every query: dw is zero
     # As for dk: near the diagonal G @ (E * v)^T - (G * o) @ E^T cancels, the per-key sum does not.
     on_diagonal = EXACT_DIAGONAL and (pid_t * BLOCK_Q < (pid_s + 1) * BLOCK_K - 1)
+    w, row_ref, sees_a_key = _bias_tile(w_ptr, offs_t, offs_s, T, CAUSAL)
+    a = tl.exp(w - row_ref[:, None])  # [0, 1]; 0 where not visible
     for bh in range(0, n_heads):
         base = (bh // H).to(tl.int64) * T * H * D + (bh % H) * D
         for d_start in range(0, D, BLOCK_D):
@@ -540,13 +592,13 @@ def _aft_bwd_dw_kernel(
             do = tl.load(do_ptr + td_offsets, mask=td_in, other=0.0).to(tl.float32)
             o = _load_o(o_ptr, o_residual_ptr, td_offsets, td_in, HALF_OPERANDS)
             lse, lse_residual = _load_lse(lse_ptr, lse_residual_ptr, td_offsets, td_in, not HALF_OPERANDS)
-            w, row_ref, k, col_ref, log_factor = _aft_tile_logs(
-                w_ptr, k_ptr, lse, lse_residual, base, offs_t, offs_s, offs_d, T, D, row_stride, CAUSAL)
+            col_ref, e = _key_tile(k_ptr, base, offs_s, offs_d, T, D, row_stride)
+            log_factor = _log_factor(row_ref, sees_a_key, col_ref, lse, lse_residual, offs_d < D)
             if on_diagonal or (tl.max(log_factor) > log_factor_limit):
                 for i in range(BLOCK_K):
                     key = pid_s * BLOCK_K + i
-                    p_do = _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D, row_stride,
-                                            CAUSAL) * do
+                    p_do = do * _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D,
+                                                 row_stride, CAUSAL)
                     v_key = tl.load(v_ptr + base + key * row_stride + offs_d, mask=(offs_d < D) & (key < T),
                                     other=0.0).to(tl.float32)
                     column = tl.sum(p_do * (v_key[None, :] - o), 1)
@@ -554,7 +606,6 @@ def _aft_bwd_dw_kernel(
             else:
                 v = tl.load(v_ptr + base + offs_s[:, None] * row_stride + offs_d[None, :],
                             mask=(offs_s[:, None] < T) & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-                e = tl.where(offs_s[:, None] < T, tl.exp(k - col_ref[None, :]), 0.0)
                 ev = e * v
                 g = do * tl.exp(log_factor)
                 go = g * o
@@ -566,7 +617,6 @@ def _aft_bwd_dw_kernel(
                                      SPLIT, OP_DTYPE, DOT_PRECISION)
                 gov = _scaled_product(go * go_scale[:, None], go_unscale, tl.trans(e * e_scale[:, None]), e_unscale,
                                       SPLIT, OP_DTYPE, DOT_PRECISION)
-                a = tl.exp(w - row_ref[:, None])
                 dw += a * (gv - gov)
     ts_in = (offs_t[:, None] < T) & (offs_s[None, :] < T)
     tl.store(dw_ptr + offs_t[:, None] * T + offs_s[None, :], dw.to(dw_ptr.dtype.element_ty), mask=ts_in)
@@ -610,11 +660,14 @@ def chunkwise_backward(
         num_warps=num_warps, num_stages=num_stages,
     )
     limit = LOG_FACTOR_LIMIT[half_operands]
+    # The pointers of what a dtype did not save are never read (constexpr branches): any tensor stands in.
     o_residual = saved.get("o_residual", o)
-    exact_diagonal = causal and not half_operands  # fp32: its floor is below what the cancellation leaves
     lse_residual = saved.get("lse_residual", saved["lse"])
+    # fp32's floor is below what the factorized sums' cancellation near the diagonal leaves (excess 4-5 measured).
+    exact_diagonal = causal and not half_operands
     _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, BLOCK_D))](
-        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit, EXACT_DIAGONAL=exact_diagonal, **common)
+        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit,
+        EXACT_DIAGONAL=exact_diagonal, **common)
     _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
         w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit, EXACT_DIAGONAL=exact_diagonal,
         **common)
