@@ -189,11 +189,13 @@ def test_backward_single_step_from_a_state(form):
     _gradients(x, torch.float32, form)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("chunk_size", [16, 32, 64, 128])
-def test_backward_chunk_sizes_and_partial_chunks(chunk_size):
-    """T=45: a partial last chunk at every size (one partial chunk at 64 and 128); the state crosses chunks."""
+def test_backward_chunk_sizes_and_partial_chunks(chunk_size, dtype):
+    """T=45: a partial last chunk at every size (one partial chunk at 64 and 128); the state crosses chunks.
+    fp32 without a final-state cotangent: dv within a chunk is a long sum (blocked_dot_f32)."""
     x = {**_sample(T=45), "initial_state": _state(2, 16, 16, seed=4)}
-    _gradients(x, torch.float16, "chunkwise", chunk_size=chunk_size)
+    _gradients(x, dtype, "chunkwise", cotangents="both" if dtype == torch.float16 else "do", chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -238,14 +240,13 @@ def test_backward_identity_map_normalized(form):
     _gradients(x, torch.float32, form, {"feature_map": "identity"})
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["plain", "state"])
 @pytest.mark.parametrize("cotangents", ["do", "state"])
 @pytest.mark.parametrize("form", FORMS)
-def test_backward_one_cotangent(form, cotangents):
+def test_backward_one_cotangent(form, cotangents, stateful):
     """do alone (no loss reads the final state) and the final state's cotangent alone (do = 0)."""
-    x = {**_sample(T=37), "initial_state": _state(2, 16, 16, seed=8)}
-    opts = {"chunk_size": 16} if form == "chunkwise" else {}
-    _gradients(x, torch.float16, form, cotangents=cotangents, **opts)
-    _gradients(_sample(T=37), torch.float16, form, cotangents=cotangents, **opts)
+    x = {**_sample(T=37), **({"initial_state": _state(2, 16, 16, seed=8)} if stateful else {})}
+    _gradients(x, torch.float16, form, cotangents=cotangents, **({"chunk_size": 16} if form == "chunkwise" else {}))
 
 
 @pytest.mark.parametrize("form", FORMS)
