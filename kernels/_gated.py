@@ -125,14 +125,15 @@ on (do, v, gv)), then dq, dk, dgk (per K block) and dv, dgv (per V block), paral
 The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
 a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
 backward keeps h, dh, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"; its
-own kernels take every mode as the forward's do); o for dgv is recomputed in fp32 (the returned o
-is rounded, and do * o is what the value gate's gradient sums).
+own kernels take every mode as the forward's do); o's inter and level terms, which dgv multiplies
+by do, are recomputed in fp32 (the returned o is rounded, and holds them only as a sum).
 
 Recurrent backward: dgk_t = sum_v dS_t * D_t * S_{t-1} needs the forward's states in reverse order.
 The forward (with ``saved``) stores the state every RECURRENT_SEGMENT steps (B H T K V / 64 floats);
 the backward walks the segments from the last, replays each one's states into a per-program
 scratch, then runs the dual recurrence backwards through it (dS += scale q_t do_t^T; dq_t, dk_t, dv_t,
-dgk_t, dgv_t; dS = D_t * dS). dq, dk and dgk sum over V blocks: one fp32 part per block, added after.
+dgk_t, dgv_t; dS = D_t * dS): each step's gate gradient is its own sum of products, no cumulative
+sum. dq, dk and dgk sum over V blocks: one fp32 part per block, added after.
 """
 
 from __future__ import annotations

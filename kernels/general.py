@@ -6,6 +6,12 @@ q, k, gk [B, T, H, K], v, gv [B, T, H, V]; gk and gv are log gates <= 0 and
 either may be None (no decay on that side); the state S [B, H, K, V] is
 fp32. Both forms run the shared kernels of ``kernels/_gated.py`` (its
 docstring states the algorithm, the numerics and the options).
+
+Both forms are differentiable (``BACKWARD``): every input's gradient, the
+gates' included, and the initial state's; the backward's math, what the
+forward saves (the recurrent form: a state checkpoint every 64 steps; the
+chunkwise form: nothing) and what it recomputes are in ``kernels/_gated.py``'s
+docstring, "Backward".
 """
 
 from __future__ import annotations

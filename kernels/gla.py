@@ -6,6 +6,12 @@ q, k, g [B, T, H, K] (g: log gates <= 0 per key channel), v [B, T, H, V];
 the state S [B, H, K, V] is fp32. gla is ``general`` with a key-side gate
 only, so both forms run the shared kernels of ``kernels/_gated.py`` (its
 docstring states the algorithm, the numerics and the options).
+
+Both forms are differentiable (``BACKWARD``): every input's gradient, the
+gates' included, and the initial state's; the backward's math, what the
+forward saves (the recurrent form: a state checkpoint every 64 steps; the
+chunkwise form: nothing) and what it recomputes are in ``kernels/_gated.py``'s
+docstring, "Backward".
 """
 
 from __future__ import annotations
