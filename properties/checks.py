@@ -758,6 +758,7 @@ class GradientRun:
     do: torch.Tensor
     grads: dict[str, Any] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)
+    missing_parts: dict[str, list[int]] = field(default_factory=dict)  # label -> the parts the backward gave None for
     error: str = ""
     refused: bool = False
     declined: bool = False
@@ -841,6 +842,7 @@ def _kernel_backward(target: Target, call: dict[str, Any], leaves: dict[str, tup
         collected.setdefault(label, []).append(g)
         if g is None:  # a problem unless the float64 gradient is exactly zero (an input the run does not use)
             run.problems[label] = f"the backward returned no gradient for {label[1:]} (None)"
+            run.missing_parts.setdefault(label, []).append(len(collected[label]) - 1)
             collected[label][-1] = torch.zeros_like(leaf)
         elif tuple(g.shape) != tuple(leaf.shape):
             run.problems[label] = f"{label} has shape {tuple(g.shape)}, expected {tuple(leaf.shape)}"
@@ -943,10 +945,12 @@ def gradient_run(target: Target, case: Case, dtype: torch.dtype, device: str = "
     reference = oracle_gradients(f, reference_x, reference_do, d_reference, chunk_size=ORACLE_CHUNK_SIZE)
     run.reference = {gradient_label(n): g for n, g in reference.items()}
     for label in list(run.problems):
-        unused = all(not bool(p.any()) for p in ((run.reference[label],) if isinstance(run.reference[label], torch.Tensor)
-                                                 else run.reference[label])) if label in run.reference else False
+        # A part without a gradient is fine where the reference is exactly zero (a state part the kernel's options
+        # leave unused, as linear attention's normalizer z without normalize), or one call of two does not use it.
+        parts = (run.reference[label],) if isinstance(run.reference.get(label), torch.Tensor) else run.reference.get(label)
+        unused = parts is not None and all(not bool(parts[i].any()) for i in run.missing_parts.get(label, ()))
         if "no gradient" in run.problems[label] and (unused or label in [gradient_label(n) for n in timeless]):
-            del run.problems[label]  # zero where the reference is zero, or one call of two that does not use it
+            del run.problems[label]
     from attnlab.gradients import gradient_dtypes
 
     run.dtypes = {gradient_label(n): d for n, d in gradient_dtypes(f, reference_x).items()}

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from attnlab.cli import main
-from attnlab.commands import campaign_report
-from attnlab.commands.campaign import (CampaignKernel, _worker_specs, library_for, plan_items, shipped_library,
+from attnlab.commands import campaign, campaign_report
+from attnlab.commands.campaign import (KILL_GRACE, CampaignKernel, _worker_specs, library_for, plan_items, shipped_library,
                                        shipped_targets)
 from attnlab.commands.validate import UsageError
 from attnlab.properties import suite
@@ -380,6 +380,30 @@ def test_a_campaign_cut_by_its_budget_says_which_items_did_not_run_and_why(tmp_p
     assert "not started: the campaign's budget of 0.001 s was spent" in summary["items"][0]["detail"]
     text = (tmp_path / "out" / "campaign.md").read_text()
     assert "| gla | `good` | float32 | not run |" in text and "the campaign's budget of 0.001 s was spent" in text
+
+
+def test_items_without_a_result_when_the_campaign_is_stopped_say_so_not_an_earlier_runs_reason(tmp_path: Path) -> None:
+    # Seen on the GPU: items killed at a resumed run's stop kept the earlier run's "not started" reason, and the
+    # progress printed that stale record as this run's finding.
+    def item(prop: str) -> dict:
+        return {"kernel": "gla.hangs", "dtype": "float32", "strategy": "default", "property": prop, "pass": "forward",
+                "key": f"gla.hangs/float32/default/{prop}"}
+
+    todo = [item("matches_oracle"), item("causality")]
+    (tmp_path / "results").mkdir()
+    earlier = {**todo[0], "status": "not run", "detail": "not started: an earlier run's reason",
+               "finished": "2020-01-01T00:00:00+0000"}
+    landed = {**todo[1], "status": "held", "finished": "2030-01-01T00:00:00+0000"}
+    (tmp_path / "results" / "seed.jsonl").write_text(json.dumps(earlier) + "\n")
+    (tmp_path / "results" / "gw0.jsonl").write_text(json.dumps(landed) + "\n")
+    since = "2026-01-01T00:00:00+0000"
+    assert campaign._follow(tmp_path, {i["key"] for i in todo}, set(), __import__("tqdm").tqdm(disable=True), since) \
+        == {todo[1]["key"]}
+    campaign.record_stopped(tmp_path, {"budget_s": 60, "item_budget_s": 15}, todo, since)
+    stored = results(tmp_path)
+    assert stored[todo[0]["key"]]["detail"].startswith(
+        f"stopped: no result when the campaign was stopped {60 + 15 + KILL_GRACE:g} s after its first item")
+    assert stored[todo[1]["key"]]["status"] == "held"
 
 
 def test_past_its_budget_an_item_judges_every_gradient_on_the_draws_of_the_first(tmp_path: Path) -> None:

@@ -295,6 +295,28 @@ def test_broken_backwards_are_caught_by_the_gradient_they_break(kernels: Any, dt
     assert detached.failed and _check(kernels, "good", "backward_split_and_resume", "dk", dtype).held
 
 
+def test_a_state_part_the_options_leave_unused_may_come_back_without_a_gradient() -> None:
+    # fla's linear attention without normalize carries S alone: the normalizer z of attnlab's (S, z) state gets no
+    # gradient and no final-state cotangent, and its exact gradient is zero. Seen on the GPU as a false failure.
+    ideal = rounded_oracle_target("linear_attn")
+
+    def s_only(*, initial_state=None, return_state=False, **x: Any) -> Any:
+        if initial_state is not None:
+            initial_state = (initial_state[0], initial_state[1].detach())
+        o, final = ideal.function(**x, initial_state=initial_state, return_state=True)
+        return (o, (final[0], None)) if return_state else o
+
+    target = function_target(s_only, "linear_attn", "s_only")
+    plain = Case(name="linear_attn", seed=4, **SMALL, options=(("feature_map", "elu1"), ("normalize", False)))
+    result = checks.BACKWARD_CHECKS["backward_matches_oracle"](target, plain, torch.float16, "cpu",
+                                                               gradient="dinitial_state")
+    assert result.held, result.message()
+    normalized = replace(plain, options=(("feature_map", "elu1"), ("normalize", True)))
+    missing = checks.BACKWARD_CHECKS["backward_matches_oracle"](target, normalized, torch.float16, "cpu",
+                                                                gradient="dinitial_state")
+    assert missing.failed and "returned no gradient for initial_state" in missing.detail  # z is read: a real miss
+
+
 def test_a_backward_that_raises_or_gives_a_bad_gradient_is_failed_with_its_message(kernels: Any) -> None:
     refused = _check(kernels, "refuses", "backward_matches_oracle", "dq")
     assert refused.failed and refused.measure == checks.BACKWARD_RAISED

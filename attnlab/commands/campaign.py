@@ -408,7 +408,7 @@ def run_item(plan: dict[str, Any], key: str) -> dict[str, Any]:
                 record.update(_property(plan, kernel, target, convention, item))
         except Exception as error:  # noqa: BLE001 - the harness's error is this item's result, never a lost item
             record.update(status="error", detail=f"{type(error).__name__}: {error}")
-    record.update(seconds=round(time.time() - started, 2), finished=time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime()))
+    record.update(seconds=round(time.time() - started, 2), finished=_utc_now())
     _append(plan, record)
     return record
 
@@ -466,9 +466,9 @@ def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs
     record (wall time, pytest's exit status, whether it was stopped at the budget)."""
     from tqdm import tqdm
 
-    started = time.time()
+    started, since = time.time(), _utc_now()  # a todo item may hold an earlier run's record: not this run's
     keys = {item["key"] for item in todo}
-    seen = {k for k in read_results(out) if k not in keys}  # results of earlier runs: not this run's progress
+    seen: set[str] = set()
     bar = tqdm(total=len(todo), desc="attnlab campaign", unit="item", disable=not progress, file=sys.stderr)
     env = {**os.environ, PLAN_ENV: str(out / PLAN_NAME)}
     with open(out / "pytest.log", "w") as log:
@@ -476,18 +476,38 @@ def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs
         killed = False
         while proc.poll() is None:
             time.sleep(1.0)
-            seen |= _follow(out, keys, seen, bar)
+            seen |= _follow(out, keys, seen, bar, since)
             if time.time() > plan["deadline"] + plan["item_budget_s"] + KILL_GRACE and not killed:
                 proc.terminate()
                 killed = True
-        seen |= _follow(out, keys, seen, bar)
+        seen |= _follow(out, keys, seen, bar, since)
     bar.close()
     return {"seconds": round(time.time() - started, 1), "pytest_exit": proc.returncode, "stopped": killed}
 
 
-def _follow(out: Path, keys: set[str], seen: set[str], bar: Any) -> set[str]:
-    """Report the results that landed since the last look; returns their keys."""
-    new = {k: r for k, r in read_results(out).items() if k in keys and k not in seen}
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+0000", time.gmtime())
+
+
+def record_stopped(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], since: str) -> None:
+    """A "not run" result, saying so, for every item of a run the controller stopped that has no result of that run
+    (finished ``since`` its start): running then, or never started (an earlier run's record of the item would
+    otherwise give a stale reason)."""
+    stored = read_results(out)
+    items = [item for item in todo if stored.get(item["key"], {}).get("finished", "") < since]
+    stop = plan["budget_s"] + plan["item_budget_s"] + KILL_GRACE
+    detail = (f"stopped: no result when the campaign was stopped {stop:g} s after its first item (its budget, one "
+              "item budget and a grace); it was still running or had not started")
+    with open(out / RESULTS_DIR / "stopped.jsonl", "a") as stopped:
+        stopped.writelines(json.dumps({**{k: v for k, v in item.items() if k not in ("replay", "judges")},
+                                       "status": "not run", "detail": detail, "finished": _utc_now()}) + "\n"
+                           for item in items)
+
+
+def _follow(out: Path, keys: set[str], seen: set[str], bar: Any, since: str) -> set[str]:
+    """Report this run's results that landed since the last look; returns their keys."""
+    new = {k: r for k, r in read_results(out).items()
+           if k in keys and k not in seen and r.get("finished", "") >= since}
     for record in new.values():
         for line in findings(record):
             bar.write(line)
@@ -702,9 +722,11 @@ def command(args: argparse.Namespace) -> int:
     for k in broken:
         print(f"ERROR: {k['id']} cannot be called: {k['error'][:300]}", flush=True)
     previous = json.loads((out / SUMMARY_NAME).read_text()).get("runs", []) if (out / SUMMARY_NAME).exists() and not args.fresh else []
-    run = {"items": len(todo), "workers": where, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    run = {"items": len(todo), "workers": where, "started": _utc_now()}
     if todo:
         run.update(run_items(out, plan, todo, specs, progress=not args.no_progress))
         record_crashes(out, plan)
+        if run["stopped"]:
+            record_stopped(out, plan, todo, run["started"])
     summarize(out, plan, [*previous, run])
     return render_and_say(out, args.report or out / REPORT_NAME, args.strict)
