@@ -56,28 +56,30 @@ state's (d_state, or zero):
 
 and the initial state's gradient is (dS_0, dz_0). dfq_t cancels: fq_t . dfq_t
 = 0 (o_t is a weighted mean of the values), its terms several times its size.
-So do_o must be do . o unrounded (o rounded to fp16 alone measured dq at 2x
-its rounding floor) and formed from the same quantities as S_t do_t, so that
-the cancellation holds in their rounding too; w multiplies the difference, and
-divides (1 / den then a product would round twice). Nothing is gated: no
-exponent appears but phi's and phi''s, exp(min(x, 0)).
+So do_o there must come from an unrounded o (o rounded to fp16 alone measured
+dq at 2x its rounding floor), formed from the same quantities as S_t do_t so
+that the cancellation holds in their rounding too; w multiplies the
+difference, and divides (1 / den then a product would round twice). dk's dz
+term uses do . o of the returned o (o carried to ~22 bits there measured dk 1.00,
+the fp16 o 1.01). Nothing is gated: no exponent appears but phi's and
+phi''s, exp(min(x, 0)).
 
-- ``chunkwise``: the forward saves, per head, S and z at every chunk's start
-  (fp32, [B, H, chunks, K, V] and [B, H, chunks, K]: the states it computes
-  anyway, written once, where recomputing them would read k and v again and
-  run another sequential pass), den per row (fp32) and, for 16-bit inputs,
-  o's rounding residual o_fp32 - o in the input dtype (o is never stored
-  twice: with o it carries o to ~22 bits in fp16). Then three launches:
-  do . (o + residual) per row; a reverse pass over chunks per (V block,
-  head) that writes dS, dz after every chunk and returns (dS_0, dz_0); and
-  every chunk in parallel ((chunk, head) programs, all of K, looping over V
-  blocks) for dq, dk, dv by the chunk's tiles (_chunk_gradients_kernel). That
-  last kernel forms do . num itself from its own tiles (do v^T, do S^T), the
-  consistent do_o of the cancellation above; the reverse pass's dz uses the
-  residual's. Dots take the forward's ``precision`` and ``feature_precision``
-  (do, v, k, q are exact input tiles; A, the states and their cotangents
-  fp32 operands), so "round" features differentiate the rounded features'
-  function (a speed setting: dq measured 2.2x its floor in fp16 at T=40).
+- ``chunkwise``: the forward saves, per head, S at every chunk's start (fp32
+  [B, H, chunks, K, V]: states it computes anyway, written once, where
+  recomputing them would read k and v again in another sequential pass; the
+  cost is memory, K V / C fp32 per token and head, 4x o's bf16 bytes at
+  K = V = 128, C = 64), and when normalized z at every chunk's start and den
+  per row (fp32). o is not saved (the wrapper passes it). Then three
+  launches: do . o per row (normalized); a reverse pass over chunks per (V
+  block, head) that writes dS, dz after every chunk and returns (dS_0, dz_0);
+  and every chunk in parallel ((chunk, head) programs, all of K, looping over
+  V blocks) for dq, dk, dv from the chunk's tiles (_chunk_gradients_kernel),
+  which forms do . num from its own tiles (do v^T, do S^T) for dq. Dots take
+  the forward's ``precision`` and ``feature_precision`` (do, v and the
+  identity's q, k are exact input tiles; A, elu1's features, the states and
+  their cotangents fp32 operands), so "round" features differentiate the
+  rounded features' function (a speed setting: dq measured 2.2x its floor in
+  fp16 at T=40, K=16).
 - ``recurrent``: saves nothing; two sequential sweeps per (V block, head),
   every sum in fp32 and compensated (Kahan: a running sum of T terms keeps
   ~1 rounding instead of ~sqrt(T), measured fp32 dq 5.2 -> 3.9, dS_0 5.0 ->
@@ -126,12 +128,12 @@ def elu1(x):
 def _chunkwise_kernel(
     q, k, v, o,
     initial_S, initial_z, final_S, final_z,
-    saved_den, saved_residual, chunk_S, chunk_z,
+    saved_den, chunk_S, chunk_z,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    SAVE: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
+    SAVE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: V block pid_v of head (b, h). Per chunk of rows i, j (features fq = phi(q), fk = phi(k)):
@@ -139,7 +141,7 @@ def _chunkwise_kernel(
     #   num = A v + fq S,   den = rowsum(A) + fq . z      (S, z: the state before the chunk)
     #   o   = num / den  (normalize)  or  scale * num
     #   S  += fk^T v,   z += colsum(fk)
-    # SAVE (for the backward): S and z at every chunk's start, den per row, and o's rounding residual.
+    # SAVE (for the backward): S at every chunk's start, and z and den per row when normalized.
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -211,10 +213,7 @@ def _chunkwise_kernel(
                 tl.store(saved_den + den_start + rows * H, denominator, mask=row_ok & (pid_v == 0))
         else:
             o_c = scale * numerator
-        o_rounded = o_c.to(o.dtype.element_ty)
-        tl.store(o + v_chunk + v_tile, o_rounded, mask=v_mask)
-        if SAVE_RESIDUAL:
-            tl.store(saved_residual + v_chunk + v_tile, (o_c - o_rounded.to(tl.float32)).to(dtype), mask=v_mask)
+        tl.store(o + v_chunk + v_tile, o_c.to(o.dtype.element_ty), mask=v_mask)
 
         if FP32_FEATURES:
             S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
@@ -300,19 +299,6 @@ def _state_buffers(q: torch.Tensor, V: int, state, return_state: bool):
     return initial_S, initial_z, final_S, final_z
 
 
-def _saved_buffers(q: torch.Tensor, v: torch.Tensor, normalize: bool, saved: dict | None) -> tuple:
-    """(den, o's rounding residual) for the chunkwise backward, filled into ``saved`` when normalized; (None, None)
-    otherwise. The residual (16-bit inputs): o - o rounded, in the input dtype, so that the backward's do . o reads
-    o to ~22 bits (fp16) instead of 11 (see the module docstring)."""
-    if saved is None or not normalize:
-        return None, None
-    B, T, H, _ = q.shape
-    saved["den"] = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
-    if q.dtype != torch.float32:
-        saved["o_residual"] = torch.empty_like(v)
-    return saved["den"], saved.get("o_residual")
-
-
 def chunkwise(
     *,
     q: torch.Tensor,
@@ -343,24 +329,24 @@ def chunkwise(
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
-    den, residual = _saved_buffers(q, v, normalize, saved)
-    chunk_S = chunk_z = None
+    den = chunk_S = chunk_z = None
     if saved is not None:
         chunks = triton.cdiv(T, chunk_size)
         chunk_S = saved["chunk_S"] = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
         if normalize:
             chunk_z = saved["chunk_z"] = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device)
+            den = saved["den"] = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(V, BV), B * H)
     launch_after_checks(await_checks, Launch(
         _chunkwise_kernel, grid,
         q, k, v, o, initial_S, initial_z, final_S, final_z,
-        den, residual, chunk_S, chunk_z,
+        den, chunk_S, chunk_z,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
         FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
-        SAVE=saved is not None, SAVE_RESIDUAL=residual is not None,
+        SAVE=saved is not None,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
     ))
@@ -461,32 +447,28 @@ def features(x, mask, ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
 
 @triton.jit
 def _do_dot_o_kernel(
-    do, o, o_residual, do_o, rows_total, V,
-    BLOCK_ROWS: tl.constexpr, BV: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    do, o, do_o, rows_total, V,
+    BLOCK_ROWS: tl.constexpr, BV: tl.constexpr,
 ):
-    # do_o_t = do_t . o_t: -do_o_t / den_t is the cotangent of den_t = phi(q_t)^T z_t (o_t = num_t / den_t). o_t is
-    # taken as o + residual, the fp32 quotient, not its rounding: dq is a difference of two terms of this size.
+    # do_o_t = do_t . o_t: -do_o_t / den_t is the cotangent of den_t = phi(q_t)^T z_t (o_t = num_t / den_t). From
+    # the returned o, for the reverse state pass's dz only: dq forms its own from unrounded tiles.
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     values = tl.arange(0, BV)
     row_ok = rows < rows_total
     mask = row_ok[:, None] & (values < V)[None, :]
     offsets = rows.to(tl.int64)[:, None] * V + values[None, :]
     o_row = tl.load(o + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        o_row += tl.load(o_residual + offsets, mask=mask, other=0.0).to(tl.float32)
     do_row = tl.load(do + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(do_o + rows, tl.sum(do_row * o_row, axis=1), mask=row_ok)
 
 
-def _do_dot_o(do: torch.Tensor, o: torch.Tensor, saved: dict) -> torch.Tensor:
+def _do_dot_o(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
     """do . o per row, [B, T, H] fp32 (see _do_dot_o_kernel)."""
     B, T, H, V = o.shape
     do_o = torch.empty(B, T, H, dtype=torch.float32, device=o.device)
-    residual = saved.get("o_residual")
     BLOCK_ROWS = 16
     _do_dot_o_kernel[(triton.cdiv(B * T * H, BLOCK_ROWS),)](
-        do, o, residual, do_o, B * T * H, V,
-        BLOCK_ROWS=BLOCK_ROWS, BV=block_size(V), HAS_RESIDUAL=residual is not None,
+        do, o, do_o, B * T * H, V, BLOCK_ROWS=BLOCK_ROWS, BV=block_size(V),
     )
     return do_o
 
@@ -692,7 +674,7 @@ def chunkwise_backward(
     BV = default_block_v(V, BK, block_v)
     _, fp32_precision, rescale = input_split_config(q.dtype, precision)
     chunks = triton.cdiv(T, chunk_size)
-    do_o = _do_dot_o(do, o, saved) if normalize else None
+    do_o = _do_dot_o(do, o) if normalize else None
     track_z = normalize or d_state is not None
     chunk_dS = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
     chunk_dz = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device) if track_z else None
