@@ -82,6 +82,40 @@ Numerics (OPTIONS["chunkwise"]["precision"]):
 
 Measurements behind these choices (timings against SDPA, registers, emulated
 excess): reports/bench.md, "Design history moved from the kernel docstrings".
+
+Backward (BACKWARD["chunkwise"], FlashAttention-2's algorithm). With s_ij = scale q_i.k_j,
+P_ij = exp(s_ij - lse_i) and the cotangent do:
+
+    dv_j = sum_i P_ij do_i          dP_ij = do_i.v_j          D_i = do_i.o_i = sum_j P_ij dP_ij
+    dS_ij = P_ij (dP_ij - D_i)      dq_i = scale sum_j dS_ij k_j      dk_j = scale sum_i dS_ij q_i
+
+What the forward saves (only when autograd asks, through ``saved``) and why:
+
+- "lse" [B, H, T] fp32, in base 2 and score units scale log2(e) q.k: lse = m + log2(l). With it the backward
+  recomputes P = exp2(s - lse) tile by tile (exponent <= 0, P <= 1) instead of storing the T x T matrix, as
+  FlashAttention does. The exponent is one FMA, s qk_scale - lse, masked to -inf after it.
+- "o_residual" (16-bit inputs): the forward's fp32 o minus the stored o, in the input dtype. D_i is the one
+  term taken from o. On a row where one key dominates, dP_ij - D_i cancels to do_i.(v_j - o_i), a small
+  difference; FlashAttention's D from the rounded o is off by the output rounding (2^-9 |do| |o| in bf16), which
+  then dominates dS and dq. o + o_residual is the fp32 o to ~2^-16, and under autograd the forward splits P for
+  its P @ V dot at every precision but "input", so that this fp32 o is itself accurate to ~2^-16 (the
+  one-dot "fp16" path rounds P to 2^-11). o itself is not stored again: the wrapper hands it to the backward.
+- Not saved: P, dP, dS (recomputed per tile: the two score dots S = Q K^T and dP = dO V^T cost less than
+  reading a T x T matrix back) and D (a pre-pass, _delta_kernel, from o, o_residual and do).
+
+Kernels: _delta_kernel (D per row, fp32), then _softmax_bwd_dkdv_kernel (a program per key block, stepping over
+the query blocks that see it: dk and dv sum in registers) and _softmax_bwd_dq_kernel (a program per query block,
+stepping over its keys: dq sums in registers). Two kernels rather than FlashAttention-2's atomic dq: no fp32 dq
+scratch, no atomics (deterministic), each kernel holds only its own accumulators (fewer registers), at the cost
+of recomputing S and dP in the dq kernel (7 tile dots per tile pair instead of 5). Causal masks only on the
+diagonal tiles and the tail; all sums in fp32.
+
+P and dS enter their dots (dv, dk, dq) by precision: fp32 inputs exact fp32 dots ("ieee"); "input" rounds P and
+dS once to the input dtype (FlashAttention's rounding, the fastest); every other setting ("auto", "split",
+"fp16") carries them as hi + lo in the input dtype (_numerics.dot_f32_lowp), about 2^-16 relative, each row
+scaled to a peak of 2^14 first for fp16 so that small P and dS keep their bits: 3 of the 7 dots doubled. The
+forward's launch options (block sizes, warps, stages, tma, warp_specialize) do not apply to the backward, whose
+tile shapes come from _BACKWARD_CONFIGS. Gradients come back in the input dtype, rounded once from fp32.
 """
 
 from __future__ import annotations
@@ -459,14 +493,18 @@ def chunkwise(
 
 # Backward launch shape by input width and the wider head-dim tile: (rows per program, rows per loop step,
 # num_warps, num_stages). The dK/dV kernel owns a block of keys and steps over queries; the dQ kernel owns a block
-# of queries and steps over keys; both use the same pair of block sizes. 16-bit inputs: 128 x 64 tiles on 8 warps
-# (fla's Hopper choice for its attention backward); wider heads and fp32's CUDA-core "ieee" dots get smaller tiles,
-# whose fp32 accumulators (two [rows, head dim] tiles in the dK/dV kernel) stay in registers.
+# of queries and steps over keys; both take the same pair. The dK/dV kernel is the tight one: it keeps k, v and
+# the fp32 dk, dv of its keys in registers besides the [keys, step] P, dP and dS tiles. Chosen with ptxas -v for
+# sm_90 (bf16, precision "split", causal; not timed): 128 x 32 on 8 warps spills nothing at head dim 64; at 128,
+# 64 x 32 on 8 warps spills 468 bytes per thread in dK/dV and 152 in dQ (128 x 64, fla's Hopper tile, spills 1.6
+# KB; 32 x 64 on 4 warps 32 bytes, but re-reads q and do 4x as often); at 256, 32 x 16 on 8 warps 4 bytes. fp32's
+# "ieee" dots run on CUDA cores with operands in registers: 16- and 32-row tiles.
 _BACKWARD_CONFIGS = {
-    (2, 128): (128, 64, 8, 2),
-    (2, 256): (64, 32, 8, 1),
-    (4, 64): (32, 32, 4, 1),
-    (4, 128): (32, 16, 4, 1),
+    (2, 64): (128, 32, 8, 2),
+    (2, 128): (64, 32, 8, 2),
+    (2, 256): (32, 16, 8, 1),
+    (4, 64): (32, 16, 4, 1),
+    (4, 128): (16, 16, 4, 1),
     (4, 256): (16, 16, 4, 1),
 }
 # Rows per program of the D pre-pass.
@@ -588,7 +626,7 @@ def _softmax_bwd_dkdv_kernel(
         masked_end = tl.cdiv(start_n + BLOCK_N, BLOCK_M) * BLOCK_M  # past T when this key block is the last
     else:
         first_m = 0
-        masked_end = 0 if start_n + BLOCK_N <= T else T
+        masked_end = tl.where(start_n + BLOCK_N <= T, 0, T)
     full_end = T // BLOCK_M * BLOCK_M
     for start_m in range(first_m, tl.minimum(masked_end, T), BLOCK_M):
         dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
