@@ -136,6 +136,11 @@ def _state(H: int, K: int, V: int, seed: int, size: float = 1.0) -> tuple[torch.
             size * (torch.rand(1, H, K, dtype=torch.float64, generator=generator) + 1.0))
 
 
+def _small_chunks(form: str) -> dict[str, int]:
+    """Chunks of 16 for the chunkwise kernel: short sequences still cross chunks."""
+    return {"chunk_size": 16} if form == "chunkwise" else {}
+
+
 def _gradients(x: dict, dtype: torch.dtype, form: str, call: dict | None = None, cotangents: str = "both",
                seed: int = 1, bound: float | None = None, **opts) -> dict[str, float]:
     """The kernel's gradients of <do, o> + <d_state, final state> on x rounded to dtype against the float64 oracle's:
@@ -202,7 +207,7 @@ def test_backward_chunk_sizes_and_partial_chunks(chunk_size, dtype):
 def test_backward_head_dims_not_powers_of_two(form):
     """K=20, V=24 pad to 32: phi(0) = 1 must not leak from the padding into dq, dk or z's cotangent."""
     x = {**_sample(T=23, K=20, V=24), "initial_state": _state(2, 20, 24, seed=5)}
-    _gradients(x, torch.float16, form, chunk_size=16) if form == "chunkwise" else _gradients(x, torch.float16, form)
+    _gradients(x, torch.float16, form, **_small_chunks(form))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -230,7 +235,7 @@ def test_backward_precision_modes(precision, feature_precision):
 ], ids=["identity", "elu1"])
 def test_backward_unnormalized(form, dtype, call):
     x = {**_sample(T=40), "initial_state": _state(2, 16, 16, seed=7)}
-    _gradients(x, dtype, form, call, chunk_size=16) if form == "chunkwise" else _gradients(x, dtype, form, call)
+    _gradients(x, dtype, form, call, **_small_chunks(form))
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -246,21 +251,22 @@ def test_backward_identity_map_normalized(form):
 def test_backward_one_cotangent(form, cotangents, stateful):
     """do alone (no loss reads the final state) and the final state's cotangent alone (do = 0)."""
     x = {**_sample(T=37), **({"initial_state": _state(2, 16, 16, seed=8)} if stateful else {})}
-    _gradients(x, torch.float16, form, cotangents=cotangents, **({"chunk_size": 16} if form == "chunkwise" else {}))
+    _gradients(x, torch.float16, form, cotangents=cotangents, **_small_chunks(form))
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_backward_fp16_state_beyond_fp16_range(form):
-    """S, z ~ 1e6 and their cotangents in fp32: the split dots rescale, nothing overflows."""
+    """S, z ~ 1e6 (den far above fp16's 65504, as at long T): den, z and their cotangents stay fp32; the split
+    dots rescale; nothing overflows."""
     x = {**_sample(T=20), "initial_state": _state(2, 16, 16, seed=3, size=1e6)}
-    _gradients(x, torch.float16, form, chunk_size=16) if form == "chunkwise" else _gradients(x, torch.float16, form)
+    _gradients(x, torch.float16, form, **_small_chunks(form))
 
 
 @pytest.mark.parametrize("form", FORMS)
 def test_backward_is_causal(form):
     """With do zero from position 29 on and no final-state cotangent, every gradient there is exactly zero."""
     x = {n: t.to(torch.float16).requires_grad_() for n, t in _sample(T=45).items()}
-    o = kernel("linear_attn", form, **({"chunk_size": 16} if form == "chunkwise" else {}))(**x)
+    o = kernel("linear_attn", form, **_small_chunks(form))(**x)
     do = torch.randn_like(o)
     do[:, 29:] = 0
     dq, dk, dv = torch.autograd.grad(o, [x["q"], x["k"], x["v"]], do)
