@@ -577,10 +577,10 @@ def _aft_bwd_dw_kernel(
 
     n_heads = B * H
     if CAUSAL:
-        if pid_s * BLOCK_K > pid_t * BLOCK_Q + BLOCK_Q - 1:
-            n_heads = 0  # every key after every query: dw is zero
+        # A tile whose every key comes after every query has dw = 0: no work.
+        n_heads = tl.where(pid_s * BLOCK_K > pid_t * BLOCK_Q + BLOCK_Q - 1, 0, n_heads)
     # As for dk: near the diagonal G @ (E * v)^T - (G * o) @ E^T cancels, the per-key sum does not.
-    on_diagonal = EXACT_DIAGONAL and (pid_t * BLOCK_Q < (pid_s + 1) * BLOCK_K - 1)
+    on_diagonal = pid_t * BLOCK_Q < (pid_s + 1) * BLOCK_K - 1
     w, row_ref, sees_a_key = _bias_tile(w_ptr, offs_t, offs_s, T, CAUSAL)
     a = tl.exp(w - row_ref[:, None])  # [0, 1]; 0 where not visible
     for bh in range(0, n_heads):
@@ -594,7 +594,10 @@ def _aft_bwd_dw_kernel(
             lse, lse_residual = _load_lse(lse_ptr, lse_residual_ptr, td_offsets, td_in, not HALF_OPERANDS)
             col_ref, e = _key_tile(k_ptr, base, offs_s, offs_d, T, D, row_stride)
             log_factor = _log_factor(row_ref, sees_a_key, col_ref, lse, lse_residual, offs_d < D)
-            if on_diagonal or (tl.max(log_factor) > log_factor_limit):
+            exact = tl.max(log_factor) > log_factor_limit
+            if EXACT_DIAGONAL:
+                exact = exact | on_diagonal
+            if exact:
                 for i in range(BLOCK_K):
                     key = pid_s * BLOCK_K + i
                     p_do = do * _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d, T, D,
