@@ -91,9 +91,12 @@ P_ij = exp(s_ij - lse_i) and the cotangent do:
 
 What the forward saves (only when autograd asks, through ``saved``) and why:
 
-- "lse" [B, H, T] fp32, in base 2 and score units scale log2(e) q.k: lse = m + log2(l). With it the backward
-  recomputes P = exp2(s - lse) tile by tile (exponent <= 0, P <= 1) instead of storing the T x T matrix, as
-  FlashAttention does. The exponent is one FMA, s qk_scale - lse, masked to -inf after it.
+- "row_max" and "log_row_sum" [B, H, T] fp32: the row's log-sum-exp in base 2 and score units
+  scale log2(e) q.k, lse = m + log2(l), as its two terms. With them the backward recomputes
+  P = exp2((s - m) - log2(l)) tile by tile (exponent <= 0, P <= 1) instead of storing the T x T matrix, as
+  FlashAttention does. Kept apart because their sum rounds log2(l) to the ulp of m: on a row where one key
+  dominates, exp2(s - lse) then carries |m| 2^-24 of error that s - m (0 for that key, as in the forward) does
+  not; in fp32 this took dv's excess from 4.5-5.5 to 1.9 on rows with scores ~100 nats apart.
 - "o_residual" (16-bit inputs): the forward's fp32 o minus the stored o, in the input dtype. D_i is the one
   term taken from o. On a row where one key dominates, dP_ij - D_i cancels to do_i.(v_j - o_i), a small
   difference; FlashAttention's D from the rounded o is off by the output rounding (2^-9 |do| |o| in bf16), which
@@ -301,13 +304,13 @@ def _online_softmax_step(
 
 @triton.jit
 def _softmax_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, v_inverse_ptr, lse_ptr, o_residual_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, v_inverse_ptr, row_max_ptr, log_row_sum_ptr, o_residual_ptr,
     T, H, K, V, qk_scale,
     CAUSAL: tl.constexpr, SPLIT_P: tl.constexpr, V_SCALED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     P_EXP2_SHIFT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_V: tl.constexpr, TMA: tl.constexpr,
-    SAVE_LSE: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
+    SAVE_STATS: tl.constexpr, SAVE_RESIDUAL: tl.constexpr,
 ):
     pid_m, pid_bh, qk_base, vo_base = program_head(T, H, K, V)
 
@@ -355,10 +358,12 @@ def _softmax_fwd_kernel(
     o_mask = (offs_m < T)[:, None] if EVEN_V else (offs_m < T)[:, None] & (offs_v < V)[None, :]
     o_rounded = o.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + o_offsets, o_rounded, mask=o_mask)
-    # For the backward (saved): the row's log-sum-exp in base 2, lse = m + log2(l) (without the P shift), and the
-    # part of the fp32 output that rounding it to the input dtype dropped, so that D = do.o uses o to ~2^-16.
-    if SAVE_LSE:
-        tl.store(lse_ptr + pid_bh * T + offs_m, row_max + tl.log2(row_sum) - P_EXP2_SHIFT, mask=offs_m < T)
+    # For the backward (saved): the row's log-sum-exp in base 2, lse = m + log2(l), as its two terms (their sum
+    # would round log2(l) to the ulp of m, and P = exp2(s - lse) of a dominant key would carry that error), and
+    # the part of the fp32 output that rounding it to the input dtype dropped, so that D = do.o uses o to ~2^-16.
+    if SAVE_STATS:
+        tl.store(row_max_ptr + pid_bh * T + offs_m, row_max, mask=offs_m < T)
+        tl.store(log_row_sum_ptr + pid_bh * T + offs_m, tl.log2(row_sum) - P_EXP2_SHIFT, mask=offs_m < T)
     if SAVE_RESIDUAL:
         o_residual = (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty)
         tl.store(o_residual_ptr + o_offsets, o_residual, mask=o_mask)
@@ -432,8 +437,9 @@ def chunkwise(
     saved: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, None]:
     """Softmax attention forward; returns (o [B, T, H, V] in the input dtype, None). With ``saved`` (a dict, for
-    chunkwise_backward) it also stores "lse" [B, H, T] (fp32, base 2, in units of scale * log2(e) * q.k) and,
-    for 16-bit inputs, "o_residual" (o's fp32 value minus o, in the input dtype), on the Triton kernel."""
+    chunkwise_backward) it also stores "row_max" and "log_row_sum" [B, H, T] (fp32, base 2, in units of
+    scale * log2(e) * q.k: m and log2(l)) and, for 16-bit inputs, "o_residual" (o's fp32 value minus o, in the input
+    dtype), on the Triton kernel."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BLOCK_K, BLOCK_V = block_size(K), block_size(V)
@@ -456,9 +462,10 @@ def chunkwise(
     if use_tma:
         triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
-    lse = o_residual = None
+    row_max = log_row_sum = o_residual = None
     if saved is not None:
-        lse = saved["lse"] = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        row_max = saved["row_max"] = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+        log_row_sum = saved["log_row_sum"] = torch.empty_like(row_max)
         if not fp32:
             o_residual = saved["o_residual"] = torch.empty_like(o)
     if saved is None and use_tma and warp_specialize and _warp_specialized_fits(q, k, v, precision, _device_capability(q), launch_options):
@@ -473,7 +480,7 @@ def chunkwise(
         return o, None
     grid = (triton.cdiv(T, block_m), B * H)
     _softmax_fwd_kernel[grid](
-        q, k, v, o, v_inverse, lse, o_residual,
+        q, k, v, o, v_inverse, row_max, log_row_sum, o_residual,
         T, H, K, V, scale * LOG2E,
         CAUSAL=causal,
         # Under autograd (saved) every precision but "input" splits P: D = do.o then sees o to ~2^-16, not 2^-11.
@@ -483,7 +490,7 @@ def chunkwise(
         P_EXP2_SHIFT=0.0 if fp32 else P_EXP2_SHIFT_16BIT,
         BLOCK_M=block_m, BLOCK_N=chunk_size, BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V,
         EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V, TMA=use_tma,
-        SAVE_LSE=lse is not None, SAVE_RESIDUAL=o_residual is not None,
+        SAVE_STATS=row_max is not None, SAVE_RESIDUAL=o_residual is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return o, None
@@ -553,13 +560,13 @@ def _accumulate_dot(x, b, acc, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE:
 
 
 # One step of the dK/dV kernel: the program's keys j (k, v resident) against the query rows i of one block.
-#     P_ij = exp2(s_ij - lse_i)    s_ij = scale log2(e) q_i.k_j        (<= 0: lse_i >= s_ij)
+#     P_ij = exp2((s_ij - m_i) - log2(l_i))    s_ij = scale log2(e) q_i.k_j    (exponent <= 0: s_ij <= m_i, l_i >= 1)
 #     dv_j += sum_i P_ij do_i      dP_ij = do_i.v_j      dS_ij = P_ij (dP_ij - D_i)      dk_j += sum_i dS_ij q_i
 # computed transposed ([keys, queries] tiles) so that both sums are row-major dots into the resident
 # accumulators. dk_j is left without its factor scale, applied once at the end.
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+    dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
@@ -569,21 +576,20 @@ def _dkdv_step(
     q = _load_tile(q_head + offs_m[:, None] * (H * K) + offs_k[None, :], query_ok, offs_k < K, MASK, not EVEN_K)
     do = _load_tile(do_head + offs_m[:, None] * (H * V) + offs_v[None, :], query_ok, offs_v < V, MASK, not EVEN_V)
     if MASK:
-        lse = tl.load(lse_head + offs_m, mask=query_ok, other=0.0)
+        row_max = tl.load(row_max_head + offs_m, mask=query_ok, other=0.0)
+        log_row_sum = tl.load(log_row_sum_head + offs_m, mask=query_ok, other=0.0)
         delta = tl.load(delta_head + offs_m, mask=query_ok, other=0.0)
     else:
-        lse = tl.load(lse_head + offs_m)
+        row_max = tl.load(row_max_head + offs_m)
+        log_row_sum = tl.load(log_row_sum_head + offs_m)
         delta = tl.load(delta_head + offs_m)
-    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee" if FP32 else "tf32")
-    # One FMA on the GPU: the scaled score is not rounded before lse is taken off (a large score's rounding
-    # would otherwise cost |s| 2^-24 in the exponent).
-    exponent_t = tl.fma(scores_t, qk_scale, -lse[None, :])
+    scores_t = tl.dot(k, tl.trans(q), input_precision="ieee" if FP32 else "tf32") * qk_scale
     if MASK:
         visible = query_ok[None, :] & (offs_n < T)[:, None]
         if CAUSAL:
             visible = visible & (offs_m[None, :] >= offs_n[:, None])
-        exponent_t = tl.where(visible, exponent_t, -float("inf"))
-    p_t = tl.exp2(exponent_t)
+        scores_t = tl.where(visible, scores_t, -float("inf"))
+    p_t = tl.exp2((scores_t - row_max[None, :]) - log_row_sum[None, :])
     dv = _accumulate_dot(p_t, do, dv, FP32, SPLIT, RESCALE)
     dp_t = tl.dot(v, tl.trans(do), input_precision="ieee" if FP32 else "tf32")
     ds_t = p_t * (dp_t - delta[None, :])
@@ -598,7 +604,7 @@ def _dkdv_step(
 # the rest the unmasked one, then a partial last query block the masked one again.
 @triton.jit
 def _softmax_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, row_max_ptr, log_row_sum_ptr, delta_ptr, dk_ptr, dv_ptr,
     T, H, K, V, qk_scale, dk_scale,
     CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -619,7 +625,8 @@ def _softmax_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     q_head, do_head = q_ptr + qk_base, do_ptr + vo_base
-    lse_head, delta_head = lse_ptr + pid_bh * T, delta_ptr + pid_bh * T
+    row_max_head, log_row_sum_head = row_max_ptr + pid_bh * T, log_row_sum_ptr + pid_bh * T
+    delta_head = delta_ptr + pid_bh * T
 
     if CAUSAL:
         first_m = start_n // BLOCK_M * BLOCK_M
@@ -629,13 +636,13 @@ def _softmax_bwd_dkdv_kernel(
         masked_end = tl.where(start_n + BLOCK_N <= T, 0, T)
     full_end = T // BLOCK_M * BLOCK_M
     for start_m in range(first_m, tl.minimum(masked_end, T), BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
                             T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
     for start_m in range(masked_end, full_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
                             T, H, K, V, qk_scale, False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
     for start_m in range(tl.maximum(masked_end, full_end), T, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, offs_n, offs_k, offs_v,
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
                             T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
 
     dk_ptrs = dk_ptr + qk_base + offs_n[:, None] * (H * K) + offs_k[None, :]
@@ -645,10 +652,10 @@ def _softmax_bwd_dkdv_kernel(
 
 
 # One step of the dQ kernel: the program's query rows i (q, do, lse, D resident) against one block of keys j.
-#     P_ij = exp2(s_ij - lse_i)    dS_ij = P_ij (do_i.v_j - D_i)    dq_i += sum_j dS_ij k_j
+#     P_ij = exp2((s_ij - m_i) - log2(l_i))    dS_ij = P_ij (do_i.v_j - D_i)    dq_i += sum_j dS_ij k_j
 @triton.jit
 def _dq_step(
-    dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+    dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
@@ -657,14 +664,13 @@ def _dq_step(
     key_ok = offs_n < T
     k = _load_tile(k_head + offs_n[:, None] * (H * K) + offs_k[None, :], key_ok, offs_k < K, MASK, not EVEN_K)
     v = _load_tile(v_head + offs_n[:, None] * (H * V) + offs_v[None, :], key_ok, offs_v < V, MASK, not EVEN_V)
-    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32 else "tf32")
-    exponent = tl.fma(scores, qk_scale, -lse[:, None])
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32 else "tf32") * qk_scale
     if MASK:
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        exponent = tl.where(visible, exponent, -float("inf"))
-    p = tl.exp2(exponent)
+        scores = tl.where(visible, scores, -float("inf"))
+    p = tl.exp2((scores - row_max[:, None]) - log_row_sum[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision="ieee" if FP32 else "tf32")
     ds = p * (dp - delta[:, None])
     return _accumulate_dot(ds, k, dq, FP32, SPLIT, RESCALE)
@@ -673,10 +679,11 @@ def _dq_step(
 # dQ: one program per block of BLOCK_M queries of one (batch, head), stepping over its keys (causal: up to the
 # diagonal) as the forward does: dq_i = scale sum_j dS_ij k_j. It recomputes P and dP, two dots per tile that
 # the dK/dV kernel also makes, in exchange for no atomics and no fp32 dq scratch of [B, T, H, K].
-# Query rows past T load zeros with lse = D = 0: their P is 1 on the unmasked steps, but dP = 0 = D makes dS 0.
+# Query rows past T load zeros with m = log2(l) = D = 0: their P is 1 on the unmasked steps, but dP = 0 = D makes
+# dS 0.
 @triton.jit
 def _softmax_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, row_max_ptr, log_row_sum_ptr, delta_ptr, dq_ptr,
     T, H, K, V, qk_scale, dq_scale,
     CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -691,17 +698,18 @@ def _softmax_bwd_dq_kernel(
                    not EVEN_K)
     do = _load_tile(do_ptr + vo_base + offs_m[:, None] * (H * V) + offs_v[None, :], query_ok, offs_v < V, True,
                     not EVEN_V)
-    lse = tl.load(lse_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
+    row_max = tl.load(row_max_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
+    log_row_sum = tl.load(log_row_sum_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
     delta = tl.load(delta_ptr + pid_bh * T + offs_m, mask=query_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     k_head, v_head = k_ptr + qk_base, v_ptr + vo_base
 
     unmasked_end, end = key_range(pid_m, T, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
                       False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
     for start_n in range(unmasked_end, end, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
+        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
                       True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
 
     dq_ptrs = dq_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :]
@@ -749,11 +757,11 @@ def chunkwise_backward(
     )
     qk_scale = abs(scale) * LOG2E
     _softmax_bwd_dkdv_kernel[(triton.cdiv(T, block_program), B * H)](
-        q_seen, k, v, do, saved["lse"], delta, dk, dv, T, H, K, V, qk_scale, abs(scale),
+        q_seen, k, v, do, saved["row_max"], saved["log_row_sum"], delta, dk, dv, T, H, K, V, qk_scale, abs(scale),
         BLOCK_M=block_step, BLOCK_N=block_program, **shared,
     )
     _softmax_bwd_dq_kernel[(triton.cdiv(T, block_program), B * H)](
-        q_seen, k, v, do, saved["lse"], delta, dq, T, H, K, V, qk_scale, scale,
+        q_seen, k, v, do, saved["row_max"], saved["log_row_sum"], delta, dq, T, H, K, V, qk_scale, scale,
         BLOCK_M=block_program, BLOCK_N=block_step, **shared,
     )
     return {"q": dq, "k": dk, "v": dv}
