@@ -19,9 +19,9 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/ptxa
 
 
 def _attrs(fn, signature):
-    """What the JIT infers at the reference shape: 16-aligned pointers, T, H, K, V divisible by 16."""
+    """What the JIT infers at the reference shape: 16-aligned pointers, T, H, K, V and C (RWKV-4's channels) divisible by 16."""
     return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-            if t.startswith("*") or n in ("T", "H", "K", "V")}
+            if t.startswith("*") or n in ("T", "H", "K", "V", "C")}
 
 def compile_kernel(fn, signature, constexprs, num_warps, num_stages):
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=_attrs(fn, signature))
