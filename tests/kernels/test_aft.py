@@ -367,3 +367,17 @@ def test_forward_without_saved_is_unchanged():
     o, _ = aft_kernels.chunkwise(**x, causal=True, saved=saved)
     assert torch.equal(o, aft_kernels.chunkwise(**x, causal=True)[0])
     assert saved["lse"].dtype == torch.float32 and saved["lse"].shape == x["v"].shape
+
+
+@settings(max_examples=3, deadline=None)
+@given(
+    T=st.integers(1, 50),
+    D=st.integers(1, 40),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+    block_q=st.sampled_from([16, 32, 64]),
+    chunk_size=st.sampled_from([16, 32, 64]),
+)
+def test_backward_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
+    x = _inputs(torch.float16, T=T, D=D, H=1, seed=seed)
+    _assert_gradients_within(x, torch.float16, causal, seed=seed, block_q=block_q, chunk_size=chunk_size)
