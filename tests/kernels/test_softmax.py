@@ -407,3 +407,31 @@ def test_forward_saves_lse_and_the_output_residual(dtype):
     exact = REFERENCE(**x, causal=True)
     unrounded = o.double() + saved["o_residual"].double()
     assert (unrounded - exact).norm() < 0.05 * (o.double() - exact).norm()
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    T=st.integers(1, 70),
+    K=st.integers(1, 40),
+    V=st.integers(1, 40),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**16),
+    q_std=st.sampled_from([0.5, 1.0, 4.0]),
+    config=st.sampled_from(SMALL_BACKWARD_CONFIGS),
+)
+def test_random_shape_gradients_fp16(T, K, V, causal, seed, q_std, config):
+    x = _inputs(torch.float16, T=T, K=K, V=V, H=1, seed=seed, q_std=q_std)
+    with pytest.MonkeyPatch.context() as patch:
+        _small_backward_blocks(patch, config)
+        assert max(_gradient_excess(x, causal).values()) <= GRADIENT_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+@pytest.mark.parametrize("widest", [16, 64, 128, 256])
+def test_backward_launch_configs(itemsize, widest):
+    """Every head-dim tile up to 256 has a backward shape: power-of-two blocks of at least 16 rows (tl.dot's
+    minimum), the step no larger than the program's block."""
+    block_program, block_step, num_warps, num_stages = softmax_kernels._backward_config(itemsize, widest)
+    for block in (block_program, block_step):
+        assert block >= 16 and block & (block - 1) == 0
+    assert block_step <= block_program and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1
