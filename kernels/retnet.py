@@ -52,7 +52,7 @@ a weight >= 0, so the sum cancels no more than its terms do.
   Nothing is saved: recomputing S costs what the forward cost.
 - ``chunkwise_backward``: a reverse pass over chunks (grid V blocks x B*H)
   writes the cotangent dS_{c+1} of the state leaving each chunk; then every
-  chunk at once, dq, dk and dg by K blocks of 64 (grid K blocks x chunks x
+  chunk at once, dq, dk and dg by K blocks of 32 (grid K blocks x chunks x
   B*H, each program looping over V blocks) and dv by V blocks (grid V blocks
   x chunks x B*H), as fla's chunk_simple_gla splits them:
       dq_i = scale exp((i+1) g) S_c do_i + sum_{j<=i} scale exp((i-j) g) (do_i.v_j) k_j
@@ -101,10 +101,14 @@ OPTIONS = {
     },
 }
 
-# The chunkwise backward's dq, dk and dg kernel tiles K by this (one program per K block, chunk and head, as fla's
-# dq/dk kernel): its accumulators (two [C, K block] fp32 tiles, dA [C, C], the states' [K block, V block] tiles)
-# would not fit the registers with all of K = 128 at C = 64. dA = do v^T is recomputed per K block.
-QUERY_KEY_BLOCK = 64
+# Tiles of the chunkwise backward where its caller gives no block_v, chosen by ptxas' register report for sm_90
+# (bf16, K = V = 128, C = 64, 4 warps), there being no timing yet. The dq, dk and dg kernel runs one program per K
+# block, chunk and head, as fla's dq/dk kernel, recomputing dA = do v^T per K block: its accumulators (two
+# [C, K block] fp32 tiles, dA [C, C], the states' [K block, V block] tiles) spill 2 KiB at 64 x 64 and 72 bytes at
+# 32 x 32. The reverse pass over chunk states spills 600 bytes at V blocks of 64, 96 at 32 (and has twice the
+# programs). The dv kernel keeps the forward's V block (no spills at 64).
+QUERY_KEY_BLOCK = 32
+BACKWARD_BLOCK_V = 32
 
 
 @triton.jit
@@ -660,14 +664,15 @@ def chunkwise_backward(
                                   state=state, return_state=return_state)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
+    backward_block_v = block_v if block_v is not None else min(block_size(V), BACKWARD_BLOCK_V)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     chunks = triton.cdiv(T, chunk_size)
     chunk_state_grads = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
     d_initial = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device) if state is not None else None
-    _chunk_state_gradients_kernel[(triton.cdiv(V, BV), B * H)](
+    _chunk_state_gradients_kernel[(triton.cdiv(V, backward_block_v), B * H)](
         q, g, do, d_state[0] if d_state is not None else None, chunk_state_grads, d_initial,
         T, H, K, V, scale,
-        CHUNK=chunk_size, BK=BK, BV=BV,
+        CHUNK=chunk_size, BK=BK, BV=backward_block_v,
         HAS_FINAL_GRAD=d_state is not None, STORE_INITIAL_GRAD=state is not None,
         PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
@@ -681,7 +686,7 @@ def chunkwise_backward(
     _chunk_query_key_gradients_kernel[(key_blocks, chunks, B * H)](
         q, k, v, g, do, saved["chunk_states"], chunk_state_grads, dq, dk, dg_parts,
         T, H, K, V, scale,
-        CHUNK=chunk_size, BK=key_block, BV=BV, **dots,
+        CHUNK=chunk_size, BK=key_block, BV=backward_block_v, **dots,
     )
     _chunk_value_gradients_kernel[(triton.cdiv(V, BV), chunks, B * H)](
         q, k, g, do, chunk_state_grads, dv,
