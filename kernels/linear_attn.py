@@ -69,13 +69,13 @@ phi''s, exp(min(x, 0)).
   recomputing them would read k and v again in another sequential pass; the
   cost is memory, K V / C fp32 per token and head, 4x o's bf16 bytes at
   K = V = 128, C = 64), and when normalized z at every chunk's start and den
-  per row (fp32). o is not saved (the wrapper passes it). Then three
+  per row (fp32). o is not saved (the wrapper passes it). Then four
   launches: do . o per row (normalized); a reverse pass over chunks per (V
   block, head) that writes dS, dz after every chunk and returns (dS_0, dz_0);
-  and every chunk in parallel ((chunk, head) programs, all of K, looping over
-  V blocks) for dq, dk, dv from the chunk's tiles (_chunk_gradients_kernel),
-  which forms do . num from its own tiles (do v^T, do S^T) for dq. Dots take
-  the forward's ``precision`` and ``feature_precision`` (do, v and the
+  then every chunk in parallel: dv per (V block, chunk, head), and dq, dk per
+  (chunk, head), all of K, looping over V blocks (_chunk_query_key_kernel,
+  which forms do . num from its own tiles, do v^T and do S^T, for dq). Dots
+  take the forward's ``precision`` and ``feature_precision`` (do, v and the
   identity's q, k are exact input tiles; A, elu1's features, the states and
   their cotangents fp32 operands), so "round" features differentiate the
   rounded features' function (a speed setting: dq measured 2.2x its floor in
@@ -537,8 +537,8 @@ def _state_cotangent_kernel(
 
 
 @triton.jit
-def _chunk_gradients_kernel(
-    q, k, v, do, dq, dk, dv,
+def _chunk_query_key_kernel(
+    q, k, v, do, dq, dk,
     den, chunk_S, chunk_z, chunk_dS, chunk_dz,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -552,7 +552,6 @@ def _chunk_gradients_kernel(
     #   dA' = tril(do v^T - do_o 1^T)                       (den_i = sum_j A_ij + fq_i . z)
     #   dfq = w (dA' fk + do S^T - do_o z^T)
     #   dfk = (w dA')^T fq + v dS'^T + 1 dz'^T
-    #   dv  = (w A)^T do + fk dS'                          (fp32 inputs: over rows in blocks of 16, blocked_dot_f32)
     #   dq  = dfq phi'(q),  dk = dfk phi'(k)
     # dfq cancels (fq . dfq = 0: o is a weighted mean of the values), so do_o is formed from the very tiles
     # dfq is (the cancellation then holds in their rounding too), and w multiplies the difference, not each
@@ -575,14 +574,6 @@ def _chunk_gradients_kernel(
     k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
     fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
     fk = features(k_c, qk_mask, ELU1, FP32_FEATURES)
-    A = tl.where(causal, mixed_dot(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION,
-                                   RESCALE), 0.0)
-    if NORMALIZE:
-        # w as a division by den: one rounding where 1 / den and a product make two.
-        den_c = tl.load(den + row, mask=row_ok, other=1.0)
-        A_weighted = A / den_c[:, None]
-    else:
-        A_weighted = A * scale
 
     chunk_state = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + c
     do_v = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)   # do v^T
@@ -601,14 +592,12 @@ def _chunk_gradients_kernel(
         do_v = mixed_dot(do_c, tl.trans(v_c), do_v, dtype, PRECISION, RESCALE)
         do_S = mixed_dot(do_c, tl.trans(S), do_S, dtype, PRECISION, RESCALE)
         dfk = mixed_dot(v_c, tl.trans(dS), dfk, dtype, PRECISION, RESCALE)
-        dv_c = mixed_dot(fk, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), dtype, PRECISION, RESCALE)
-        if tl.constexpr(dtype == tl.float32):
-            dv_c += blocked_dot_f32(tl.trans(A_weighted), do_c, PRECISION)
-        else:
-            dv_c = mixed_dot(tl.trans(A_weighted), do_c, dv_c, dtype, PRECISION, RESCALE)
-        tl.store(dv + row[:, None] * V + values[None, :], dv_c.to(dtype), mask=v_mask)
 
     if NORMALIZE:
+        # w as a division by den: one rounding where 1 / den and a product make two.
+        den_c = tl.load(den + row, mask=row_ok, other=1.0)
+        A = tl.where(causal, mixed_dot(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype,
+                                       PRECISION, RESCALE), 0.0)
         do_o_c = (tl.sum(do_v * A, axis=1) + tl.sum(do_S * fq.to(tl.float32), axis=1)) / den_c
         z = tl.load(chunk_z + chunk_state * K + keys, mask=key_ok, other=0.0)
         dA = tl.where(causal, do_v - do_o_c[:, None], 0.0)
@@ -626,6 +615,55 @@ def _chunk_gradients_kernel(
         dfk *= elu1_derivative(k_c.to(tl.float32))
     tl.store(dq + qk_offsets, dfq.to(dtype), mask=qk_mask)
     tl.store(dk + qk_offsets, dfk.to(dtype), mask=qk_mask)
+
+
+@triton.jit
+def _chunk_value_kernel(
+    q, k, do, dv, den, chunk_dS,
+    T, H, K, V, scale,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
+    PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # One program: V block pid_v of chunk c of head (b, h). With A = tril(fq fk^T), w = 1 / den (or scale) and
+    # dS' the cotangent of the state after the chunk:
+    #   dv = (w A)^T do + fk dS'
+    # Its own kernel: beside dq and dk's three [CHUNK, K] accumulators, A and dv's tiles spill (sm_90 ptxas).
+    pid_v = tl.program_id(0)
+    c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H
+    h = pid_bh % H
+    dtype = q.dtype.element_ty
+
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    row_ok = t < T
+    key_ok = keys < K
+    value_ok = values < V
+    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
+    row = (b.to(tl.int64) * T + t) * H + h
+    qk_mask = row_ok[:, None] & key_ok[None, :]
+    v_mask = row_ok[:, None] & value_ok[None, :]
+    fq = features(tl.load(q + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0), qk_mask, ELU1, FP32_FEATURES)
+    fk = features(tl.load(k + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0), qk_mask, ELU1, FP32_FEATURES)
+    A = tl.where(causal, mixed_dot(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION,
+                                   RESCALE), 0.0)
+    if NORMALIZE:
+        A_weighted = A / tl.load(den + row, mask=row_ok, other=1.0)[:, None]  # one rounding, as dq's w
+    else:
+        A_weighted = A * scale
+    chunk_state = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + c
+    dS = tl.load(chunk_dS + chunk_state * K * V + keys[:, None] * V + values[None, :],
+                 mask=key_ok[:, None] & value_ok[None, :], other=0.0)
+    do_c = tl.load(do + row[:, None] * V + values[None, :], mask=v_mask, other=0.0)
+    dv_c = mixed_dot(fk, dS, tl.zeros([CHUNK, BV], dtype=tl.float32), dtype, PRECISION, RESCALE)
+    if tl.constexpr(dtype == tl.float32):
+        dv_c += blocked_dot_f32(tl.trans(A_weighted), do_c, PRECISION)
+    else:
+        dv_c = mixed_dot(tl.trans(A_weighted), do_c, dv_c, dtype, PRECISION, RESCALE)
+    tl.store(dv + row[:, None] * V + values[None, :], dv_c.to(dtype), mask=v_mask)
 
 
 def _initial_state_grads(q: torch.Tensor, V: int, state) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -690,11 +728,18 @@ def chunkwise_backward(
         BV=BV, HAS_D_STATE=d_state is not None, TRACK_Z=track_z, STORE_INITIAL=state is not None, **constants,
     )
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _chunk_gradients_kernel[(chunks, B * H)](
-        q, k, v, do, dq, dk, dv,
+    _chunk_value_kernel[(triton.cdiv(V, BV), chunks, B * H)](
+        q, k, do, dv, saved.get("den"), chunk_dS,
+        T, H, K, V, scale,
+        BV=BV, **constants,
+    )
+    # Three [CHUNK, K] fp32 accumulators: 8 warps at least (sm_90 ptxas, K = V = 128, bf16, chunks of 64: no
+    # spills at 8 warps, 680 bytes per thread at 4).
+    _chunk_query_key_kernel[(chunks, B * H)](
+        q, k, v, do, dq, dk,
         saved.get("den"), saved["chunk_S"], saved.get("chunk_z"), chunk_dS, chunk_dz,
         T, H, K, V, scale,
-        BV=BV, TRACK_Z=track_z, **constants,
+        BV=BV, TRACK_Z=track_z, **{**constants, "num_warps": max(num_warps, 8)},
     )
     return _gradients(dq, dk, dv, d_initial_S, d_initial_z)
 
