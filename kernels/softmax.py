@@ -566,7 +566,8 @@ def _accumulate_dot(x, b, acc, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE:
 # accumulators. dk_j is left without its factor scale, applied once at the end.
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+    dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
+    T, H, K, V, qk_scale,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, RESCALE: tl.constexpr,
     BLOCK_M: tl.constexpr, EVEN_K: tl.constexpr, EVEN_V: tl.constexpr,
 ):
@@ -636,14 +637,17 @@ def _softmax_bwd_dkdv_kernel(
         masked_end = tl.where(start_n + BLOCK_N <= T, 0, T)
     full_end = T // BLOCK_M * BLOCK_M
     for start_m in range(first_m, tl.minimum(masked_end, T), BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
-                            T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m,
+                            offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+                            True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
     for start_m in range(masked_end, full_end, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
-                            T, H, K, V, qk_scale, False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m,
+                            offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+                            False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
     for start_m in range(tl.maximum(masked_end, full_end), T, BLOCK_M):
-        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m, offs_n, offs_k, offs_v,
-                            T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
+        dk, dv = _dkdv_step(dk, dv, k, v, q_head, do_head, row_max_head, log_row_sum_head, delta_head, start_m,
+                            offs_n, offs_k, offs_v, T, H, K, V, qk_scale,
+                            True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_M, EVEN_K, EVEN_V)
 
     dk_ptrs = dk_ptr + qk_base + offs_n[:, None] * (H * K) + offs_k[None, :]
     dv_ptrs = dv_ptr + vo_base + offs_n[:, None] * (H * V) + offs_v[None, :]
@@ -706,11 +710,11 @@ def _softmax_bwd_dq_kernel(
 
     unmasked_end, end = key_range(pid_m, T, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked_end, BLOCK_N):
-        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
-                      False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
+        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v,
+                      T, H, K, V, qk_scale, False, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
     for start_n in range(unmasked_end, end, BLOCK_N):
-        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v, T, H, K, V, qk_scale,
-                      True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
+        dq = _dq_step(dq, q, do, row_max, log_row_sum, delta, k_head, v_head, start_n, offs_m, offs_k, offs_v,
+                      T, H, K, V, qk_scale, True, CAUSAL, FP32, SPLIT, RESCALE, BLOCK_N, EVEN_K, EVEN_V)
 
     dq_ptrs = dq_ptr + qk_base + offs_m[:, None] * (H * K) + offs_k[None, :]
     tl.store(dq_ptrs, (dq * dq_scale).to(dq_ptr.dtype.element_ty), mask=query_ok[:, None] & (offs_k < K)[None, :])

@@ -298,7 +298,8 @@ def _gradient_excess(x, causal=True, scale=None, **opts):
 
 
 def _small_backward_blocks(monkeypatch, config):
-    monkeypatch.setattr(softmax_kernels, "_BACKWARD_CONFIGS", {key: config for key in softmax_kernels._BACKWARD_CONFIGS})
+    configs = {key: config for key in softmax_kernels._BACKWARD_CONFIGS}
+    monkeypatch.setattr(softmax_kernels, "_BACKWARD_CONFIGS", configs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
