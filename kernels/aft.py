@@ -651,7 +651,12 @@ def chunkwise_backward(
     half_operands = k.dtype != torch.float32
     if precision == "auto":
         precision = "split" if k.dtype == torch.float16 else "single"
-    BLOCK_D = min(block_size(D), block_d)
+    # Channel blocks narrower than the forward's: a dk/dv program holds six [BLOCK_K, BLOCK_D] fp32 tiles (dk, dv,
+    # A^T G, A^T (G o), v, E) and a dw program five [BLOCK_Q, BLOCK_D] ones besides its [BLOCK_Q, BLOCK_K] pair;
+    # ptxas (sm_90, 64 x 64 blocks, 8 warps, bf16) spills 1.7 KB a thread at 128 channels, none at 64 (dk/dv)
+    # and 32 (dw). dw loops over channel blocks, so its width costs no parallelism.
+    dkdv_block_d = min(block_size(D), block_d, 64)
+    dw_block_d = min(block_size(D), block_d, 32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dw = torch.empty_like(w)
     common = dict(
@@ -659,7 +664,7 @@ def chunkwise_backward(
         SPLIT=half_operands and precision == "split",
         HALF_OPERANDS=half_operands,
         DOT_PRECISION="tf32" if half_operands else "ieee",
-        BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
+        BLOCK_Q=block_q, BLOCK_K=chunk_size,
         num_warps=num_warps, num_stages=num_stages,
     )
     limit = LOG_FACTOR_LIMIT[half_operands]
@@ -668,12 +673,12 @@ def chunkwise_backward(
     lse_residual = saved.get("lse_residual", saved["lse"])
     # fp32's floor is below what the factorized sums' cancellation near the diagonal leaves (excess 4-5 measured).
     exact_diagonal = causal and not half_operands
-    _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, BLOCK_D))](
+    _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, dkdv_block_d))](
         w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit,
-        EXACT_DIAGONAL=exact_diagonal, **common)
+        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dkdv_block_d, **common)
     _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
-        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit, EXACT_DIAGONAL=exact_diagonal,
-        **common)
+        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit,
+        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dw_block_d, **common)
     return {"w": dw, "k": dk, "v": dv}
 
 
