@@ -45,6 +45,15 @@ def _names_arg(text: str) -> list[str]:
     return chosen
 
 
+def _passes_arg(text: str) -> tuple[str, ...]:
+    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [p for p in chosen if p not in ("forward", "backward")]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown pass(es) {', '.join(unknown) or repr(text)}; expected forward, backward "
+                                         "or both (comma-separated)")
+    return chosen
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     print(list_table())
     return 0
@@ -63,13 +72,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     header = {
         "device": torch.cuda.get_device_name(),
-        "shape": f"B={args.B}, T={args.T}, H={args.H}, K={args.K}, V={args.V}, {args.dtype}, forward, {args.form} kernels",
+        "shape": f"B={args.B}, T={args.T}, H={args.H}, K={args.K}, V={args.V}, {args.dtype}, {args.form} kernels",
+        "passes": ", ".join(bench.PASS_LABELS[p] for p in args.passes),
         "versions": f"torch {torch.__version__}, triton {triton.__version__}, fla {_version('fla-core')}, python {platform.python_version()}",
         "timing": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms) after one warm-up call",
     }
     rows: list[dict] = []
     for name in args.formulations:  # the table is rewritten after each formulation: a cut-short run keeps its rows
-        rows += bench.run([name], B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype=dtype, form=args.form)
+        rows += bench.run([name], B=args.B, T=args.T, H=args.H, K=args.K, V=args.V, dtype=dtype, form=args.form,
+                          passes=args.passes)
         text = bench.markdown(rows, header)
         if args.out:
             out = Path(args.out)
@@ -104,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
     for dim, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128)):
         bench.add_argument(f"-{dim}", type=int, default=default)
+    bench.add_argument("--passes", type=_passes_arg, default=("forward",),
+                       help="comma-separated: forward, backward (forward and backward together, as in training); "
+                            "default forward")
     bench.add_argument("--out", help="write the table as Markdown here (and .json beside it)")
     bench.set_defaults(func=cmd_bench)
     report.add_parser(sub)

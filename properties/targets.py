@@ -131,8 +131,9 @@ def own_kernel_target(name: str | Formulation, form: str) -> Target:
         return configured(chunk_size)(**inputs)
 
     dtypes = (torch.float16, torch.float32) if interpreter_active() else (torch.bfloat16, torch.float16, torch.float32)
-    # attnlab's kernels have no backward yet (FORMULATIONS.md section 9): declared, not probed.
-    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes, False)
+    # Differentiable where its module declares a backward for the form (attnlab.kernel): declared, not probed.
+    differentiable = form in getattr(module, "BACKWARD", {})
+    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes, differentiable)
 
 
 def own_kernel_targets(names: list[str] | None = None) -> list[Target]:

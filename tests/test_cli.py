@@ -74,6 +74,7 @@ def test_unknown_command_and_formulation_are_refused_with_usage():
         (("validate", "--formulation", "gla", "--kernel", "x:y", "--bound", "2", "--dtype", "float16,float32"),
          "give exactly one --dtype"),
         (("bench", "--dtype", "float8"), "invalid choice: 'float8'"),
+        (("bench", "--passes", "forward,sideways"), "unknown pass(es) sideways; expected forward, backward"),
     ],
 )
 def test_usage_errors_exit_2(args: tuple[str, ...], message: str, tmp_path: Path) -> None:
@@ -253,3 +254,28 @@ def test_bound_replaces_the_accuracy_bound(scaled: Path) -> None:
     assert strict.returncode == 1, strict.stdout[-3000:]
     loose, data = validate(scaled, "fp16_imprecise", "float16", "--bound", str(FP16.correctness))
     assert loose.returncode == 0 and verdict_of(data)[0] == "held", loose.stdout[-3000:]
+
+
+def test_a_bench_training_step_resets_the_gradients_it_accumulates() -> None:
+    from attnlab.commands.bench import forward_backward
+
+    x = torch.randn(3, 4, requires_grad=True)
+    step = forward_backward(lambda: (x * 2.0, None), [x])
+    step()
+    assert x.grad is not None and bool(x.grad.ne(0).all())
+    first = x.grad.clone()
+    step()  # the gradient reset first: the same gradient again, not twice it
+    assert torch.equal(x.grad, first)
+
+
+@pytest.mark.gpu
+def test_bench_times_forward_and_training_steps_beside_the_peer_gpu(tmp_path: Path) -> None:
+    result = run_cli("bench", "--formulations", "gla,deltanet", "--passes", "forward,backward", "-B", "1", "-T", "256",
+                     "-H", "2", "-K", "64", "-V", "64", "--out", str(tmp_path / "bench.md"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    gla = {r["pass"]: r for r in rows if r["formulation"] == "gla" and r["setting"] == "default"}
+    assert set(gla) == {"forward", "forward + backward"} and all(r["ours_ms"] > 0 for r in gla.values())
+    assert gla["forward + backward"]["ours_ms"] > gla["forward"]["ours_ms"]
+    deltanet = next(r for r in rows if r["formulation"] == "deltanet" and r["pass"] == "forward + backward")
+    assert "has no backward yet" in deltanet["note"] and "has no backward yet" in (tmp_path / "bench.md").read_text()

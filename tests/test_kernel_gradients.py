@@ -4,9 +4,10 @@ Every form whose kernel module declares a backward is checked on the CPU under t
 fp32, on the registry's inputs: each gradient against the float64 gradient oracle (attnlab.gradients), as an
 excess over the larger of its rounding floor in the dtype it is returned in and its conditioning floor
 (attnlab.metrics.measure_gradients); with a drawn initial state and a final-state cotangent, and without. The
-bound is the entry's gradient accuracy bound (fp16 2), and in fp32 the forward's bound on the registry's inputs (4,
-not the 48 any input is held to: these are the default inputs). A form without a backward refuses inputs that
-require grad with a message that says so. The GPU's bf16 and fp16 run is tests/test_kernels.py's ``gpu`` tests.
+bound is the entry's gradient accuracy bound (bf16 1.5, fp16 2), and in fp32 the forward's bound on the registry's
+inputs (4, not the 48 any input is held to: these are the default inputs). A form without a backward refuses inputs
+that require grad with a message that says so. The ``gpu`` tests run the same check in bf16 and fp16 on the GPU, at
+a length of several chunks and head dims of 64 (each prints its excess per gradient).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from attnlab.kernel import kernel
 from attnlab.metrics import measure_gradients
 from attnlab.registry import bounds_for, formulation, names
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
 SIZES = dict(B=1, T=40, H=2, K=16, V=16)
+# On the GPU: several chunks of every chunk size, head dims of the bench's tiles.
+GPU_SIZES = dict(B=2, T=300, H=2, K=64, V=64)
 
 
 def _forms(with_backward: bool) -> list[tuple[str, str]]:
@@ -46,19 +49,20 @@ def gradient_bound(name: str, dtype: torch.dtype) -> float:
     return bounds.on_default_inputs if dtype == torch.float32 else bounds.gradient_accuracy
 
 
-def _inputs(name: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    x = formulation(name).sample(**SIZES, seed=seed)
+def _inputs(name: str, dtype: torch.dtype, seed: int, sizes: dict[str, int] = SIZES) -> dict[str, Any]:
+    x = formulation(name).sample(**sizes, seed=seed)
     return {n: t.to(dtype) for n, t in x.items()}
 
 
-def check_gradients(name: str, form: str, dtype: torch.dtype, stateful: bool, seed: int = 0) -> dict[str, float]:
-    """The kernel's gradients of ``<do, o>`` (+ ``<dS, final state>`` when ``stateful``) against the oracle's:
-    dtypes, shapes, finiteness and excess. Returns the excess per gradient."""
+def check_gradients(name: str, form: str, dtype: torch.dtype, stateful: bool, seed: int = 0,
+                    device: str = "cpu", sizes: dict[str, int] = SIZES) -> dict[str, float]:
+    """The kernel's gradients of ``<do, o>`` (+ ``<dS, final state>`` when ``stateful``) on ``device`` against the
+    float64 oracle's on the CPU: dtypes, shapes, finiteness and excess. Returns the excess per gradient."""
     f = formulation(name)
-    x = _inputs(name, dtype, seed)
+    x = _inputs(name, dtype, seed, sizes)
     gen = torch.Generator().manual_seed(seed + 1)
     if stateful:  # a state the formulation can reach: the final state of another input's run
-        other = {n: t.double() for n, t in _inputs(name, torch.float32, seed + 100).items()}
+        other = {n: t.double() for n, t in _inputs(name, torch.float32, seed + 100, sizes).items()}
         earlier = attnlab.oracle(name, "chunkwise", "float64")(**other, return_state=True)[1]
         x["initial_state"] = f.state.join(tuple(p.float() for p in f.state.split(earlier)))
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()
@@ -66,8 +70,16 @@ def check_gradients(name: str, form: str, dtype: torch.dtype, stateful: bool, se
     state_leaves = ()
     if stateful:
         state_leaves = tuple(p.detach().clone().requires_grad_() for p in f.state.split(x["initial_state"]))
-    call = {**x, **leaves, **({"initial_state": f.state.join(state_leaves)} if stateful else {})}
-    o, final = kernel(name, form)(**call, return_state=True)
+    call = {**{n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in x.items()},
+            **{n: t.to(device) for n, t in leaves.items()}}  # .to() is differentiable: the leaves stay on the CPU
+    if stateful:
+        call["initial_state"] = f.state.join(tuple(p.to(device) for p in state_leaves))
+    if f.state is None:
+        o = kernel(name, form)(**call).cpu()
+    else:
+        o, final = kernel(name, form)(**call, return_state=True)
+        final = f.state.join(tuple(p.cpu() for p in f.state.split(final)))
+        o = o.cpu()
     # Cotangents representable in the dtype autograd hands the backward (o's, the fp32 state's): the oracle's are exact.
     do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double()
     loss = (o.double() * do).sum()
@@ -98,6 +110,7 @@ def check_gradients(name: str, form: str, dtype: torch.dtype, stateful: bool, se
     return {n: m.excess for n, m in measured.items()}
 
 
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("stateful", [False, True], ids=["plain", "state"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("name,form", DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in DIFFERENTIABLE])
@@ -107,6 +120,19 @@ def test_every_gradient_matches_the_oracle(name, form, dtype, stateful):
     check_gradients(name, form, dtype, stateful)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("stateful", [False, True], ids=["plain", "state"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name,form", DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in DIFFERENTIABLE])
+def test_every_gradient_matches_the_oracle_gpu(name, form, dtype, stateful):
+    if stateful and formulation(name).state is None:
+        pytest.skip(f"{name} has no state")
+    excess = check_gradients(name, form, dtype, stateful, device="cuda", sizes=GPU_SIZES)
+    print(f"{name} {form} {dtype} {'state' if stateful else 'plain'}: "
+          + ", ".join(f"{n} {e:.2f}" for n, e in excess.items()))
+
+
+@INTERPRETER_ONLY
 @pytest.mark.parametrize("name,form", NOT_DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in NOT_DIFFERENTIABLE])
 def test_a_kernel_without_a_backward_refuses_inputs_that_require_grad(name, form):
     x = _inputs(name, torch.float32, 0)

@@ -8,12 +8,18 @@ peer's ``our_options`` (the options under which it computes the same function). 
 ``triton.testing.do_bench`` after a warm-up call (compilation stays out of the numbers); the ratio ours / peer
 is the figure to read, since absolute times depend on the GPU. The memory floor is the time to read every
 input and write the output once at the measured device-to-device bandwidth.
+
+Passes: "forward" times the call; "backward" times the forward and the backward together (``o.backward(do)``
+with a fixed random ``do``, every differentiable input a leaf whose gradient is reset before each step), as a
+training step meets them, for attnlab's kernel and the peer alike (the peer's converted inputs are its leaves,
+so no conversion is timed). A kernel without a backward gets a row saying so.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -77,20 +83,67 @@ def _error_text(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"[:300]
 
 
-def _timed_peer(f: Formulation, x: Inputs) -> tuple[float, str | None]:
-    """(median ms, None) of the bench peer's call, bound before the timing, or (nan, the error)."""
+def _leaf(value: Any) -> Any:
+    return value.detach().clone().requires_grad_() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+def forward_backward(call: Callable[[], Any], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    """One training step of ``call``: its forward, then ``o.backward(do)`` (``o`` the first output, ``do`` drawn
+    once), the leaves' gradients reset first so that no step accumulates into the last one's."""
+    def first(out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    do = torch.randn_like(first(call()))
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        first(call()).backward(do)
+
+    return step
+
+
+def _timed_peer(f: Formulation, x: Inputs, backward: bool = False) -> tuple[float, str | None]:
+    """(median ms, None) of the bench peer's call (``backward``: its forward and backward), bound before the
+    timing, or (nan, the error)."""
     try:
         call = peer_call(f, x)
-    except Exception as error:  # the peer's module is missing, or its convention refuses the inputs
+        if backward:
+            call = replace(call, args=tuple(map(_leaf, call.args)), kwargs={k: _leaf(v) for k, v in call.kwargs.items()})
+            leaves = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+            call = forward_backward(call, leaves)
+    except Exception as error:  # the peer's module is missing, its convention refuses the inputs, no backward
         return math.nan, _error_text(error)
     ms, _, error = _timed(call)
     return ms, error
 
 
+PASSES = ("forward", "backward")
+PASS_LABELS = {"forward": "forward", "backward": "forward + backward"}
+
+
+def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: bool) -> tuple[float, Any, str | None]:
+    """(median ms, the forward's output, None) of attnlab's kernel (``backward``: forward and backward, no output;
+    nan and no error where the kernel has no backward), or (nan, None, the error)."""
+    if not backward:
+        return _timed(lambda: ours(**inputs))
+    if ours._backward is None:
+        return math.nan, None, None
+    differentiable = {a.name for a in f.args if a.differentiable}
+    grad_inputs = {n: _leaf(t) if n in differentiable else t for n, t in inputs.items()}
+    leaves = [t for t in grad_inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+    try:
+        step = forward_backward(lambda: ours(**grad_inputs), leaves)
+    except Exception as error:  # noqa: BLE001 - recorded in the row
+        return math.nan, None, _error_text(error)
+    ms, _, error = _timed(step)
+    return ms, None, error
+
+
 def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, form: str = "chunkwise",
-        progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        passes: tuple[str, ...] = ("forward",), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
-    setting) and its peer at one shape; one result row per kernel setting."""
+    setting) and its peer at one shape, in each of ``passes``; one result row per kernel setting and pass."""
     from attnlab.kernel import kernel, speed_options
 
     bandwidth = measured_bandwidth()
@@ -99,25 +152,31 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
         name, peer = f.name, f.bench_peer
         x = {n: t.to(device="cuda", dtype=dtype) for n, t in f.sample(B=B, T=T, H=H, K=K, V=V, seed=0).items()}
         inputs = peer_inputs(f, x)
-        peer_ms, peer_error = _timed_peer(f, x) if peer else (math.nan, None)
         chosen = form if form in f.kernel_forms else f.kernel_forms[0]
         speed = speed_options(name, chosen)
-        for setting, opts in (("default", {}), ("speed", speed)):
-            if setting == "speed" and not opts:
-                continue
-            ours = kernel(name, chosen, **opts)
-            ours_ms, out, error = _timed(lambda: ours(**inputs))  # noqa: B023
-            row: dict[str, Any] = {
-                "formulation": name, "setting": setting, "kernel": repr(ours), "ours_ms": ours_ms,
-                "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
-                "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
-            }
-            if error:
-                row["error"] = error
-            if peer_error:
-                row["peer_error"] = peer_error
-            progress(f"{name:15s} {setting:8s} ours {ours_ms:8.3f} ms  peer {peer_ms:8.3f} ms  ratio {row['ratio']:.2f}")
-            rows.append(row)
+        for timed_pass in passes:
+            backward = timed_pass == "backward"
+            peer_ms, peer_error = _timed_peer(f, x, backward) if peer else (math.nan, None)
+            for setting, opts in (("default", {}), ("speed", speed)):
+                if setting == "speed" and not opts:
+                    continue
+                ours = kernel(name, chosen, **opts)
+                ours_ms, out, error = _timed_ours(ours, inputs, f, backward)
+                row: dict[str, Any] = {
+                    "formulation": name, "setting": setting, "pass": PASS_LABELS[timed_pass], "kernel": repr(ours),
+                    "ours_ms": ours_ms,
+                    "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
+                    "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
+                }
+                if backward and ours._backward is None:
+                    row["note"] = f"attnlab's {name} {chosen} kernel has no backward yet"
+                if error:
+                    row["error"] = error
+                if peer_error:
+                    row["peer_error"] = peer_error
+                progress(f"{name:15s} {setting:8s} {PASS_LABELS[timed_pass]:18s} ours {ours_ms:8.3f} ms  "
+                         f"peer {peer_ms:8.3f} ms  ratio {row['ratio']:.2f}")
+                rows.append(row)
         del x, inputs
         torch.cuda.empty_cache()
     return rows
@@ -126,14 +185,14 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
 def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
     lines = ["# attnlab kernel benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| formulation | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | ours / floor |",
-              "|---|---|---:|---|---:|---:|---:|---:|"]
+    lines += ["", "| formulation | pass | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | ours / floor |",
+              "|---|---|---|---:|---|---:|---:|---:|---:|"]
     def cell(value: float, digits: int, otherwise: str = "n/a") -> str:
         return f"{value:.{digits}f}" if value == value else otherwise
 
     for r in rows:
-        ours = cell(r["ours_ms"], 3, r.get("error", "n/a"))
-        lines.append(f"| {r['formulation']} | `{r['kernel']}` | {ours} | {r['peer'] or 'none'} | {cell(r['peer_ms'], 3, r.get('peer_error', 'n/a'))} | "
+        ours = cell(r["ours_ms"], 3, r.get("error") or r.get("note", "n/a"))
+        lines.append(f"| {r['formulation']} | {r.get('pass', 'forward')} | `{r['kernel']}` | {ours} | {r['peer'] or 'none'} | {cell(r['peer_ms'], 3, r.get('peer_error', 'n/a'))} | "
                      f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} |")
     return "\n".join(lines) + "\n"
 
