@@ -64,15 +64,16 @@ term uses do . o of the returned o (o carried to ~22 bits there measured dk 1.00
 the fp16 o 1.01). Nothing is gated: no exponent appears but phi's and
 phi''s, exp(min(x, 0)).
 
-- ``chunkwise``: the forward saves, per head, S at every chunk's start (fp32
-  [B, H, chunks, K, V]: states it computes anyway, written once, where
-  recomputing them would read k and v again in another sequential pass; the
-  cost is memory, K V / C fp32 per token and head, 4x o's bf16 bytes at
-  K = V = 128, C = 64), and when normalized z at every chunk's start and den
-  per row (fp32). o is not saved (the wrapper passes it). Then four
-  launches: do . o per row (normalized); a reverse pass over chunks per (V
-  block, head) that writes dS, dz after every chunk and returns (dS_0, dz_0);
-  then every chunk in parallel: dv per (V block, chunk, head), and dq, dk per
+- ``chunkwise``: the forward saves den per row (fp32, when normalized) and
+  nothing else (o comes from the wrapper). The backward recomputes S and z
+  at every chunk's start (fp32 [B, H, chunks, K, V], by the forward's own
+  operations), as fla does: saving them in the forward made its registers
+  spill on sm_90 (4 -> 120 bytes per thread, K = V = 128, bf16) and would
+  hold K V / C fp32 per token and head (4x o's bf16 bytes at C = 64) from
+  the forward to the backward; recomputing reads k and v once more. Then:
+  do . o per row (normalized); a reverse pass over chunks per (V block,
+  head) that writes dS, dz after every chunk and returns (dS_0, dz_0); and
+  every chunk in parallel: dv per (V block, chunk, head), and dq, dk per
   (chunk, head), all of K, looping over V blocks (_chunk_query_key_kernel,
   which forms do . num from its own tiles, do v^T and do S^T, for dq). Dots
   take the forward's ``precision`` and ``feature_precision`` (do, v and the
@@ -128,12 +129,12 @@ def elu1(x):
 def _chunkwise_kernel(
     q, k, v, o,
     initial_S, initial_z, final_S, final_z,
-    saved_den, chunk_S, chunk_z,
+    saved_den,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
-    SAVE: tl.constexpr,
+    SAVE_DEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: V block pid_v of head (b, h). Per chunk of rows i, j (features fq = phi(q), fk = phi(k)):
@@ -141,7 +142,7 @@ def _chunkwise_kernel(
     #   num = A v + fq S,   den = rowsum(A) + fq . z      (S, z: the state before the chunk)
     #   o   = num / den  (normalize)  or  scale * num
     #   S  += fk^T v,   z += colsum(fk)
-    # SAVE (for the backward): S at every chunk's start, and z and den per row when normalized.
+    # SAVE_DEN (for the backward, normalized): den per row.
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -171,16 +172,9 @@ def _chunkwise_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
         z = tl.zeros([BK], dtype=tl.float32)
 
-    # The saved chunk states and den, like q, k, v: a scalar int64 start stepped per chunk, int32 tiles.
-    chunk_z_start = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) * K  # chunk 0's z of head (b, h); its S at * V
     den_start = b.to(tl.int64) * T * H + h  # element (b, start, h) of den
     for start in range(0, T, CHUNK):
         row_ok = rows < T - start
-        if SAVE:
-            tl.store(chunk_S + chunk_z_start * V + keys[:, None] * V + values[None, :], S, mask=S_mask)
-            if NORMALIZE:
-                tl.store(chunk_z + chunk_z_start + keys, z, mask=key_ok & (pid_v == 0))
-            chunk_z_start += K
         qk_mask = row_ok[:, None] & key_ok[None, :]
         v_mask = row_ok[:, None] & value_ok[None, :]
         q_c = tl.load(q + qk_chunk + qk_tile, mask=qk_mask, other=0.0)
@@ -209,7 +203,7 @@ def _chunkwise_kernel(
         if NORMALIZE:
             denominator = tl.sum(A, axis=1) + tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
             o_c = numerator / tl.where(row_ok, denominator, 1.0)[:, None]
-            if SAVE:
+            if SAVE_DEN:
                 tl.store(saved_den + den_start + rows * H, denominator, mask=row_ok & (pid_v == 0))
         else:
             o_c = scale * numerator
@@ -329,24 +323,20 @@ def chunkwise(
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
-    den = chunk_S = chunk_z = None
-    if saved is not None:
-        chunks = triton.cdiv(T, chunk_size)
-        chunk_S = saved["chunk_S"] = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
-        if normalize:
-            chunk_z = saved["chunk_z"] = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device)
-            den = saved["den"] = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
+    den = None
+    if saved is not None and normalize:
+        den = saved["den"] = torch.empty(B, T, H, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(V, BV), B * H)
     launch_after_checks(await_checks, Launch(
         _chunkwise_kernel, grid,
         q, k, v, o, initial_S, initial_z, final_S, final_z,
-        den, chunk_S, chunk_z,
+        den,
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
         FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
-        SAVE=saved is not None,
+        SAVE_DEN=den is not None,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
     ))
@@ -471,6 +461,56 @@ def _do_dot_o(do: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         do, o, do_o, B * T * H, V, BLOCK_ROWS=BLOCK_ROWS, BV=block_size(V),
     )
     return do_o
+
+
+@triton.jit
+def _chunk_states_kernel(
+    k, v, chunk_S, chunk_z, initial_S, initial_z,
+    T, H, K, V,
+    CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, TRACK_Z: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
+):
+    # The forward's state pass again, one V block of one head: S (and z) at every chunk's start, by the forward's
+    # very operations (so den and o are those of these states):  S += fk^T v,  z += colsum(fk)
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    rows = tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_tile = keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    if HAS_INITIAL_STATE:
+        S = tl.load(initial_S + pid_bh.to(tl.int64) * K * V + S_tile, mask=S_mask, other=0.0)
+        z = tl.load(initial_z + pid_bh.to(tl.int64) * K + keys, mask=key_ok, other=0.0)
+    else:
+        S = tl.zeros([BK, BV], dtype=tl.float32)
+        z = tl.zeros([BK], dtype=tl.float32)
+    z_start = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) * K  # chunk 0's z of head (b, h); its S at z_start * V
+    k_chunk = (b.to(tl.int64) * T * H + h) * K  # element (b, start, h, 0) of k
+    v_chunk = (b.to(tl.int64) * T * H + h) * V
+    for start in range(0, T, CHUNK):
+        tl.store((chunk_S + z_start * V) + S_tile, S, mask=S_mask)
+        if TRACK_Z:
+            tl.store(chunk_z + z_start + keys, z, mask=key_ok & (pid_v == 0))
+        row_ok = rows < T - start
+        k_mask = row_ok[:, None] & key_ok[None, :]
+        k_c = tl.load(k + k_chunk + rows[:, None] * (H * K) + keys[None, :], mask=k_mask, other=0.0)
+        v_c = tl.load(v + v_chunk + rows[:, None] * (H * V) + values[None, :],
+                      mask=row_ok[:, None] & value_ok[None, :], other=0.0)
+        fk = features(k_c, k_mask, ELU1, FP32_FEATURES)
+        if FP32_FEATURES:
+            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
+        else:
+            S = tl.dot(tl.trans(fk), v_c, S, input_precision=INPUT_PRECISION)
+        z += tl.sum(fk.to(tl.float32), axis=0)
+        z_start += K
+        k_chunk += CHUNK * H * K
+        v_chunk += CHUNK * H * V
 
 
 @triton.jit
@@ -710,8 +750,20 @@ def chunkwise_backward(
                                   feature_map=feature_map, normalize=normalize, state=state)
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
-    _, fp32_precision, rescale = input_split_config(q.dtype, precision)
+    input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     chunks = triton.cdiv(T, chunk_size)
+    fp32_features = _fp32_features(q.dtype, feature_map, feature_precision)
+    chunk_S = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
+    chunk_z = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device) if normalize else None
+    initial_S, initial_z = state if state is not None else (None, None)
+    _chunk_states_kernel[(triton.cdiv(V, BV), B * H)](
+        k, v, chunk_S, chunk_z, initial_S, initial_z,
+        T, H, K, V,
+        CHUNK=chunk_size, BK=BK, BV=BV, ELU1=feature_map == "elu1", FP32_FEATURES=fp32_features,
+        HAS_INITIAL_STATE=state is not None, TRACK_Z=normalize,
+        INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
+        num_warps=num_warps, num_stages=num_stages,
+    )
     do_o = _do_dot_o(do, o) if normalize else None
     track_z = normalize or d_state is not None
     chunk_dS = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
@@ -719,8 +771,8 @@ def chunkwise_backward(
     d_final_S, d_final_z = d_state if d_state is not None else (None, None)
     d_initial_S, d_initial_z = _initial_state_grads(q, V, state)
     constants = dict(CHUNK=chunk_size, BK=BK, ELU1=feature_map == "elu1", NORMALIZE=normalize,
-                     FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
-                     PRECISION=fp32_precision, RESCALE=rescale, num_warps=num_warps, num_stages=num_stages)
+                     FP32_FEATURES=fp32_features, PRECISION=fp32_precision, RESCALE=rescale,
+                     num_warps=num_warps, num_stages=num_stages)
     _state_cotangent_kernel[(triton.cdiv(V, BV), B * H)](
         q, do, saved.get("den"), do_o,
         d_final_S, d_final_z, chunk_dS, chunk_dz, d_initial_S, d_initial_z,
@@ -737,7 +789,7 @@ def chunkwise_backward(
     # spills at 8 warps, 680 bytes per thread at 4).
     _chunk_query_key_kernel[(chunks, B * H)](
         q, k, v, do, dq, dk,
-        saved.get("den"), saved["chunk_S"], saved.get("chunk_z"), chunk_dS, chunk_dz,
+        saved.get("den"), chunk_S, chunk_z, chunk_dS, chunk_dz,
         T, H, K, V, scale,
         BV=BV, TRACK_Z=track_z, **{**constants, "num_warps": max(num_warps, 8)},
     )
