@@ -102,11 +102,12 @@ OPTIONS = {
 }
 
 # Tiles of the chunkwise backward where its caller gives no block_v, chosen by ptxas' register report for sm_90
-# (bf16, K = V = 128, C = 64, 4 warps), there being no timing yet. The dq, dk and dg kernel runs one program per K
-# block, chunk and head, as fla's dq/dk kernel, recomputing dA = do v^T per K block: its accumulators (two
-# [C, K block] fp32 tiles, dA [C, C], the states' [K block, V block] tiles) spill 2 KiB at 64 x 64 and 72 bytes at
-# 32 x 32. The reverse pass over chunk states spills 600 bytes at V blocks of 64, 96 at 32 (and has twice the
-# programs). The dv kernel keeps the forward's V block (no spills at 64).
+# (tools/gpu/sm90_compile.py: bf16, K = V = 128, C = 64, 4 warps), there being no timing yet. The dq, dk and dg
+# kernel runs one program per K block, chunk and head, as fla's dq/dk kernel, recomputing dA = do v^T per K block;
+# its accumulators (two [C, K block] fp32 tiles, dA [C, C], the states' [K block, V block] tiles) take 177
+# registers at 32 x 32, 247 at 32 x 64, and spill at 64 x 32 (28 bytes) and 64 x 64 (124 bytes; none at 8 warps).
+# The reverse pass over chunk states takes 158 registers at V blocks of 32 (237 at 64) and has twice the programs
+# for its sequential loop. The dv kernel keeps the forward's V block (160 registers at 64).
 QUERY_KEY_BLOCK = 32
 BACKWARD_BLOCK_V = 32
 
