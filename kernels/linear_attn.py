@@ -742,7 +742,8 @@ def chunkwise_backward(
     num_stages: int = 2,
     **ignored: object,
 ) -> dict:
-    """Gradients of the chunkwise kernel: the reverse state pass, then every chunk in parallel (module docstring)."""
+    """Gradients of the chunkwise kernel: the chunk states again, the reverse pass for their cotangents, then every
+    chunk in parallel (module docstring)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V):  # the forward ran the recurrent kernel
@@ -814,10 +815,11 @@ def _recurrent_query_kernel(
     ELU1: tl.constexpr, NORMALIZE: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr,
 ):
     # The forward sweep of the recurrent backward, for one V block of one head: S_t, z_t (compensated sums), and
-    # per token this block's part of S_t do_t (a K vector) and of do_t . num_t = phi(q_t) . (S_t do_t);
-    # block 0 writes z_t and den_t = phi(q_t) . z_t (the forward's, but from the compensated z). The host sums the parts: dfq_t = (S_t do_t - do_o_t z_t) / den_t with
-    # do_o_t = do_t . num_t / den_t, or scale S_t do_t. do . o is formed from these S_t do_t, so that the
-    # cancellation in dfq (phi(q_t) . dfq_t = 0) holds in their rounding too.
+    # per token this block's part of S_t do_t (a K vector) and of do_t . num_t = phi(q_t) . (S_t do_t); block 0
+    # writes z_t and den_t = phi(q_t) . z_t (the forward's, from the compensated z). The host sums the parts:
+    #   dfq_t = (S_t do_t - do_o_t z_t) / den_t,  do_o_t = do_t . num_t / den_t     (or scale S_t do_t)
+    # do . o is formed from these S_t do_t, so that the cancellation in dfq (phi(q_t) . dfq_t = 0) holds in their
+    # rounding too.
     pid_v = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
