@@ -485,17 +485,27 @@ def chunkwise(
 # Recurrent
 # ---------------------------------------------------------------------------
 
+# The recurrent backward's replay segment: with ``saved`` the forward stores the state entering every
+# RECURRENT_SEGMENT-th step, and the backward replays one segment at a time (module docstring, "Recurrent backward").
+RECURRENT_SEGMENT = 64
+# The backward keeps S_t, S_{t-1}, the decayed state and dS as fp32 tiles of [BK, BV]; BK * BV at most this many
+# entries (16 fp32 registers a tile a thread at 4 warps), half the forward's default tile at K = 128.
+RECURRENT_BACKWARD_TILE = 2048
+
 
 @triton.jit
 def _kda_recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_in_ptr, state_out_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_in_ptr, state_out_ptr, checkpoint_ptr,
     T, H, K, V, scale,
     BK: tl.constexpr, BV: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
+    SEGMENT: tl.constexpr,
 ):
     """Token by token, S [BK, BV] fp32:
       S = exp(g_t)[:, None] * S
       S = S + beta_t k_t (v_t - S^T k_t)^T
       o_t = S^T (scale q_t)
+    With SEGMENT > 0 (gradients wanted) the state entering every SEGMENT-th step also goes to
+    checkpoint [B*H, cdiv(T, SEGMENT), K, V], this program's V columns of it.
     """
     v_block = tl.program_id(0)
     bh = tl.program_id(1)
@@ -515,6 +525,10 @@ def _kda_recurrent_kernel(
         S = tl.zeros((BK, BV), dtype=tl.float32)
 
     for t in range(T):
+        if SEGMENT > 0:
+            if t % SEGMENT == 0:
+                checkpoint = (bh.to(tl.int64) * tl.cdiv(T, SEGMENT) + t // SEGMENT) * K * V
+                tl.store(checkpoint_ptr + checkpoint + channels[:, None] * V + values[None, :], S, mask=state_mask)
         token = (b * T + t).to(tl.int64) * H + h
         q_t = tl.load(q_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
         k_t = tl.load(k_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
@@ -535,8 +549,10 @@ def _kda_recurrent_kernel(
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool, block_v: int = 32, num_warps: int = 4,
-    await_checks: Callable[[], None] = no_pending_checks,
+    saved: dict[str, torch.Tensor] | None = None, await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
+    """The literal recurrence; with ``saved`` (gradients wanted) it also stores the state entering every
+    RECURRENT_SEGMENT-th step there, as "checkpoints" [B*H, cdiv(T, RECURRENT_SEGMENT), K, V] fp32."""
     for name, value in (("block_v", block_v), ("num_warps", num_warps)):
         _check_choice("recurrent", name, value)
     B, T, H, K = k.shape
@@ -547,12 +563,158 @@ def recurrent(
     initial = state[0] if state is not None else None
     final = zero_state((B, H, K, V), q.device) if return_state else None
     unused = zero_state((1,), q.device)  # stands in for an absent state pointer
+    if saved is not None:
+        saved["checkpoints"] = torch.empty((B * H, triton.cdiv(T, RECURRENT_SEGMENT), K, V), dtype=torch.float32,
+                                           device=q.device)
     launch_after_checks(await_checks, Launch(
         _kda_recurrent_kernel, (triton.cdiv(V, BV), B * H),
         q, k, v, g, beta, o,
         initial if initial is not None else unused, final if final is not None else unused,
+        saved["checkpoints"] if saved is not None else unused,
         T, H, K, V, scale,
         BK=BK, BV=BV, HAS_INITIAL_STATE=initial is not None, STORE_FINAL_STATE=return_state,
+        SEGMENT=RECURRENT_SEGMENT if saved is not None else 0,
         num_warps=num_warps,
     ))
     return o, ((final,) if return_state else None)
+
+
+# ---------------------------------------------------------------------------
+# Recurrent backward
+# ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _kda_recurrent_backward_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, do_ptr, checkpoint_ptr, scratch_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, d_final_ptr, d_initial_ptr,
+    B, T, H, K, V, scale,
+    BK: tl.constexpr, BV: tl.constexpr, SEGMENT: tl.constexpr,
+    HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
+):
+    """The recurrence's dual, backwards in time; dS [BK, BV] fp32 is the cotangent of S_t. Step t,
+    with D = exp(g_t), the decayed state S' = D * S_{t-1} (rows), the write u = beta (v_t - S'^T k_t):
+
+        dS += scale q_t do_t^T;            dq_t = scale S_t do_t
+        du = dS^T k_t;                     dv_t = beta du;      dbeta_t = du . (v_t - S'^T k_t)
+        dk_t = dS u - beta S' du
+        dS' = dS - beta k_t du^T           (= (I - beta k_t k_t^T) dS)
+        dg_t = sum_v S' * dS' (per row);   dS = D * dS' (rows)
+
+    from the final state's cotangent to the initial state's gradient. The states S_{t-1} come from
+    replaying one segment at a time from the forward's checkpoints into this program's scratch
+    [SEGMENT, BK, BV] (slot s: the state entering the segment's step s), read back in reverse; S_t is
+    the previous (later) step's S_{t-1}, carried in registers. dq, dk, dg and dbeta sum over V: this V
+    block's part goes to its own slice [v_block] of theirs. One program per (V block, batch*head).
+    """
+    v_block = tl.program_id(0)
+    bh = tl.program_id(1)
+    program = v_block * tl.num_programs(1) + bh
+    b = bh // H
+    h = bh % H
+
+    channels = tl.arange(0, BK)
+    values = v_block * BV + tl.arange(0, BV)
+    channel_ok = channels < K
+    value_ok = values < V
+    state_offsets = channels[:, None] * V + values[None, :]
+    state_mask = channel_ok[:, None] & value_ok[None, :]
+    scratch = scratch_ptr + program.to(tl.int64) * SEGMENT * BK * BV + channels[:, None] * BV + tl.arange(0, BV)[None, :]
+    key_part = v_block.to(tl.int64) * B * T * H * K  # this V block's slice of dq, dk, dg
+    beta_part = v_block.to(tl.int64) * B * T * H  # and of dbeta
+    if HAS_D_FINAL:
+        dS = tl.load(d_final_ptr + bh.to(tl.int64) * K * V + state_offsets, mask=state_mask, other=0.0)
+    else:
+        dS = tl.zeros((BK, BV), dtype=tl.float32)
+
+    segments = tl.cdiv(T, SEGMENT)
+    for i in range(0, segments):
+        start = (segments - 1 - i) * SEGMENT
+        steps = tl.minimum(SEGMENT, T - start)
+        # Replay: the forward's steps on the checkpoint, each entering state to its slot. The state after
+        # the segment's last step stays in S: it is S_t of the first step walked back.
+        S = tl.load(checkpoint_ptr + (bh.to(tl.int64) * segments + start // SEGMENT) * K * V + state_offsets,
+                    mask=state_mask, other=0.0)
+        for s in range(0, steps):
+            tl.store(scratch + s * BK * BV, S)
+            token = (b * T + start + s).to(tl.int64) * H + h
+            k_t = tl.load(k_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
+            g_t = tl.load(g_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
+            v_t = tl.load(v_ptr + token * V + values, mask=value_ok, other=0.0).to(tl.float32)
+            beta_t = tl.load(beta_ptr + token).to(tl.float32)
+            S = tl.exp(g_t)[:, None] * S
+            S += (beta_t * k_t)[:, None] * (v_t - tl.sum(k_t[:, None] * S, axis=0))[None, :]
+        tl.debug_barrier()  # the replayed states are read back in another thread layout
+
+        for j in range(0, steps):
+            s = steps - 1 - j
+            token = (b * T + start + s).to(tl.int64) * H + h
+            q_t = tl.load(q_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
+            k_t = tl.load(k_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
+            g_t = tl.load(g_ptr + token * K + channels, mask=channel_ok, other=0.0).to(tl.float32)
+            v_t = tl.load(v_ptr + token * V + values, mask=value_ok, other=0.0).to(tl.float32)
+            do_t = tl.load(do_ptr + token * V + values, mask=value_ok, other=0.0).to(tl.float32)
+            beta_t = tl.load(beta_ptr + token).to(tl.float32)
+            S_before = tl.load(scratch + s * BK * BV)  # S_{t-1}
+            decay = tl.exp(g_t)  # g <= 0: at most 1
+            decayed = decay[:, None] * S_before  # S', exactly as the forward formed it
+            residual = v_t - tl.sum(k_t[:, None] * decayed, axis=0)  # v_t - S'^T k_t
+
+            dS += (scale * q_t)[:, None] * do_t[None, :]
+            du = tl.sum(k_t[:, None] * dS, axis=0)
+            dk = tl.sum(dS * (beta_t * residual)[None, :], axis=1) - beta_t * tl.sum(decayed * du[None, :], axis=1)
+            tl.store(dq_ptr + key_part + token * K + channels, scale * tl.sum(S * do_t[None, :], axis=1), mask=channel_ok)
+            tl.store(dk_ptr + key_part + token * K + channels, dk, mask=channel_ok)
+            tl.store(dv_ptr + token * V + values, (beta_t * du).to(dv_ptr.dtype.element_ty), mask=value_ok)
+            tl.store(dbeta_ptr + beta_part + token, tl.sum(du * residual, axis=0))
+            dS -= (beta_t * k_t)[:, None] * du[None, :]  # dS'
+            # Each step's gate gradient is its own sum of products: no cumulative sum, nothing cancels.
+            tl.store(dg_ptr + key_part + token * K + channels, tl.sum(decayed * dS, axis=1), mask=channel_ok)
+            dS = decay[:, None] * dS
+            S = S_before
+        tl.debug_barrier()  # the next segment overwrites the scratch
+
+    if STORE_D_INITIAL:
+        tl.store(d_initial_ptr + bh.to(tl.int64) * K * V + state_offsets, dS, mask=state_mask)
+
+
+def recurrent_backward(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
+    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None,
+    saved: dict[str, torch.Tensor], block_v: int = 32, num_warps: int = 4, **ignored,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """Gradients of the recurrent form (module docstring, "Recurrent backward"): one reverse pass over time,
+    replaying the forward's checkpoints a segment at a time; o is not needed. V tiles are block_v columns or
+    fewer, so that BK * BV <= RECURRENT_BACKWARD_TILE."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    BK = block_size(K)
+    BV = min(block_v, block_size(V), max(16, RECURRENT_BACKWARD_TILE // BK))
+    NV = triton.cdiv(V, BV)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # One fp32 part per V block of the sums over V, added after.
+    dq_parts = torch.empty((NV, B, T, H, K), **f32)
+    dk_parts = torch.empty((NV, B, T, H, K), **f32)
+    dg_parts = torch.empty((NV, B, T, H, K), **f32)
+    dbeta_parts = torch.empty((NV, B, T, H), **f32)
+    dv = torch.empty_like(v)
+    d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
+    scratch = torch.empty((NV * B * H, RECURRENT_SEGMENT, BK, BV), **f32)
+    _kda_recurrent_backward_kernel[(NV, B * H)](
+        q, k, v, g, beta, do, saved["checkpoints"], scratch,
+        dq_parts, dk_parts, dv, dg_parts, dbeta_parts,
+        d_state[0] if d_state is not None else scratch, d_initial if d_initial is not None else scratch,
+        B, T, H, K, V, scale,
+        BK=BK, BV=BV, SEGMENT=RECURRENT_SEGMENT, HAS_D_FINAL=d_state is not None,
+        STORE_D_INITIAL=state is not None, num_warps=num_warps,
+    )
+    grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {
+        "q": dq_parts.sum(0).to(q.dtype), "k": dk_parts.sum(0).to(k.dtype), "v": dv,
+        "g": dg_parts.sum(0).to(g.dtype), "beta": dbeta_parts.sum(0).to(beta.dtype),
+    }
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial,)
+    return grads
+
+
+BACKWARD = {"recurrent": recurrent_backward}
