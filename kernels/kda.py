@@ -107,6 +107,45 @@ Recurrent form (``_kda_recurrent_kernel``): one program per (B*H, V block),
 the literal recurrence token by token with the fp32 state in registers.
 OPTIONS: ``block_v`` (32), ``num_warps`` (4).
 
+Recurrent backward (``BACKWARD["recurrent"]``; the chunkwise form has none
+yet). Write step t as D_t = exp(g_t), the decayed state S'_t = D_t * S_{t-1}
+(rows), the write u_t = beta_t (v_t - S'_t^T k_t), S_t = S'_t + k_t u_t^T.
+With dS_T the final state's cotangent (0 where no loss reads it), for
+t = T .. 1 the dual recurrence is
+
+    dS_t  += scale q_t do_t^T,              dq_t = scale S_t do_t
+    du_t   = dS_t^T k_t,                    dv_t = beta_t du_t
+    dbeta_t = du_t . (v_t - S'_t^T k_t),    dk_t = dS_t u_t - beta_t S'_t du_t
+    dS'_t  = (I - beta_t k_t k_t^T) dS_t
+    dg_t   = sum_v S'_t * dS'_t  (one sum per key channel)
+    dS_{t-1} = D_t * dS'_t
+
+and dS_0 is the initial state's gradient. Each step's gate gradient is its
+own sum of products of the step's decayed state and cotangent: no reverse
+cumulative sum of q dq - k dk, which would be the same number as a
+difference. Every exponent is a single step's g_t <= 0. The reflection
+beta near 2 is taken as the forward takes it: fp32 throughout.
+
+Saved vs recomputed: the dual walks backwards and needs S_{t-1} (and S_t)
+in reverse order. Keeping every state is B H T K V floats (34 GB in fp32 at
+the bench shape), and (I - beta k k^T) cannot be undone (singular at
+beta = 1), so the forward, given ``saved``, stores only the state entering
+every RECURRENT_SEGMENT = 64th step ("checkpoints", B H K V T / 64 fp32).
+The backward walks the segments from the last: it replays one segment from
+its checkpoint (the forward's exact fp32 operations) into a per-program
+scratch of 64 states, then runs the dual backwards through it, carrying
+S_t in registers from the step after. The replay doubles the state
+arithmetic and rereads k, v, g, beta; o is not used. The V columns are
+independent in both recurrences, so programs split V as the forward does
+(B H ceil(V / BV) programs): dv is complete in each, while dq, dk, dg and
+dbeta sum over V and each V block writes an fp32 part, added on the host.
+BV is block_v, capped so that BK * BV <= 2048 (at least 16), for four live
+fp32 tiles (S_t, S_{t-1}, S'_t, dS). Speed risks for a GPU run to check:
+the per-program scratch (64 BK BV fp32 in global memory, 0.5 GB at the
+bench shape, as much as the checkpoints; it is read back right after being
+written, from L2 at best), register spills at BK = 256, the host sums of
+the V parts, and the program count (1024 at the bench shape, BV = 16).
+
 Measurements behind these choices (timings, registers, the designs tried):
 reports/bench.md, "Design history moved from the kernel docstrings".
 """

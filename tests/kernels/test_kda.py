@@ -4,7 +4,9 @@ Runs under the Triton interpreter on CPU in fp16 and fp32 (the generic
 oracle and resume tests are in tests/test_kernels.py). Accuracy bounds are
 the lab's excess bounds, rel_err / max(rounding floor, conditioning floor):
 2 in fp16, 4 in fp32. Shapes stay tiny: the interpreter runs programs one by
-one at about a millisecond per Triton op.
+one at about a millisecond per Triton op. The recurrent form's backward is
+checked gradient by gradient against the float64 gradient oracle at the
+end of the file (the generic gradient test is tests/test_kernel_gradients.py).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
+from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel as make_kernel
-from attnlab.metrics import conditioning_floor, measure, rel_err
+from attnlab.metrics import conditioning_floor, measure, measure_gradients, rel_err
 from attnlab.kernels import kda as kda_module
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
 from kernel_checks import EXCESS_BOUND, as_on_the_gpu_in_bf16
@@ -280,3 +283,122 @@ def test_auto_chunk_size_off_the_gpu():
     """Off the GPU "auto" is chunks of 64 (the state pass's SM count is unknown there): bit for bit the same."""
     x = _cast(_inputs(T=24, seed=13), torch.float32)
     assert torch.equal(make_kernel("kda", "chunkwise")(**x), make_kernel("kda", "chunkwise", chunk_size=64)(**x))
+
+
+# --- recurrent backward (kernels/kda.py, "Recurrent backward") ----------------------------------------------------
+
+
+def _check_gradients(x: dict[str, torch.Tensor], dtype: torch.dtype, *, with_do: bool = True,
+                     with_d_state: bool = True, **options) -> dict[str, float]:
+    """The recurrent kernel's gradients of ``<do, o> + <dS, final state>`` on x rounded to dtype (x's
+    initial_state, if any, stays fp32) against the float64 oracle's: dtypes, shapes, finiteness and the
+    excess bound of tests/test_kernel_gradients.py (fp16 2, fp32 4). ``with_do=False`` puts do = 0,
+    ``with_d_state=False`` leaves the final state out of the loss. Returns the excess per gradient."""
+    f = attnlab.formulation("kda")
+    x = {n: (t if n == "initial_state" else t.to(dtype)) for n, t in x.items()}
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if n != "initial_state"}
+    state = x.get("initial_state")
+    state_leaf = state.detach().clone().requires_grad_() if state is not None else None
+    call = {**x, **leaves, **({"initial_state": state_leaf} if state is not None else {})}
+    o, final = make_kernel("kda", "recurrent", **options)(**call, return_state=True)
+    generator = torch.Generator().manual_seed(11)
+    do = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(dtype).double() * with_do
+    d_state = torch.randn(final.shape, generator=generator, dtype=torch.float64).float().double() if with_d_state else None
+    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
+    got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
+    grads = dict(zip(leaves, got))
+    for n, g in grads.items():
+        assert g.dtype == dtype and g.shape == leaves[n].shape, n
+    dtypes = gradient_dtypes(f, x)
+    if state is not None:
+        grads["initial_state"] = got[-1]
+        assert got[-1].dtype == torch.float32
+        dtypes["initial_state"] = dtype
+    reference = oracle_gradients(f, x, do, d_state)
+    measured = measure_gradients(grads, reference, dtypes, gradient_floor(f, x, do, d_state, base=reference))
+    for n, m in measured.items():
+        assert m.nonfinite == 0 and m.excess <= EXCESS_BOUND[dtype], (n, m.as_dict())
+    return {n: m.excess for n, m in measured.items()}
+
+
+def _with_state(x: dict[str, torch.Tensor], seed: int = 20) -> dict[str, torch.Tensor]:
+    """x with an initial state the recurrence can reach: the final state of another draw."""
+    B, T, H, K = x["q"].shape
+    other = _inputs(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
+    return {**x, "initial_state": attnlab.oracle("kda", "chunkwise", "float64")(**other, return_state=True)[1].float()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_across_replay_segments(dtype):
+    """T = 70: two replay segments of the backward, the second partial; two heads, an initial state and
+    both cotangents."""
+    _check_gradients(_with_state(_inputs(T=70, H=2, seed=21)), dtype)
+
+
+def test_gradients_at_one_position():
+    _check_gradients(_with_state(_inputs(T=1, seed=22)), torch.float32)
+
+
+@pytest.mark.parametrize("block_v", [16, 32], ids=["2-value-blocks", "1-value-block"])
+def test_gradients_of_odd_head_dims(block_v):
+    """K = 20, V = 24: masked channels on both sides; with block_v = 16, two V blocks (the second partial)
+    whose parts of dq, dk, dg and dbeta are added."""
+    _check_gradients(_with_state(_inputs(T=21, K=20, V=24, seed=23)), torch.float16, block_v=block_v)
+
+
+def test_gradients_of_large_odd_head_dims():
+    """K = 100 (a 128-channel tile), V = 72 (BV capped at 16 by the backward's tile: five V blocks)."""
+    _check_gradients(_with_state(_inputs(T=5, K=100, V=72, seed=24)), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_with_gates_of_minus_20(dtype):
+    """exp(-20) per step on half the key channels and at random steps: every exponent is one step's gate
+    (<= 0), and the gate's gradient is a per-step sum (no cumulative sums)."""
+    x = _inputs(T=40, seed=25)
+    strong = torch.rand(x["g"].shape, generator=torch.Generator().manual_seed(26), dtype=torch.float64) < 0.3
+    strong[..., ::2] = True
+    x["g"] = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    _check_gradients(_with_state(x), dtype)
+
+
+@pytest.mark.parametrize("low,high", [(0.0, 1e-3), (1.99, 1.998)], ids=["beta~0", "beta~2"])
+def test_gradients_at_beta_extremes(low, high):
+    """beta near 0 (almost no write) and near 2 (a reflection: the backward's erase is one too)."""
+    x = _inputs(T=24, seed=27)
+    x["beta"] = low + (high - low) * torch.rand(x["beta"].shape, generator=torch.Generator().manual_seed(27),
+                                                dtype=torch.float64)
+    _check_gradients(_with_state(x), torch.float16)
+
+
+def test_gradients_of_the_final_state_alone():
+    """do = 0: every gradient comes from the final state's cotangent (dq is exactly 0)."""
+    _check_gradients(_with_state(_inputs(T=37, seed=28)), torch.float16, with_do=False)
+
+
+def test_gradients_of_the_output_alone():
+    """No loss reads the final state (its cotangent is None), no initial state."""
+    _check_gradients(_inputs(T=37, seed=29), torch.float16, with_d_state=False)
+
+
+@pytest.mark.parametrize("block_v,num_warps", [(16, 1), (32, 2), (64, 4), (128, 8)])
+def test_gradients_under_every_option(block_v, num_warps):
+    """Every block_v (V = 40: three, two or one V blocks) and num_warps."""
+    _check_gradients(_with_state(_inputs(T=9, V=40, seed=30)), torch.float32, block_v=block_v, num_warps=num_warps)
+
+
+def test_checkpoints_are_the_states_entering_each_segment():
+    """The forward, asked for ``saved``, stores the state entering steps 0 and 64 (the oracle's, to fp32
+    rounding) and computes the same o as without it."""
+    x = _cast(_inputs(T=70, seed=31), torch.float32)
+    initial = _with_state(_inputs(T=1, seed=31))["initial_state"]
+    call = {**x, "scale": 0.25, "state": (initial,), "return_state": False}
+    saved: dict[str, torch.Tensor] = {}
+    o, _ = kda_module.recurrent(**call, saved=saved)
+    assert torch.equal(o, kda_module.recurrent(**call)[0])
+    prefix = {n: t[:, :64] for n, t in x.items()}
+    _, state_64 = attnlab.oracle("kda", "recurrent", "float64")(**prefix, scale=0.25, initial_state=initial,
+                                                                return_state=True)
+    assert saved["checkpoints"].shape == (1, 2, 16, 16)
+    assert torch.equal(saved["checkpoints"][0, 0], initial[0, 0])
+    assert rel_err(saved["checkpoints"][0, 1], state_64[0, 0]) <= 1e-5
