@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
@@ -153,7 +154,13 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, tmp_path):
 
 # --- the backward pass (report --passes backward) ----------------------------------------------------------------
 
-BACKWARD_FORMULATIONS = ("gla", "rwkv4")
+BACKWARD_FORMULATIONS = ("gla", "kda")  # gla's kernels have a backward in both forms, kda's chunkwise has none
+
+
+def attnlab_forms(name: str, with_backward: bool) -> list[str]:
+    """attnlab's kernel forms of ``name`` with (or without) a backward (its module's BACKWARD)."""
+    module = importlib.import_module(attnlab.formulation(name).kernel_module)
+    return [form for form in attnlab.formulation(name).kernel_forms if (form in getattr(module, "BACKWARD", {})) == with_backward]
 GRADIENTS = {n: [a.name for a in attnlab.formulation(n).args if a.differentiable] for n in BACKWARD_FORMULATIONS}
 
 
@@ -171,9 +178,9 @@ def backward_report(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess
     return out, result
 
 
-def test_backward_rows_measure_every_gradient_of_the_naive_recurrence(backward_report):
-    """One row per gradient of fp32-recurrent (differentiable by autograd) at each T, against float64 autograd
-    through the chunkwise oracle: at the floor (fp32 recurrence, fp32 gradients: excess near 1), graded held."""
+def test_backward_rows_measure_every_gradient_of_every_differentiable_implementation(backward_report):
+    """One row per gradient of fp32-recurrent (differentiable by autograd) and of attnlab's kernels with a backward,
+    at each T, against float64 autograd through the chunkwise oracle: at the fp32 floor, graded held."""
     out, result = backward_report
     assert result.returncode == 0, result.stderr
     report = json.loads((out / "report.json").read_text())
@@ -181,7 +188,9 @@ def test_backward_rows_measure_every_gradient_of_the_naive_recurrence(backward_r
     assert all(r["pass"] == "backward" and set(r) >= ROW_KEYS | set(BACKWARD_KEYS) for r in rows)
     assert report["settings"]["passes"] == ["backward"] and "--passes backward" in report["settings"]["command"]
     measured = {(r["formulation"], r["impl"], r["T"], r["gradient"]) for r in rows}
-    assert measured == {(n, "fp32-recurrent", T, g) for n, gs in GRADIENTS.items() for T in (8, 16) for g in gs}
+    impls = {n: ["fp32-recurrent", *(f"attnlab:{form}" for form in attnlab_forms(n, True))] for n in GRADIENTS}
+    assert measured == {(n, impl, T, g) for n, gs in GRADIENTS.items() for impl in impls[n] for T in (8, 16) for g in gs}
+    assert any(impl.startswith("attnlab:") for _, impl, _, _ in measured)
     assert len(rows) == len(measured)
     for row in rows:
         assert row["error"] is None and row["nonfinite"] == 0 and row["ref_nonfinite"] == 0, row
@@ -198,11 +207,11 @@ def test_kernels_without_a_backward_are_listed_once_not_failed(backward_report):
     out, result = backward_report
     report = json.loads((out / "report.json").read_text())
     listed = [(e["formulation"], e["impl"]) for e in report["backward"]["no_backward"]]
-    assert listed == [(n, f"attnlab:{form}") for n in ("gla", "rwkv4") for form in ("chunkwise", "recurrent")]
-    assert not any(r["impl"].startswith("attnlab:") for r in report["rows"])
+    assert listed == [(n, f"attnlab:{form}") for n in BACKWARD_FORMULATIONS for form in attnlab_forms(n, False)]
+    assert listed and not any((r["formulation"], r["impl"]) in listed for r in report["rows"])
     assert "no backward" in result.stdout
     index = (out / "index.md").read_text()
-    assert "- No backward (not differentiable, so not measured; not a failure): gla `attnlab:chunkwise`" in index
+    assert "- No backward (not differentiable, so not measured; not a failure): kda `attnlab:chunkwise`" in index
     assert "failed" not in index.split("## Backward pass")[1].replace("*failed*", "")
 
 
@@ -210,20 +219,21 @@ def test_backward_figures_and_index_sections(backward_report):
     out, _ = backward_report
     index = (out / "index.md").read_text()
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", index)
-    assert links == ["gla-backward.png", "rwkv4-backward.png"]
+    assert links == ["gla-backward.png", "kda-backward.png"]
     for link in links:
         assert_png(out / link)
     assert not (out / "gla.png").exists() and "## Excess by length" not in index  # no forward pass run
     for heading in ("## Backward pass", "### Gradient excess by length", "### Gradient error vs T"):
         assert heading in index
     assert "| formulation | impl | dtype | gradient | T=8 | T=16 | verdict |" in index
-    assert "| rwkv4 | `fp32-recurrent` | float32 | du |" in index
+    assert "| kda | `fp32-recurrent` | float32 | dbeta |" in index and "| gla | `attnlab:chunkwise` | float32 | dg |" in index
     assert "Reference: float64 autograd through the chunkwise oracle" in index
 
 
 def test_backward_appended_to_a_forward_report_keeps_its_rows(tmp_path):
     """A forward report, then --passes backward --append: the forward rows stay as they were (no pass field),
-    the backward rows (fp16: the fp16 and fp32 recurrences) join them, and index.md has both passes."""
+    the backward rows (fp16: the fp16 and fp32 recurrences, attnlab's kernels) join them, and index.md has both
+    passes."""
     common = ("--formulations", "gla", "--dtypes", "float16", "--lengths", "8", "--device", "cpu", "--out",
               str(tmp_path), "--mpmath-check-max-T", "0", *TINY)
     assert run_cli("report", *common).returncode == 0
@@ -233,11 +243,11 @@ def test_backward_appended_to_a_forward_report_keeps_its_rows(tmp_path):
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert [r for r in rows if "pass" not in r] == forward
     backward = [r for r in rows if r.get("pass") == "backward"]
-    assert {(r["impl"], r["gradient"]) for r in backward} == {(i, g) for i in ("fp32-recurrent", "fp16-recurrent")
-                                                              for g in GRADIENTS["gla"]}
-    # fp32 inside, the gradient rounded once to fp16: the rounding floor itself.
-    assert all(r["excess"] == pytest.approx(1.0, abs=0.05) for r in backward if r["impl"] == "fp32-recurrent")
-    assert all(r["verdict"] == "held" for r in backward if r["impl"] == "fp32-recurrent")
+    impls = ("fp32-recurrent", "fp16-recurrent", *(f"attnlab:{form}" for form in attnlab_forms("gla", True)))
+    assert {(r["impl"], r["gradient"]) for r in backward} == {(i, g) for i in impls for g in GRADIENTS["gla"]}
+    # fp32 inside, the gradient rounded once to fp16: the rounding floor itself (attnlab's kernels accumulate in fp32).
+    at_the_floor = [r for r in backward if r["impl"] != "fp16-recurrent"]
+    assert all(r["excess"] == pytest.approx(1.0, abs=0.05) and r["verdict"] == "held" for r in at_the_floor)
     # fp16 accumulation: above the floor (measured 2.4 to 3.2), but the right function.
     assert all(1.0 < r["excess"] < gradient_bounds("float16")[1] for r in backward if r["impl"] == "fp16-recurrent")
     index = (tmp_path / "index.md").read_text()

@@ -287,7 +287,8 @@ def measure_point(
 
 
 class NoBackward(Exception):
-    """An implementation that is not differentiable: its output does not require grad (attnlab's kernels today)."""
+    """An implementation that is not differentiable: its output does not require grad, or it refuses inputs that
+    require grad (NotImplementedError: attnlab's kernels without a backward)."""
 
 
 def backward_bounds(f: Formulation, dtype: str) -> Bounds:
@@ -328,10 +329,13 @@ def implementation_gradients(f: Formulation, call: Callable[..., Any], inputs: d
 
     leaves = {n: inputs[n].detach().clone().requires_grad_() for n in differentiable_names(f, inputs)}
     with torch.enable_grad():
-        if f.state is not None:
-            o, final = call(**{**inputs, **leaves}, return_state=True)
-        else:
-            o, final = call(**{**inputs, **leaves}), None
+        try:
+            if f.state is not None:
+                o, final = call(**{**inputs, **leaves}, return_state=True)
+            else:
+                o, final = call(**{**inputs, **leaves}), None
+        except NotImplementedError as error:
+            raise NoBackward(str(error)) from None
         if not (isinstance(o, torch.Tensor) and o.requires_grad):
             raise NoBackward("its output does not require grad")
         outputs, cotangents = [o], [do.to(o)]
