@@ -86,6 +86,45 @@ Recurrent form: one program per (head, block of V columns), the literal
 recurrence token by token on the fp32 state (the read k^T S spans the whole
 K column, so only V is split).
 
+Recurrent backward (the recurrent form is differentiable; the chunkwise form
+has no backward yet). Write a step with the decayed state D_t = exp(g_t)
+S_{t-1} and the write's error e_t = v_t - D_t^T k_t:
+
+    S_t = D_t + beta_t k_t e_t^T,   o_t = S_t^T (scale q_t)
+
+Its dual runs backwards from dS = the final state's cotangent (or 0), dS
+being the cotangent of S_t, then of S_{t-1}, in fp32:
+
+    dS     += scale q_t do_t^T
+    dq_t    = scale S_t do_t
+    de      = beta_t dS^T k_t                (the error's cotangent; dv_t = de)
+    dbeta_t = k_t^T dS e_t
+    dk_t    = beta_t dS e_t - D_t de         (the write, then the read D_t^T k_t)
+    dD      = dS - k_t de^T                  (= (I - beta_t k_t k_t^T) dS)
+    dg_t    = sum(D_t * dD)                  (D_t = exp(g_t) S_{t-1}: d/dg_t of D_t is D_t)
+    dS      = exp(g_t) dD                    (the transpose of the step's linear map)
+
+and the initial state's gradient is the last dS. Every exponent is a log gate
+(<= 0). dg_t is each step's own sum over K x V, taken directly: the textbook
+alternative, <S_t, dS_t> minus de . v_t with <S_t, dS_t> carried as a reverse
+running sum of <o, do> and de . v terms, subtracts sums of the whole suffix
+and cancels. beta near 2 makes I - beta k k^T a reflection; nothing leaves
+fp32.
+
+dk_t and dg_t read D_t next to dS, so the forward's states are needed in
+reverse order. The forward, asked for gradients (``saved``), stores the state
+entering every RECURRENT_SEGMENT-th step: B H cdiv(T, 64) K V fp32 floats
+("checkpoints"), a 64th of the full state history, which is too large to keep
+(K times v's size), and a recomputation costs one extra sequential pass. The
+backward (one program per V block and head, as the forward) takes the segments
+from the last: it replays a segment forwards from its checkpoint, storing D_t
+and e_t of each step in the program's scratch and computing dq_t there (S_t is
+at hand), then walks the segment backwards through the dual above. dq, dk,
+dbeta and dg sum over V: each V block writes its fp32 part, added on the host;
+dv needs only this block's columns. The V blocks are half the forward's at a
+given K (the dual holds dS and reads D_t, two [K, BV] fp32 tiles); block_v,
+when given, sets both passes'.
+
 Measurements behind these choices (timings, the designs tried, instruction
 counts): reports/bench.md, "Design history moved from the kernel docstrings".
 """
@@ -119,6 +158,9 @@ SUB = tl.constexpr(16)
 PREPARE_CHANNEL_SLICE = 128
 PREPARE_OUTPUT_BLOCK = 64
 PREPARE_NUM_WARPS = 4
+# The recurrent backward's segment: the forward checkpoints the state every RECURRENT_SEGMENT steps, and the
+# backward replays one segment at a time into a per-program scratch (module docstring, "Recurrent backward").
+RECURRENT_SEGMENT = 64
 
 
 def options(chunkwise: bool) -> dict[str, tuple]:
@@ -284,14 +326,16 @@ def _delta_prepare_kernel(
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s0_ptr, o_ptr, s_out_ptr,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, s0_ptr, o_ptr, s_out_ptr, checkpoint_ptr,
     T, H, K, V, scale,
     GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, STORE_FINAL: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SEGMENT: tl.constexpr,
 ):
     """Token by token: S <- exp(g) S; S <- S + beta k (v - S^T k)^T; o = S^T (scale q).
 
     (The first two lines are exp(g) (I - beta k k^T) S + beta k v^T.) Grid (cdiv(V, BV), B*H).
+    With SEGMENT > 0 (gradients wanted) the state entering every SEGMENT-th step is also stored, in
+    checkpoint [B*H, cdiv(T, SEGMENT), K, V], for the backward's replay.
     """
     vblock = tl.program_id(0)
     bh = tl.program_id(1)
@@ -307,6 +351,10 @@ def _recurrent_kernel(
         S = tl.zeros([BK, BV], dtype=tl.float32)
 
     for t in range(0, T):
+        if SEGMENT > 0:
+            segment_offsets = (bh.to(tl.int64) * tl.cdiv(T, SEGMENT) + t // SEGMENT) * K * V
+            tl.store(checkpoint_ptr + segment_offsets + kcol[:, None] * V + vcol[None, :], S,
+                     mask=state_mask & (t % SEGMENT == 0))
         token = (b * T + t).to(tl.int64) * H + h
         q = tl.load(q_ptr + token * K + kcol, mask=k_in, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + token * K + kcol, mask=k_in, other=0.0).to(tl.float32)
@@ -321,6 +369,95 @@ def _recurrent_kernel(
 
     if STORE_FINAL:
         tl.store(s_out_ptr + state_offsets, S, mask=state_mask)
+
+
+@triton.jit
+def _recurrent_backward_kernel(
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, do_ptr, checkpoint_ptr, decayed_ptr, error_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, d_final_ptr, d_initial_ptr,
+    B, T, H, K, V, scale,
+    GATED: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, SEGMENT: tl.constexpr, SLOTS: tl.constexpr,
+):
+    """The recurrence's dual, backwards in time (module docstring, "Recurrent backward"). Grid (cdiv(V, BV), B*H).
+
+    Each segment of SEGMENT steps, from the last: replay it forwards from its checkpoint, keeping the
+    decayed state D_t = exp(g_t) S_{t-1} and the write's error e_t = v_t - D_t^T k_t of every step in
+    this program's scratch (SLOTS steps), and dq_t = scale S_t do_t on the way; then walk it backwards
+    with the state's cotangent dS [BK, BV] in fp32:
+
+        dS += scale q_t do_t^T
+        de = beta_t dS^T k_t                  (dv_t = de)
+        dbeta_t = k_t^T dS e_t,   dk_t = beta_t dS e_t - D_t de
+        dD = dS - k_t de^T,       dg_t = sum(D_t * dD),   dS = exp(g_t) dD
+
+    dq, dk, dbeta and dg sum over V: this V block's part goes to its own slice [vblock] of theirs.
+    """
+    vblock = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    kcol = tl.arange(0, BK)
+    vcol = vblock * BV + tl.arange(0, BV)
+    k_in, v_in = kcol < K, vcol < V
+    state_mask = k_in[:, None] & v_in[None, :]
+    scratch = (bh.to(tl.int64) * tl.num_programs(0) + vblock) * SLOTS
+    decayed = decayed_ptr + scratch * BK * BV + kcol[:, None] * BV + tl.arange(0, BV)[None, :]
+    errors = error_ptr + scratch * BV + tl.arange(0, BV)
+    part = vblock.to(tl.int64) * B * T * H  # this V block's slice of dq, dk, dbeta, dg (in tokens)
+    if HAS_D_FINAL:
+        dS = tl.load(d_final_ptr + bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :], mask=state_mask,
+                     other=0.0)
+    else:
+        dS = tl.zeros([BK, BV], dtype=tl.float32)
+
+    segments = tl.cdiv(T, SEGMENT)
+    for i in range(0, segments):
+        segment = segments - 1 - i
+        start = segment * SEGMENT
+        steps = tl.minimum(SEGMENT, T - start)
+        S = tl.load(checkpoint_ptr + (bh.to(tl.int64) * segments + segment) * K * V + kcol[:, None] * V
+                    + vcol[None, :], mask=state_mask, other=0.0)
+        for s in range(0, steps):
+            token = (b * T + start + s).to(tl.int64) * H + h
+            k = tl.load(k_ptr + token * K + kcol, mask=k_in, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + token * V + vcol, mask=v_in, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + token * V + vcol, mask=v_in, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + token).to(tl.float32)
+            if GATED:
+                S = S * tl.exp(tl.load(g_ptr + token).to(tl.float32))
+            error = v - tl.sum(k[:, None] * S, axis=0)
+            tl.store(decayed + s * BK * BV, S)
+            tl.store(errors + s * BV, error)
+            S = S + (beta * k)[:, None] * error[None, :]
+            tl.store(dq_ptr + (part + token) * K + kcol, scale * tl.sum(S * do[None, :], axis=1), mask=k_in)
+        tl.debug_barrier()  # the replayed steps are read back in another thread layout
+
+        for j in range(0, steps):
+            s = steps - 1 - j
+            token = (b * T + start + s).to(tl.int64) * H + h
+            q = tl.load(q_ptr + token * K + kcol, mask=k_in, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + token * K + kcol, mask=k_in, other=0.0).to(tl.float32)
+            do = tl.load(do_ptr + token * V + vcol, mask=v_in, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + token).to(tl.float32)
+            D = tl.load(decayed + s * BK * BV)
+            error = tl.load(errors + s * BV)
+            dS += (scale * q)[:, None] * do[None, :]
+            d_error = beta * tl.sum(dS * k[:, None], axis=0)
+            tl.store(dv_ptr + token * V + vcol, d_error.to(dv_ptr.dtype.element_ty), mask=v_in)
+            dS_error = tl.sum(dS * error[None, :], axis=1)
+            tl.store(dbeta_ptr + part + token, tl.sum(k * dS_error))
+            tl.store(dk_ptr + (part + token) * K + kcol, beta * dS_error - tl.sum(D * d_error[None, :], axis=1),
+                     mask=k_in)
+            dD = dS - k[:, None] * d_error[None, :]
+            if GATED:
+                tl.store(dg_ptr + part + token, tl.sum(tl.sum(D * dD, axis=1), axis=0))
+                dS = dD * tl.exp(tl.load(g_ptr + token).to(tl.float32))
+            else:
+                dS = dD
+        tl.debug_barrier()  # the next segment overwrites the scratch
+
+    if STORE_D_INITIAL:
+        tl.store(d_initial_ptr + bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :], dS, mask=state_mask)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -395,9 +532,11 @@ def chunkwise(
 def recurrent(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
-    block_v: int | None = None, num_warps: int = 4, await_checks: Callable[[], None] = no_pending_checks,
+    block_v: int | None = None, num_warps: int = 4, saved: dict[str, torch.Tensor] | None = None,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
-    """The token-by-token kernel; g None is DeltaNet. Returns (o, (S,) or None)."""
+    """The token-by-token kernel; g None is DeltaNet. Returns (o, (S,) or None). With ``saved`` (gradients
+    wanted) it also stores the state entering every RECURRENT_SEGMENT-th step there, as "checkpoints"."""
     _check_choice("block_v", block_v, BLOCK_VS)
     _check_choice("num_warps", num_warps, NUM_WARPS)
     B, T, H, K = q.shape
@@ -407,12 +546,57 @@ def recurrent(
     o, final = _outputs(q, v, return_state)
     initial = state[0] if state is not None else None
     gated = g is not None
+    if saved is not None:
+        saved["checkpoints"] = torch.empty((B * H, triton.cdiv(T, RECURRENT_SEGMENT), K, V), dtype=torch.float32,
+                                           device=q.device)
     launch_after_checks(await_checks, Launch(
         _recurrent_kernel, (triton.cdiv(V, BV), B * H),
         q, k, v, beta, g if gated else beta, initial if initial is not None else o, o,
-        final if final is not None else o,
+        final if final is not None else o, saved["checkpoints"] if saved is not None else o,
         T, H, K, V, float(scale),
         GATED=gated, HAS_INITIAL=initial is not None, STORE_FINAL=final is not None,
-        BK=BK, BV=BV, num_warps=num_warps,
+        BK=BK, BV=BV, SEGMENT=RECURRENT_SEGMENT if saved is not None else 0, num_warps=num_warps,
     ))
     return o, ((final,) if return_state else None)
+
+
+def recurrent_backward(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
+    scale: float, state: tuple[torch.Tensor] | None, saved: dict[str, torch.Tensor], do: torch.Tensor,
+    d_state: tuple[torch.Tensor] | None, block_v: int | None = None, num_warps: int = 4, **ignored,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """The recurrent form's backward (module docstring, "Recurrent backward"): one program per (V block, head)
+    replays the forward's checkpointed segments and runs the dual recurrence backwards. Gradients of q, k, v,
+    beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in fp32."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BK = block_size(K)
+    # The dual keeps dS and reads D_t, both [BK, BV] fp32: half the forward's tile where block_v is not given.
+    BV = min(block_v or max(16, 2048 // BK), block_size(V))
+    NV = triton.cdiv(V, BV)
+    slots = min(RECURRENT_SEGMENT, T)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    # The V blocks' parts of the sums over V, added below in fp32.
+    dq_parts = torch.empty((NV, B, T, H, K), **f32)
+    dk_parts = torch.empty((NV, B, T, H, K), **f32)
+    dbeta_parts = torch.empty((NV, B, T, H), **f32)
+    dg_parts = torch.empty((NV, B, T, H), **f32) if g is not None else None
+    dv = torch.empty_like(v)
+    d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
+    decayed = torch.empty((NV * B * H, slots, BK, BV), **f32)
+    errors = torch.empty((NV * B * H, slots, BV), **f32)
+    _recurrent_backward_kernel[(NV, B * H)](
+        q, k, v, beta, g if g is not None else beta, do, saved["checkpoints"], decayed, errors,
+        dq_parts, dk_parts, dv, dbeta_parts, dg_parts if dg_parts is not None else dbeta_parts,
+        d_state[0] if d_state is not None else decayed, d_initial if d_initial is not None else decayed,
+        B, T, H, K, V, float(scale),
+        GATED=g is not None, HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None,
+        BK=BK, BV=BV, SEGMENT=RECURRENT_SEGMENT, SLOTS=slots, num_warps=num_warps,
+    )
+    grads = {"q": dq_parts.sum(0).to(q.dtype), "k": dk_parts.sum(0).to(k.dtype), "v": dv,
+             "beta": dbeta_parts.sum(0).to(beta.dtype)}
+    if dg_parts is not None:
+        grads["g"] = dg_parts.sum(0).to(g.dtype)
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial,)
+    return grads

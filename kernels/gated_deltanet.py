@@ -5,7 +5,9 @@
 q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (log gate <= 0), beta [B, T, H]
 in [0, 2]; state S [B, H, K, V] in fp32. The Triton code (chunkwise UT
 transform with chunk-local cumulative gates, recurrent loop) and the meaning
-of the options are in kernels/_delta.py, shared with deltanet.
+of the options are in kernels/_delta.py, shared with deltanet, with the
+recurrent form's backward. The recurrent form is differentiable (BACKWARD):
+gradients of q, k, v, g, beta and the initial state.
 """
 
 from __future__ import annotations
@@ -29,3 +31,11 @@ def recurrent(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
               **options) -> tuple[torch.Tensor, tuple | None]:
     return _delta.recurrent(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state,
                             return_state=return_state, **options)
+
+
+def recurrent_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       scale: float, state: tuple[torch.Tensor] | None, **rest) -> dict:
+    return _delta.recurrent_backward(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state, **rest)
+
+
+BACKWARD = {"recurrent": recurrent_backward}

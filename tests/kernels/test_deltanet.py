@@ -10,9 +10,11 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
+from attnlab.kernels import _delta
 from kernel_checks import as_on_the_gpu_in_bf16, check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
 from properties.regressions import REGRESSIONS
+from test_gla import check_gradients  # the same check, by formulation name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -147,3 +149,86 @@ def test_forms_agree_in_fp32():
 def test_bad_options_are_refused(form, opts):
     with pytest.raises(ValueError, match=next(iter(opts))):
         kernel(NAME, form, **opts)
+
+
+# --------------------------------------------------------------------------- the recurrent backward
+
+
+def _with_state(x: dict, name: str = NAME, seed: int = 20) -> dict:
+    """x with an initial state the recurrence can reach: the final state of another draw."""
+    B, T, H, K = x["q"].shape
+    other = attnlab.formulation(name).sample(B=B, T=16, H=H, K=K, V=x["v"].shape[-1], seed=seed)
+    return {**x, "initial_state": attnlab.oracle(name, "chunkwise", "float64")(**other, return_state=True)[1].float()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_across_segments(dtype):
+    """T = 70: two replay segments of 64, the second partial; an initial state, both cotangents, two heads."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=70, H=2, seed=21)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_at_one_position(dtype):
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=1, seed=22)), dtype)
+
+
+@pytest.mark.parametrize("block_v", [None, 16])
+def test_gradients_of_odd_head_dims(block_v):
+    """K = 20, V = 24: masked tiles on both sides; with block_v = 16 two V blocks, the second partial, whose
+    parts of dq, dk and dbeta are added after."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=21, K=20, V=24, seed=23)), torch.float16,
+                    block_v=block_v)
+
+
+def test_gradients_of_head_dims_over_128():
+    """K = 130, V = 40: a 256-wide key tile, mostly padding, and the backward's V blocks of 16 at that width."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=5, K=130, V=40, seed=24)), torch.float16)
+
+
+@pytest.mark.parametrize("beta,dtype", [(0.0, torch.float16), (2.0, torch.float16), (2.0, torch.float32)])
+def test_gradients_with_beta_at_the_ends(beta, dtype):
+    """Unit keys: beta = 2 makes each step's map a reflection, which the dual applies too; beta = 0 writes
+    nothing, yet dbeta is not zero."""
+    x = _sample(T=40, seed=25)
+    x["beta"] = torch.full_like(x["beta"], beta)
+    check_gradients(NAME, "recurrent", _with_state(x), dtype)
+
+
+@pytest.mark.parametrize("block_v,num_warps", [(16, 1), (32, 2), (64, 8), (128, 4)])
+def test_gradients_with_every_block_v(block_v, num_warps):
+    """V = 40 in blocks of 16, 32, 64 and 128 (the option sets both passes' V blocks), with each warp count."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=9, V=40, seed=26)), torch.float16,
+                    block_v=block_v, num_warps=num_warps)
+
+
+def test_gradients_of_the_final_state_alone():
+    """do = 0: every gradient comes from the final state's cotangent (dq is exactly 0)."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=37, seed=27)), torch.float16, with_do=False)
+
+
+def test_gradients_of_the_output_alone():
+    """No loss reads the final state (its cotangent is None)."""
+    check_gradients(NAME, "recurrent", _sample(T=37, seed=28), torch.float16, with_d_state=False)
+
+
+def test_gradients_are_causal():
+    """do zero from position 21 on and no final-state cotangent: every gradient at positions >= 21 is exactly
+    zero, dbeta's included."""
+    x = {n: t.half().requires_grad_() for n, t in _sample(T=40, seed=31).items()}
+    o = kernel(NAME, "recurrent")(**x)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(32)).half()
+    do[:, 21:] = 0
+    grads = torch.autograd.grad(o, list(x.values()), do)
+    for name, g in zip(x, grads):
+        assert not g[:, 21:].any(), name
+        assert g[:, :21].any(), name
+
+
+def test_the_forward_saves_only_checkpoints():
+    """With gradients wanted the forward's output is unchanged, and it keeps one fp32 state every 64 steps."""
+    x = {n: t.float() for n, t in _sample(T=70, H=2, seed=33).items()}
+    saved: dict = {}
+    o, _ = _delta.recurrent(**x, g=None, scale=x["q"].shape[-1] ** -0.5, state=None, return_state=False,
+                            saved=saved)
+    assert torch.equal(o, kernel(NAME, "recurrent")(**x))
+    assert list(saved) == ["checkpoints"] and saved["checkpoints"].shape == (2, 2, 16, 16)

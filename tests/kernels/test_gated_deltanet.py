@@ -15,6 +15,7 @@ from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
 from attnlab.kernels._state_pass import StateOperands
 from kernel_checks import check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
+from test_gla import check_gradients  # the same check, by formulation name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -160,3 +161,89 @@ def test_prepare_bounds_and_row_factors(scale):
     stored = rounded.u.float().reshape(chunks, 16, -1)
     assert torch.all(stored.abs().amax(dim=1) >= 2.0**13) and torch.all(stored.abs() <= 2.0**14)
     assert torch.all((stored / up - u).abs() <= 2.0**-11 * u.abs() + 2.0**-14 * column_peaks[:, None, :])
+
+
+# --------------------------------------------------------------------------- the recurrent backward
+
+
+def _with_state(x: dict, seed: int = 20) -> dict:
+    """x with an initial state the recurrence can reach: the final state of another draw."""
+    B, T, H, K = x["q"].shape
+    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
+    return {**x, "initial_state": attnlab.oracle(NAME, "chunkwise", "float64")(**other, return_state=True)[1].float()}
+
+
+def _strong_gates(x: dict, seed: int) -> dict:
+    """A third of the steps (and every fourth) decay by exp(-20), beta = 2 on a fifth."""
+    generator = torch.Generator().manual_seed(seed)
+    strong = torch.rand(x["g"].shape, generator=generator, dtype=torch.float64) < 0.3
+    strong[:, ::4] = True
+    g = torch.where(strong, torch.full_like(x["g"], -20.0), x["g"])
+    beta = torch.where(torch.rand(x["beta"].shape, generator=generator, dtype=torch.float64) < 0.2, 2.0, x["beta"])
+    return {**x, "g": g, "beta": beta}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_across_segments(dtype):
+    """T = 70: two replay segments of 64, the second partial; an initial state, both cotangents, two heads."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=70, H=2, seed=21)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gradients_with_gates_of_minus_20(dtype):
+    """Every exponent is a log gate (<= 0); dg is each step's own sum, so steps decayed by exp(-20) keep
+    an accurate dg where a reverse cumulative sum would leave it a rounding residue."""
+    check_gradients(NAME, "recurrent", _with_state(_strong_gates(_sample(T=40, seed=25), seed=26)), dtype)
+
+
+def test_gradients_at_one_position():
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=1, seed=22)), torch.float32)
+
+
+@pytest.mark.parametrize("block_v", [None, 16])
+def test_gradients_of_odd_head_dims(block_v):
+    """K = 20, V = 24: masked tiles on both sides; with block_v = 16 two V blocks, the second partial, whose
+    parts of dq, dk, dbeta and dg are added after."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=21, K=20, V=24, seed=23)), torch.float16,
+                    block_v=block_v)
+
+
+def test_gradients_of_the_final_state_alone():
+    """do = 0: every gradient comes from the final state's cotangent (dq is exactly 0)."""
+    check_gradients(NAME, "recurrent", _with_state(_sample(T=37, seed=27)), torch.float16, with_do=False)
+
+
+def test_gradients_of_the_output_alone():
+    """No loss reads the final state (its cotangent is None)."""
+    check_gradients(NAME, "recurrent", _sample(T=37, seed=28), torch.float16, with_d_state=False)
+
+
+def test_zero_gate_gradients_are_deltanet():
+    """g = 0: the gated dual multiplies by exp(0) = 1, so every gradient but dg is deltanet's, bit for bit."""
+    x = {n: t.half() for n, t in _with_state(_sample(T=37, H=2, seed=29)).items()}
+    x["g"] = torch.zeros_like(x["g"])
+    do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(30)).half()
+    d_state = torch.randn(x["initial_state"].shape, generator=torch.Generator().manual_seed(31))
+
+    def gradients(name: str, inputs: dict) -> dict:
+        leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+        o, final = kernel(name, "recurrent")(**leaves, return_state=True)
+        return dict(zip(leaves, torch.autograd.grad((o, final), list(leaves.values()), (do, d_state))))
+
+    gated = gradients(NAME, x)
+    ungated = gradients("deltanet", {n: t for n, t in x.items() if n != "g"})
+    for name, g in ungated.items():
+        assert torch.equal(gated[name], g), name
+
+
+def test_gradients_are_causal():
+    """do zero from position 21 on and no final-state cotangent: every gradient at positions >= 21 is exactly
+    zero, dg's and dbeta's included."""
+    x = {n: t.half().requires_grad_() for n, t in _sample(T=40, seed=32).items()}
+    o = kernel(NAME, "recurrent")(**x)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(33)).half()
+    do[:, 21:] = 0
+    grads = torch.autograd.grad(o, list(x.values()), do)
+    for name, g in zip(x, grads):
+        assert not g[:, 21:].any(), name
+        assert g[:, :21].any(), name
