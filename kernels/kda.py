@@ -658,7 +658,8 @@ def _kda_recurrent_backward_kernel(
     value_ok = values < V
     state_offsets = channels[:, None] * V + values[None, :]
     state_mask = channel_ok[:, None] & value_ok[None, :]
-    scratch = scratch_ptr + program.to(tl.int64) * SEGMENT * BK * BV + channels[:, None] * BV + tl.arange(0, BV)[None, :]
+    tile = channels[:, None] * BV + tl.arange(0, BV)[None, :]  # a dense [BK, BV] tile in scratch
+    scratch = scratch_ptr + program.to(tl.int64) * SEGMENT * BK * BV + tile
     key_part = v_block.to(tl.int64) * B * T * H * K  # this V block's slice of dq, dk, dg
     beta_part = v_block.to(tl.int64) * B * T * H  # and of dbeta
     if HAS_D_FINAL:
@@ -702,7 +703,8 @@ def _kda_recurrent_backward_kernel(
             dS += (scale * q_t)[:, None] * do_t[None, :]
             du = tl.sum(k_t[:, None] * dS, axis=0)
             dk = tl.sum(dS * (beta_t * residual)[None, :], axis=1) - beta_t * tl.sum(decayed * du[None, :], axis=1)
-            tl.store(dq_ptr + key_part + token * K + channels, scale * tl.sum(S * do_t[None, :], axis=1), mask=channel_ok)
+            dq = scale * tl.sum(S * do_t[None, :], axis=1)
+            tl.store(dq_ptr + key_part + token * K + channels, dq, mask=channel_ok)
             tl.store(dk_ptr + key_part + token * K + channels, dk, mask=channel_ok)
             tl.store(dv_ptr + token * V + values, (beta_t * du).to(dv_ptr.dtype.element_ty), mask=value_ok)
             tl.store(dbeta_ptr + beta_part + token, tl.sum(du * residual, axis=0))

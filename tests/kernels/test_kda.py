@@ -303,7 +303,9 @@ def _check_gradients(x: dict[str, torch.Tensor], dtype: torch.dtype, *, with_do:
     o, final = make_kernel("kda", "recurrent", **options)(**call, return_state=True)
     generator = torch.Generator().manual_seed(11)
     do = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(dtype).double() * with_do
-    d_state = torch.randn(final.shape, generator=generator, dtype=torch.float64).float().double() if with_d_state else None
+    d_state = None
+    if with_d_state:
+        d_state = torch.randn(final.shape, generator=generator, dtype=torch.float64).float().double()
     loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
     got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
     grads = dict(zip(leaves, got))
