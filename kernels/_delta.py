@@ -122,8 +122,8 @@ and e_t of each step in the program's scratch and computing dq_t there (S_t is
 at hand), then walks the segment backwards through the dual above. dq, dk,
 dbeta and dg sum over V: each V block writes its fp32 part, added on the host;
 dv needs only this block's columns. The V blocks are half the forward's at a
-given K (the dual holds dS and reads D_t, two [K, BV] fp32 tiles); block_v,
-when given, sets both passes'.
+given K (the dual holds dS and reads D_t, two [K, BV] fp32 tiles: 2048 entries
+each, BV = 16 at K = 128); block_v, when given, caps the backward's too.
 
 Measurements behind these choices (timings, the designs tried, instruction
 counts): reports/bench.md, "Design history moved from the kernel docstrings".
@@ -571,8 +571,9 @@ def recurrent_backward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = block_size(K)
-    # The dual keeps dS and reads D_t, both [BK, BV] fp32: half the forward's tile where block_v is not given.
-    BV = min(block_v or max(16, 2048 // BK), block_size(V))
+    # The dual keeps dS and reads D_t, two [BK, BV] fp32 tiles: at most 2048 entries each (half the forward's
+    # tile), and at most block_v columns where it is given.
+    BV = min(max(16, 2048 // BK), block_size(V), block_v or block_size(V))
     NV = triton.cdiv(V, BV)
     slots = min(RECURRENT_SEGMENT, T)
     f32 = dict(dtype=torch.float32, device=q.device)

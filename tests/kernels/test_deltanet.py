@@ -196,7 +196,8 @@ def test_gradients_with_beta_at_the_ends(beta, dtype):
 
 @pytest.mark.parametrize("block_v,num_warps", [(16, 1), (32, 2), (64, 8), (128, 4)])
 def test_gradients_with_every_block_v(block_v, num_warps):
-    """V = 40 in blocks of 16, 32, 64 and 128 (the option sets both passes' V blocks), with each warp count."""
+    """V = 40 in blocks of 16, 32, 64 and 128 (at K = 16 the option sets both passes' V blocks), with each
+    warp count."""
     check_gradients(NAME, "recurrent", _with_state(_sample(T=9, V=40, seed=26)), torch.float16,
                     block_v=block_v, num_warps=num_warps)
 
