@@ -22,5 +22,6 @@ $(STAMP): pyproject.toml
 report: $(STAMP)
 	$(BIN)/attnlab report --out reports/cpu
 
+# Two pytest-xdist workers, a test file each at a time (CI's machine has two cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile

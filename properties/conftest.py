@@ -29,6 +29,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                         continue
                     marks = () if dtype in target.dtypes else (
                         pytest.mark.skip(reason=f"{target.label} cannot run {_dtype_id(dtype)} here (Triton interpreter)"),)
+                    if not marks and not session.runs(prop, target, dtype):
+                        marks = (pytest.mark.skip(reason=f"{target.label}'s {_dtype_id(dtype)} backward under the "
+                                                  "interpreter: --attnlab-profile thorough (session.INTERPRETER_BACKWARD_DTYPES)"),)
                     params.append(pytest.param(prop, target, dtype, marks=marks,
                                                id=f"{prop.name}-{target.label}-{_dtype_id(dtype)}"))
         metafunc.parametrize("kernel_property,target,dtype", params)

@@ -20,6 +20,12 @@ from attnlab.properties.strategies import Sizes
 from attnlab.properties.targets import Target, own_kernel_targets, resolve_in_convention
 from attnlab.pytest_plugin import RESOLVED, Selection, default_dtypes, selection
 
+# Under the Triton interpreter, attnlab's kernels' backward properties run in these dtypes unless the profile is
+# "thorough": fp16, where the gradients meet real rounding; fp32's gradients of every kernel are held to the oracle by
+# tests/test_kernel_gradients.py and the kernels' own tests, and the backward suite in both dtypes would double the
+# test command's largest share (CI: a 2-core machine, 15 minutes).
+INTERPRETER_BACKWARD_DTYPES = (torch.float16,)
+
 # Examples per (property, target, dtype) for kernels under the Triton interpreter, whatever the profile's count:
 # an interpreted call takes a good fraction of a second.
 INTERPRETER_EXAMPLES = 2
@@ -41,6 +47,15 @@ class Session:
     @property
     def sizes(self) -> Sizes:
         return suite.sizes_for(self.device, self.selection.profile)
+
+    def runs(self, prop: suite.KernelProperty, target: Target, dtype: torch.dtype) -> bool:
+        """Whether this session runs ``prop`` on ``target`` in ``dtype`` (see :data:`INTERPRETER_BACKWARD_DTYPES`)."""
+        from attnlab.kernel import interpreter_active
+
+        thorough = self.selection.profile == "thorough"
+        own = target.label.startswith("attnlab:")
+        return not (prop.name.startswith("backward_") and own and interpreter_active() and not thorough
+                    and dtype not in INTERPRETER_BACKWARD_DTYPES)
 
     def settings_for(self, target: Target, cap: int | None = None) -> settings:
         """The loaded profile, with fewer examples (or below ``cap``) and no shrinking for interpreted kernels.
