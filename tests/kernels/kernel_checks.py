@@ -1,4 +1,5 @@
-"""What every kernel test asserts, in one place: the bounds and the check against the float64 oracle.
+"""What every kernel test asserts, in one place: the bounds and the checks against the float64 oracle (the
+outputs; the gradients: ``check_gradients``).
 
 The bounds are the registry's (attnlab.registry.BOUNDS, through ``bounds_for``; its ``why`` says how each
 was measured), as multiples of the floor (attnlab.metrics): a kernel test on the registry's default inputs
@@ -16,7 +17,8 @@ import torch
 import attnlab
 from attnlab.evaluate import DTYPES
 from attnlab.kernel import kernel
-from attnlab.metrics import Measurement, conditioning_floor, measure, rel_err
+from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
+from attnlab.metrics import Measurement, conditioning_floor, measure, measure_gradients, rel_err
 from attnlab.registry import BOUNDS, bounds_for
 
 EXCESS_BOUND = {DTYPES[name]: b.on_default_inputs for name, b in BOUNDS.items()}
@@ -60,3 +62,39 @@ def check_stateful_kernel(
     assert m.excess <= bounds.on_default_inputs, m.as_dict()
     assert rel_err(state, ref_state) <= bounds.state
     return o, state, m
+
+
+def check_gradients(name: str, form: str, x: dict, dtype: torch.dtype, *, with_do: bool = True,
+                    with_d_state: bool = True, **opts) -> dict[str, float]:
+    """The kernel's gradients of ``<do, o> + <dS, final state>`` on x rounded to dtype (x's initial_state,
+    if any, in fp32) against the float64 oracle's: dtypes, shapes, finiteness and the excess bound of
+    tests/test_kernel_gradients.py (fp16 2, fp32 4). ``with_do=False`` puts do = 0 (only the final
+    state's cotangent), ``with_d_state=False`` leaves the final state out of the loss. Returns the excess
+    per gradient."""
+    f = attnlab.formulation(name)
+    x = {n: (t if t is None or n == "initial_state" else t.to(dtype)) for n, t in x.items()}
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if t is not None and n != "initial_state"}
+    state = x.get("initial_state")
+    state_leaf = state.detach().clone().float().requires_grad_() if state is not None else None
+    call = {**x, **leaves, **({"initial_state": state_leaf} if state is not None else {})}
+    o, final = kernel(name, form, **opts)(**call, return_state=True)
+    gen = torch.Generator().manual_seed(11)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double() * with_do
+    d_state = torch.randn(final.shape, generator=gen, dtype=torch.float64).float().double() if with_d_state else None
+    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
+    got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
+    grads = dict(zip(leaves, got))
+    for n, g in grads.items():
+        assert g.dtype == dtype and g.shape == leaves[n].shape, n
+    if state is not None:
+        grads["initial_state"] = got[-1]
+        assert got[-1].dtype == torch.float32
+    reference = oracle_gradients(f, x, do, d_state)
+    dtypes = gradient_dtypes(f, x)
+    if state is not None:
+        dtypes["initial_state"] = dtype
+    measured = measure_gradients(grads, reference, dtypes, gradient_floor(f, x, do, d_state, base=reference))
+    bound = 4.0 if dtype == torch.float32 else 2.0
+    for n, m in measured.items():
+        assert m.nonfinite == 0 and m.excess <= bound, (n, m.as_dict())
+    return {n: m.excess for n, m in measured.items()}

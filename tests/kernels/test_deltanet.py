@@ -11,10 +11,9 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import _delta
-from kernel_checks import as_on_the_gpu_in_bf16, check_stateful_kernel
+from kernel_checks import as_on_the_gpu_in_bf16, check_gradients, check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
 from properties.regressions import REGRESSIONS
-from test_gla import check_gradients  # the same check, by formulation name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 

@@ -13,9 +13,8 @@ from attnlab.kernel import kernel
 from attnlab.kernels import _delta
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
 from attnlab.kernels._state_pass import StateOperands
-from kernel_checks import check_stateful_kernel
+from kernel_checks import check_gradients, check_stateful_kernel
 from attnlab.metrics import rel_err, rounding_floor
-from test_gla import check_gradients  # the same check, by formulation name
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 

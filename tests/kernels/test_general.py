@@ -10,8 +10,7 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from kernel_checks import check_stateful_kernel
-from test_gla import check_gradients  # the same check, by formulation name
+from kernel_checks import check_gradients, check_stateful_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 

@@ -9,10 +9,8 @@ import pytest
 import torch
 
 import attnlab
-from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel
-from attnlab.metrics import measure_gradients
-from kernel_checks import check_stateful_kernel
+from kernel_checks import check_gradients, check_stateful_kernel
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -115,42 +113,6 @@ def test_recurrent_takes_no_options():
 
 
 # --- backward (kernels/_gated.py, "Backward") ---------------------------------------------------------------
-
-
-def check_gradients(name: str, form: str, x: dict, dtype: torch.dtype, *, with_do: bool = True,
-                    with_d_state: bool = True, **opts) -> dict[str, float]:
-    """The kernel's gradients of ``<do, o> + <dS, final state>`` on x rounded to dtype (x's initial_state,
-    if any, in fp32) against the float64 oracle's: dtypes, shapes, finiteness and the excess bound of
-    tests/test_kernel_gradients.py (fp16 2, fp32 4). ``with_do=False`` puts do = 0 (only the final
-    state's cotangent), ``with_d_state=False`` leaves the final state out of the loss. Returns the excess
-    per gradient."""
-    f = attnlab.formulation(name)
-    x = {n: (t if t is None or n == "initial_state" else t.to(dtype)) for n, t in x.items()}
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if t is not None and n != "initial_state"}
-    state = x.get("initial_state")
-    state_leaf = state.detach().clone().float().requires_grad_() if state is not None else None
-    call = {**x, **leaves, **({"initial_state": state_leaf} if state is not None else {})}
-    o, final = kernel(name, form, **opts)(**call, return_state=True)
-    gen = torch.Generator().manual_seed(11)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype).double() * with_do
-    d_state = torch.randn(final.shape, generator=gen, dtype=torch.float64).float().double() if with_d_state else None
-    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
-    got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
-    grads = dict(zip(leaves, got))
-    for n, g in grads.items():
-        assert g.dtype == dtype and g.shape == leaves[n].shape, n
-    if state is not None:
-        grads["initial_state"] = got[-1]
-        assert got[-1].dtype == torch.float32
-    reference = oracle_gradients(f, x, do, d_state)
-    dtypes = gradient_dtypes(f, x)
-    if state is not None:
-        dtypes["initial_state"] = dtype
-    measured = measure_gradients(grads, reference, dtypes, gradient_floor(f, x, do, d_state, base=reference))
-    bound = 4.0 if dtype == torch.float32 else 2.0
-    for n, m in measured.items():
-        assert m.nonfinite == 0 and m.excess <= bound, (n, m.as_dict())
-    return {n: m.excess for n, m in measured.items()}
 
 
 def _with_state(x: dict, seed: int = 20) -> dict:
