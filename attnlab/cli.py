@@ -49,8 +49,8 @@ def _passes_arg(text: str) -> tuple[str, ...]:
     chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     unknown = [p for p in chosen if p not in ("forward", "backward")]
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown pass(es) {', '.join(unknown) or repr(text)}; expected forward, backward "
-                                         "or both (comma-separated)")
+        raise argparse.ArgumentTypeError(f"unknown pass(es) {', '.join(unknown) or repr(text)}; expected forward, "
+                                         "backward or both (comma-separated)")
     return chosen
 
 

@@ -273,9 +273,9 @@ def test_bench_times_forward_and_training_steps_beside_the_peer_gpu(tmp_path: Pa
     result = run_cli("bench", "--formulations", "gla,deltanet", "--passes", "forward,backward", "-B", "1", "-T", "256",
                      "-H", "2", "-K", "64", "-V", "64", "--out", str(tmp_path / "bench.md"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
-    gla = {r["pass"]: r for r in rows if r["formulation"] == "gla" and r["setting"] == "default"}
-    assert set(gla) == {"forward", "forward + backward"} and all(r["ours_ms"] > 0 for r in gla.values())
-    assert gla["forward + backward"]["ours_ms"] > gla["forward"]["ours_ms"]
-    deltanet = next(r for r in rows if r["formulation"] == "deltanet" and r["pass"] == "forward + backward")
-    assert "has no backward yet" in deltanet["note"] and "has no backward yet" in (tmp_path / "bench.md").read_text()
+    table = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    rows = {(r["formulation"], r["setting"], r["pass"]): r for r in table}
+    forward, step = rows[("gla", "default", "forward")], rows[("gla", "default", "forward + backward")]
+    assert 0 < forward["ours_ms"] < step["ours_ms"]
+    no_backward = rows[("deltanet", "default", "forward + backward")]  # the chunkwise form bench times has none yet
+    assert "has no backward yet" in no_backward["note"] and "has no backward yet" in (tmp_path / "bench.md").read_text()

@@ -84,7 +84,9 @@ def _error_text(error: Exception) -> str:
 
 
 def _leaf(value: Any) -> Any:
-    return value.detach().clone().requires_grad_() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().clone().requires_grad_()
+    return value
 
 
 def forward_backward(call: Callable[[], Any], leaves: list[torch.Tensor]) -> Callable[[], None]:
@@ -109,7 +111,8 @@ def _timed_peer(f: Formulation, x: Inputs, backward: bool = False) -> tuple[floa
     try:
         call = peer_call(f, x)
         if backward:
-            call = replace(call, args=tuple(map(_leaf, call.args)), kwargs={k: _leaf(v) for k, v in call.kwargs.items()})
+            call = replace(call, args=tuple(map(_leaf, call.args)),
+                           kwargs={k: _leaf(v) for k, v in call.kwargs.items()})
             leaves = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
             call = forward_backward(call, leaves)
     except Exception as error:  # the peer's module is missing, its convention refuses the inputs, no backward
@@ -140,8 +143,8 @@ def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: boo
     return ms, None, error
 
 
-def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, form: str = "chunkwise",
-        passes: tuple[str, ...] = ("forward",), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
+        form: str = "chunkwise", passes: tuple[str, ...] = ("forward",), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
     setting) and its peer at one shape, in each of ``passes``; one result row per kernel setting and pass."""
     from attnlab.kernel import kernel, speed_options
@@ -185,8 +188,8 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
 def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
     lines = ["# attnlab kernel benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
-    lines += ["", "| formulation | pass | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | ours / floor |",
-              "|---|---|---|---:|---|---:|---:|---:|---:|"]
+    lines += ["", "| formulation | pass | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | "
+              "ours / floor |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
     def cell(value: float, digits: int, otherwise: str = "n/a") -> str:
         return f"{value:.{digits}f}" if value == value else otherwise
 
