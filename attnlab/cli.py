@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from attnlab.commands import campaign, report, selftest, stability, validate
+from attnlab.kernel import backward_forms
 from attnlab.oracle import PRECISIONS
 from attnlab.registry import REGISTRY, names
 
@@ -24,11 +25,12 @@ def _kernel_forms(name: str) -> list[str]:
 
 
 def list_table() -> str:
-    rows = [("#", "formulation", "title", "oracle forms", "precisions", "kernels", "state")]
+    rows = [("#", "formulation", "title", "oracle forms", "precisions", "kernels", "kernels' backward", "state")]
     for index, f in enumerate(REGISTRY, 1):
         state = ", ".join(f.state.names) if f.state else "none"
-        rows.append((str(index), f.name, f.title, ", ".join(f.forms), ", ".join(PRECISIONS),
-                     ", ".join(_kernel_forms(f.name)) or "none", state))
+        forms = _kernel_forms(f.name)
+        rows.append((str(index), f.name, f.title, ", ".join(f.forms), ", ".join(PRECISIONS), ", ".join(forms) or "none",
+                     ", ".join(backward_forms(f.name) if forms else ()) or "none", state))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -38,6 +38,13 @@ def _module_table(name: str, table: str, form: str) -> dict[str, Any]:
     return dict(getattr(module, table, {}).get(form, {}))
 
 
+def backward_forms(name: str) -> tuple[str, ...]:
+    """The forms in which formulation ``name``'s kernel is an autograd function (its module's ``BACKWARD``)."""
+    f = formulation(name)
+    backward = getattr(importlib.import_module(f.kernel_module), "BACKWARD", {})
+    return tuple(form for form in f.kernel_forms if form in backward)
+
+
 def kernel_options(name: str, form: str) -> dict[str, tuple[Any, tuple[Any, ...] | None]]:
     """The tunables of formulation ``name``'s kernel in ``form``: option -> (default, its choices or None)."""
     return _module_table(name, "OPTIONS", form)
@@ -79,6 +86,11 @@ class Kernel:
                 raise ValueError(f"{key} must be one of {', '.join(map(repr, choices))}; got {self.opts[key]!r}")
         if self.opts.get("chunk_size") not in (None, "auto"):  # "auto": the kernel picks one by shape
             check_positive_int("chunk_size", self.opts["chunk_size"])
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether calling it on inputs that require grad gives gradients (else it refuses them)."""
+        return self._backward is not None
 
     def __repr__(self) -> str:
         opts = "".join(f", {k}={v!r}" for k, v in self.opts.items())

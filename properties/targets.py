@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 # Importing attnlab.kernel sets TRITON_INTERPRET (no GPU) before any kernel module is imported.
-from attnlab.kernel import Kernel, interpreter_active
+from attnlab.kernel import Kernel, backward_forms, interpreter_active
 from attnlab.kernel import kernel as attnlab_kernel
 from attnlab.conventions import ATTNLAB, Convention, Detection, adapt, choose_convention, describe_detection  # noqa: I001
 from attnlab.oracle import as_formulation
@@ -131,9 +131,9 @@ def own_kernel_target(name: str | Formulation, form: str) -> Target:
         return configured(chunk_size)(**inputs)
 
     dtypes = (torch.float16, torch.float32) if interpreter_active() else (torch.bfloat16, torch.float16, torch.float32)
-    # Differentiable where its module declares a backward for the form (attnlab.kernel): declared, not probed.
-    differentiable = form in getattr(module, "BACKWARD", {})
-    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes, differentiable)
+    # Differentiable where its module declares a backward for the form: declared, not probed.
+    return Target(f"attnlab:{name}/{form}", name, run, f.state is not None, chunk_sizes, dtypes,
+                  form in backward_forms(name))
 
 
 def own_kernel_targets(names: list[str] | None = None) -> list[Target]:

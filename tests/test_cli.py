@@ -9,6 +9,7 @@ float64 oracle times ``(1 + eps)``, rounded once to the input dtype: its excess 
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.kernel import backward_forms
 from attnlab.registry import BOUNDS
 from attnlab.runtime import interpreter_active
 
@@ -46,6 +48,10 @@ def test_list_shows_every_formulation_with_forms_and_precisions():
     body = [line.split()[1] for line in lines[2:]]
     assert body == attnlab.names()
     assert all("recurrent, parallel, chunkwise" in line and "float64, mpmath" in line for line in lines[2:])
+    header = re.split(r"\s{2,}", lines[0])
+    column = header.index("kernels' backward")
+    for line, name in zip(lines[2:], attnlab.names()):  # which kernels train: their modules' BACKWARD
+        assert re.split(r"\s{2,}", line)[column] == (", ".join(backward_forms(name)) or "none"), line
 
 
 def test_unknown_command_and_formulation_are_refused_with_usage():

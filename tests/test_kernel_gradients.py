@@ -12,7 +12,6 @@ a length of several chunks and head dims of 64 (each prints its excess per gradi
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ import torch
 
 import attnlab
 from attnlab.gradients import gradient_dtypes, gradient_floor, log_scale_cotangent, oracle_gradients
-from attnlab.kernel import kernel
+from attnlab.kernel import backward_forms, kernel
 from attnlab.metrics import measure_gradients
 from attnlab.registry import bounds_for, formulation, names
 
@@ -32,12 +31,8 @@ GPU_SIZES = dict(B=2, T=300, H=2, K=64, V=64)
 
 
 def _forms(with_backward: bool) -> list[tuple[str, str]]:
-    pairs = []
-    for name in names():
-        f = formulation(name)
-        backward = getattr(importlib.import_module(f.kernel_module), "BACKWARD", {})
-        pairs += [(name, form) for form in f.kernel_forms if (form in backward) == with_backward]
-    return pairs
+    return [(name, form) for name in names() for form in formulation(name).kernel_forms
+            if (form in backward_forms(name)) == with_backward]
 
 
 DIFFERENTIABLE = _forms(True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import attnlab
+from attnlab.kernel import backward_forms
 from attnlab.commands.report import (BACKWARD_KEYS, METRIC_KEYS, VERDICT_KEYS, Implementation, growth_exponent,
                                      measure_backward_point, textbook_guides)
 from attnlab.registry import BOUNDS
@@ -158,9 +158,8 @@ BACKWARD_FORMULATIONS = ("gla", "kda")  # gla's kernels have a backward in both 
 
 
 def attnlab_forms(name: str, with_backward: bool) -> list[str]:
-    """attnlab's kernel forms of ``name`` with (or without) a backward (its module's BACKWARD)."""
-    module = importlib.import_module(attnlab.formulation(name).kernel_module)
-    return [form for form in attnlab.formulation(name).kernel_forms if (form in getattr(module, "BACKWARD", {})) == with_backward]
+    """attnlab's kernel forms of ``name`` with (or without) a backward."""
+    return [form for form in attnlab.formulation(name).kernel_forms if (form in backward_forms(name)) == with_backward]
 GRADIENTS = {n: [a.name for a in attnlab.formulation(n).args if a.differentiable] for n in BACKWARD_FORMULATIONS}
 
 

@@ -130,7 +130,7 @@ def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: boo
     nan and no error where the kernel has no backward), or (nan, None, the error)."""
     if not backward:
         return _timed(lambda: ours(**inputs))
-    if ours._backward is None:
+    if not ours.differentiable:
         return math.nan, None, None
     differentiable = {a.name for a in f.args if a.differentiable}
     grad_inputs = {n: _leaf(t) if n in differentiable else t for n, t in inputs.items()}
@@ -171,7 +171,7 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
                     "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
                     "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
                 }
-                if backward and ours._backward is None:
+                if backward and not ours.differentiable:
                     row["note"] = f"attnlab's {name} {chosen} kernel has no backward yet"
                 if error:
                     row["error"] = error
