@@ -358,7 +358,8 @@ def test_backward_key_gradients_sum_to_zero():
     x = _inputs(torch.float32, T=30, D=16)
     grads, _ = _gradients(x, block_q=16, chunk_size=16)
     dk = grads["k"].double()
-    assert dk.sum(1).abs().max() <= 1e-5 * dk.abs().sum(1).max()
+    # fp32 rounding of the sum and of each dk_t, relative to sum_t |dk_t| (measured 2.1 u): 16 u, as rwkv4's test.
+    assert dk.sum(1).abs().max() <= 16 * unit_roundoff(torch.float32) * dk.abs().sum(1).max()
 
 
 def test_forward_without_saved_is_unchanged():

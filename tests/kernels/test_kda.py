@@ -21,7 +21,7 @@ from attnlab.kernel import kernel as make_kernel
 from attnlab.metrics import conditioning_floor, measure, measure_gradients, rel_err
 from attnlab.kernels import kda as kda_module
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
-from kernel_checks import EXCESS_BOUND, as_on_the_gpu_in_bf16
+from kernel_checks import EXCESS_BOUND, STATE_BOUND, as_on_the_gpu_in_bf16
 from properties.regressions import REGRESSIONS
 
 FORMS = ("chunkwise", "recurrent")
@@ -403,4 +403,4 @@ def test_checkpoints_are_the_states_entering_each_segment():
                                                                 return_state=True)
     assert saved["checkpoints"].shape == (1, 2, 16, 16)
     assert torch.equal(saved["checkpoints"][0, 0], initial[0, 0])
-    assert rel_err(saved["checkpoints"][0, 1], state_64[0, 0]) <= 1e-5
+    assert rel_err(saved["checkpoints"][0, 1], state_64[0, 0]) <= STATE_BOUND[torch.float32]
