@@ -31,7 +31,7 @@ against float64 autograd through the chunkwise oracle
 conditioning floor (attnlab.gradients.gradient_floor): one row per gradient,
 with ``"pass": "backward"`` and ``"gradient"`` (a row without ``pass`` is a
 forward row, as every report written before). Implementations whose output
-does not require grad (attnlab's kernels today) are listed once under
+does not require grad (attnlab's kernel forms without a backward) are listed once under
 report.json's ``backward.no_backward``, not failed.
 
 Exit status: 0 when every point was measured; 1 when a point raised (its
@@ -1160,8 +1160,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help=f"check the float64 oracle against mpmath at lengths up to T (default {MPMATH_CHECK_MAX_T}; 0: never)")
     parser.add_argument("--passes", type=passes_arg, default=[FORWARD], metavar="PASSES",
                         help="comma-separated, from forward, backward (default: forward). backward: every gradient "
-                             "of every differentiable implementation (the naive recurrences; attnlab's kernels have "
-                             "no backward yet and are listed as such) against float64 autograd through the "
+                             "of every differentiable implementation (the naive recurrences, attnlab's kernels that "
+                             "have a backward; those without are listed as such) against float64 autograd through the "
                              "chunkwise oracle, with a seeded random cotangent of o and of the final state")
     parser.add_argument("--append", action="store_true",
                         help="merge into the folder's report.json (rows recomputed here replace the old ones), "
