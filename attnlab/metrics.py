@@ -9,6 +9,11 @@
   perturbed by one unit roundoff of fp32 (the kernels' accumulation
   precision) in a few random directions; no fp32 algorithm can beat it.
 - ``excess = rel_err / max(floor_round, floor_cond)``: 1.0 is a perfect kernel.
+- An entry whose exact value lies beyond the output dtype's range (a parameter's
+  gradient summed over every position can pass fp16's 65504) rounds to an
+  infinity: there the output must be that same infinity, which is its correct
+  rounding, and any other value is counted with the non-finite entries. Such
+  entries are counted as ``overflowed`` and left out of the norms above.
 
 Verdicts grade an excess by two bounds (attnlab.registry.BOUNDS, per dtype):
 ``held`` within the accuracy bound, ``imprecise`` above it up to the
@@ -152,6 +157,7 @@ class Measurement:
     floor_round: float
     floor_cond: float
     nonfinite: int
+    overflowed: int = 0
 
     @property
     def floor(self) -> float:
@@ -166,13 +172,25 @@ class Measurement:
 
 
 def measure(o: Any, ref: Any, dtype: torch.dtype, floor_cond: float = 0.0) -> Measurement:
-    """Compare ``o`` (any dtype) with the float64 ``ref``; ``dtype`` is the output dtype the floor rounds to."""
+    """Compare ``o`` (any dtype) with the float64 ``ref``; ``dtype`` is the output dtype the floor rounds to.
+
+    Entries of ``ref`` beyond ``dtype``'s range must come back as the infinity they round to (a mismatch there
+    counts as non-finite) and are left out of the errors and the rounding floor."""
+    o, ref = _flat(o), _flat(ref)
+    rounded = ref.to(dtype).to(torch.float64)
+    overflow = torch.isinf(rounded) & torch.isfinite(ref)
+    if bool(overflow.any()):
+        mismatched = int((o[overflow] != rounded[overflow]).sum())
+        o, ref = o[~overflow], ref[~overflow]
+    else:
+        mismatched = 0
     return Measurement(
         rel_err=rel_err(o, ref),
         max_err=max_err(o, ref),
         floor_round=rounding_floor(ref, dtype),
         floor_cond=floor_cond,
-        nonfinite=nonfinite_count(o, ref),
+        nonfinite=nonfinite_count(o, ref) + mismatched,
+        overflowed=int(overflow.sum()),
     )
 
 

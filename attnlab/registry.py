@@ -213,18 +213,19 @@ _FLA_LINEAR_STATE = dict(feature_map_outside=True, carries=(("normalize=False", 
 SDPA_CONVENTION = Convention("torch:sdpa", layout="BHTD", positional=("q", "k", "v"), names={"causal": "is_causal"},
                              state_keyword=None, final_state_flag=None, returns="o")
 
-SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention", SDPA_CONVENTION, label="torch SDPA",
-            bench=True)
+SDPA = Peer("torch", "torch.nn.functional:scaled_dot_product_attention", SDPA_CONVENTION, label="torch SDPA")
 
 
-def _torch(function: str, label: str) -> Peer:
+def _torch(function: str, label: str, bench: bool = False) -> Peer:
     """attnlab.third_party's ``function``: one of torch's softmax kernels pinned, called like SDPA."""
-    return Peer("torch", f"attnlab.third_party:{function}", SDPA_CONVENTION, label=label)
+    return Peer("torch", f"attnlab.third_party:{function}", SDPA_CONVENTION, label=label, bench=bench)
 
 
 # SDPA with each backend pinned, and FlexAttention (compiled, causal block mask): validated forward and backward.
+# The bench's peer is the flash backend (FlashAttention-2), the same algorithm as attnlab's kernel: unpinned SDPA
+# picks whichever backend torch prefers on the machine.
 TORCH_PINNED = (
-    _torch("sdpa_flash", "torch SDPA (flash)"),
+    _torch("sdpa_flash", "torch SDPA (flash)", bench=True),
     _torch("sdpa_efficient", "torch SDPA (memory-efficient)"),
     _torch("sdpa_cudnn", "torch SDPA (cuDNN)"),
     _torch("sdpa_math", "torch SDPA (math)"),

@@ -498,29 +498,27 @@ def chunkwise(
 
 # ------------------------------------------------------------------------------------------------ backward
 
-# Backward launch shape by input width and the wider head-dim tile: (rows per program, rows per loop step,
-# num_warps, num_stages). The dK/dV kernel owns a block of keys and steps over queries; the dQ kernel owns a block
-# of queries and steps over keys; both take the same pair. The dK/dV kernel is the tight one: it keeps k, v and
-# the fp32 dk, dv of its keys in registers besides the [keys, step] P, dP and dS tiles. Chosen with ptxas -v for
-# sm_90 (bf16, precision "split", causal; not timed): 128 x 32 on 8 warps spills nothing at head dim 64; at 128,
-# 64 x 32 on 8 warps spills 468 bytes per thread in dK/dV and 152 in dQ (128 x 64, fla's Hopper tile, spills 1.6
-# KB; 32 x 64 on 4 warps 32 bytes, but re-reads q and do 4x as often); at 256, 32 x 16 on 8 warps 4 bytes. fp32's
-# "ieee" dots run on CUDA cores with operands in registers: 16- and 32-row tiles.
-_BACKWARD_CONFIGS = {
-    (2, 64): (128, 32, 8, 2),
-    (2, 128): (64, 32, 8, 2),
-    (2, 256): (32, 16, 8, 1),
-    (4, 64): (32, 16, 4, 1),
-    (4, 128): (16, 16, 4, 1),
-    (4, 256): (16, 16, 4, 1),
+# Backward launch shapes by input width and the wider head-dim tile, one per kernel: (rows per program, rows per
+# loop step, num_warps, num_stages). The dK/dV kernel owns a block of keys and steps over queries; the dQ kernel
+# owns a block of queries and steps over keys. The dK/dV kernel is the tight one: it keeps k, v and the fp32 dk,
+# dv of its keys in registers besides the [keys, step] P, dP and dS tiles. fp32's "ieee" dots run on CUDA cores
+# with operands in registers: 16- and 32-row tiles. How the 16-bit shapes were chosen: reports/bench.md.
+BackwardConfig = tuple[int, int, int, int]
+_BACKWARD_CONFIGS: dict[tuple[int, int], dict[str, BackwardConfig]] = {
+    (2, 64): {"dkdv": (128, 32, 8, 2), "dq": (128, 32, 8, 2)},
+    (2, 128): {"dkdv": (64, 32, 8, 2), "dq": (64, 32, 8, 2)},
+    (2, 256): {"dkdv": (32, 16, 8, 1), "dq": (32, 16, 8, 1)},
+    (4, 64): {"dkdv": (32, 16, 4, 1), "dq": (32, 16, 4, 1)},
+    (4, 128): {"dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)},
+    (4, 256): {"dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)},
 }
 # Rows per program of the D pre-pass.
 DELTA_BLOCK_ROWS = 64
 
 
-def _backward_config(itemsize: int, widest: int) -> tuple[int, int, int, int]:
-    """(BLOCK_PROGRAM, BLOCK_STEP, num_warps, num_stages) of the backward kernels for the narrowest listed tile
-    >= widest."""
+def _backward_config(itemsize: int, widest: int) -> dict[str, BackwardConfig]:
+    """{"dkdv": ..., "dq": ...}: (BLOCK_PROGRAM, BLOCK_STEP, num_warps, num_stages) of each backward kernel for the
+    narrowest listed tile >= widest."""
     width = min(w for (size, w) in _BACKWARD_CONFIGS if size == itemsize and w >= widest)
     return _BACKWARD_CONFIGS[(itemsize, width)]
 
@@ -742,7 +740,7 @@ def chunkwise_backward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     BLOCK_K, BLOCK_V = block_size(K), block_size(V)
-    block_program, block_step, num_warps, num_stages = _backward_config(q.element_size(), max(BLOCK_K, BLOCK_V))
+    configs = _backward_config(q.element_size(), max(BLOCK_K, BLOCK_V))
     fp32 = q.dtype == torch.float32
     # As in the forward: q negated for a negative scale, so that P is computed from the same scores and lse.
     # s = scale q.k = |scale| (-q).k: dk = |scale| dS^T (-q), dq = scale dS k.
@@ -757,16 +755,17 @@ def chunkwise_backward(
     shared = dict(
         CAUSAL=causal, FP32=fp32, SPLIT=precision != "input", RESCALE=q.dtype == torch.float16,
         BLOCK_K=BLOCK_K, BLOCK_V=BLOCK_V, EVEN_K=K == BLOCK_K, EVEN_V=V == BLOCK_V,
-        num_warps=num_warps, num_stages=num_stages,
     )
     qk_scale = abs(scale) * LOG2E
-    _softmax_bwd_dkdv_kernel[(triton.cdiv(T, block_program), B * H)](
+    keys, step, num_warps, num_stages = configs["dkdv"]
+    _softmax_bwd_dkdv_kernel[(triton.cdiv(T, keys), B * H)](
         q_seen, k, v, do, saved["row_max"], saved["log_row_sum"], delta, dk, dv, T, H, K, V, qk_scale, abs(scale),
-        BLOCK_M=block_step, BLOCK_N=block_program, **shared,
+        BLOCK_M=step, BLOCK_N=keys, num_warps=num_warps, num_stages=num_stages, **shared,
     )
-    _softmax_bwd_dq_kernel[(triton.cdiv(T, block_program), B * H)](
+    queries, step, num_warps, num_stages = configs["dq"]
+    _softmax_bwd_dq_kernel[(triton.cdiv(T, queries), B * H)](
         q_seen, k, v, do, saved["row_max"], saved["log_row_sum"], delta, dq, T, H, K, V, qk_scale, scale,
-        BLOCK_M=block_program, BLOCK_N=block_step, **shared,
+        BLOCK_M=queries, BLOCK_N=step, num_warps=num_warps, num_stages=num_stages, **shared,
     )
     return {"q": dq, "k": dk, "v": dv}
 

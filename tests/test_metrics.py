@@ -110,3 +110,18 @@ def test_norms_neither_underflow_nor_overflow() -> None:
     huge = torch.tensor([1e200, 2e200], dtype=torch.float64)
     assert metrics.rel_err(huge * (1 + 1e-6), huge) == pytest.approx(1e-6, rel=1e-6)
     assert metrics.norm(torch.zeros(3, dtype=torch.float64)) == 0.0
+
+
+def test_an_exact_value_past_the_dtypes_range_must_come_back_as_its_infinity():
+    # 7e4 rounds to +inf in fp16: inf is the correctly rounded gradient, 65504 (saturation) and -inf are not.
+    ref = torch.tensor([7e4, 1.0, 2.0], dtype=torch.float64)
+    right = measure(torch.tensor([math.inf, 1.0, 2.0]), ref, torch.float16)
+    assert right.nonfinite == 0 and right.overflowed == 1 and right.excess == 1.0
+    for wrong in (65504.0, -math.inf, math.nan):
+        m = measure(torch.tensor([wrong, 1.0, 2.0]), ref, torch.float16)
+        assert m.nonfinite == 1 and verdict(m, 1.5, 48) == FAILED, wrong
+    # The finite entries are still measured: an error there is scored against their own floor.
+    off = measure(torch.tensor([math.inf, 1.0, 2.5]), ref, torch.float16)
+    assert off.rel_err == pytest.approx(0.5 / math.sqrt(5.0))
+    # In bf16 the same value is representable: no overflow, an ordinary rounding floor.
+    assert measure(ref.to(torch.bfloat16), ref, torch.bfloat16).overflowed == 0

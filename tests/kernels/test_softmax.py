@@ -297,8 +297,9 @@ def _gradient_excess(x, causal=True, scale=None, **opts):
     return {n: m.excess for n, m in measured.items()}
 
 
-def _small_backward_blocks(monkeypatch, config):
-    configs = {key: config for key in softmax_kernels._BACKWARD_CONFIGS}
+def _small_backward_blocks(monkeypatch, config, dq_config=None):
+    """Both backward kernels on ``config`` (the dQ kernel on ``dq_config`` when given)."""
+    configs = {key: {"dkdv": config, "dq": dq_config or config} for key in softmax_kernels._BACKWARD_CONFIGS}
     monkeypatch.setattr(softmax_kernels, "_BACKWARD_CONFIGS", configs)
 
 
@@ -419,11 +420,13 @@ def test_forward_saves_lse_and_the_output_residual(dtype):
     seed=st.integers(0, 2**16),
     q_std=st.sampled_from([0.5, 1.0, 4.0]),
     config=st.sampled_from(SMALL_BACKWARD_CONFIGS),
+    dq_config=st.sampled_from(SMALL_BACKWARD_CONFIGS),
 )
-def test_random_shape_gradients_fp16(T, K, V, causal, seed, q_std, config):
+def test_random_shape_gradients_fp16(T, K, V, causal, seed, q_std, config, dq_config):
+    """The two kernels' shapes are drawn apart: each kernel's masks must hold whatever the other's blocks are."""
     x = _inputs(torch.float16, T=T, K=K, V=V, H=1, seed=seed, q_std=q_std)
     with pytest.MonkeyPatch.context() as patch:
-        _small_backward_blocks(patch, config)
+        _small_backward_blocks(patch, config, dq_config)
         assert max(_gradient_excess(x, causal).values()) <= GRADIENT_BOUND[torch.float16]
 
 
@@ -432,7 +435,9 @@ def test_random_shape_gradients_fp16(T, K, V, causal, seed, q_std, config):
 def test_backward_launch_configs(itemsize, widest):
     """Every head-dim tile up to 256 has a backward shape: power-of-two blocks of at least 16 rows (tl.dot's
     minimum), the step no larger than the program's block."""
-    block_program, block_step, num_warps, num_stages = softmax_kernels._backward_config(itemsize, widest)
-    for block in (block_program, block_step):
-        assert block >= 16 and block & (block - 1) == 0
-    assert block_step <= block_program and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1
+    configs = softmax_kernels._backward_config(itemsize, widest)
+    assert set(configs) == {"dkdv", "dq"}
+    for block_program, block_step, num_warps, num_stages in configs.values():
+        for block in (block_program, block_step):
+            assert block >= 16 and block & (block - 1) == 0
+        assert block_step <= block_program and num_warps in (1, 2, 4, 8, 16) and num_stages >= 1
