@@ -20,7 +20,7 @@ import triton.testing
 
 import attnlab
 from attnlab.third_party import sdpa_flash
-from kernels import softmax
+from attnlab.kernels import softmax
 
 CANDIDATES = [(128, 32, 4, 3), (128, 32, 4, 5), (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 3),
               (64, 32, 8, 2), (64, 16, 4, 3), (128, 16, 8, 3)]
