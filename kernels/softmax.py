@@ -505,8 +505,8 @@ def chunkwise(
 # with operands in registers: 16- and 32-row tiles. How the 16-bit shapes were chosen: reports/bench.md.
 BackwardConfig = tuple[int, int, int, int]
 _BACKWARD_CONFIGS: dict[tuple[int, int], dict[str, BackwardConfig]] = {
-    (2, 64): {"dkdv": (128, 32, 8, 2), "dq": (128, 32, 8, 2)},
-    (2, 128): {"dkdv": (64, 32, 8, 2), "dq": (64, 32, 8, 2)},
+    (2, 64): {"dkdv": (64, 32, 4, 3), "dq": (64, 32, 4, 3)},
+    (2, 128): {"dkdv": (64, 32, 4, 3), "dq": (64, 32, 4, 3)},
     (2, 256): {"dkdv": (32, 16, 8, 1), "dq": (32, 16, 8, 1)},
     (4, 64): {"dkdv": (32, 16, 4, 1), "dq": (32, 16, 4, 1)},
     (4, 128): {"dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)},
