@@ -1,10 +1,13 @@
 """Per-launch GPU time of each kernel and its peer at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
 
-    python3 tools/gpu/profile_launches.py [NAME,NAME...]
+    python3 tools/gpu/profile_launches.py [NAME,NAME...] [--backward [OPTION=VALUE,...;...]]
 
 For each formulation: attnlab's default setting, its SPEED_OPTIONS setting and the peer, each run under
 torch.profiler for a few calls after a warm-up; prints, per implementation, every GPU kernel it launched
 with its mean time per call, so that one sees which pass of a multi-launch kernel costs what.
+With --backward: attnlab's kernel alone, forward and backward together (``o.backward(do)``, as the bench's
+backward pass), at its defaults and at each ';'-separated set of kernel options given (e.g.
+"num_warps=8;num_stages=3,num_warps=8"), so that launch options can be compared per kernel.
 """
 
 from __future__ import annotations
@@ -36,7 +39,42 @@ def kernel_times(call) -> list[tuple[str, float]]:
     return sorted(totals.items(), key=lambda item: -item[1])
 
 
+def _option_sets(text: str) -> list[dict[str, object]]:
+    sets = [{}]
+    for group in filter(None, text.split(";")):
+        sets.append({key: (value if not value.lstrip("-").isdigit() else int(value))
+                     for key, value in (item.split("=") for item in group.split(","))})
+    return sets
+
+
+def profile_backward(names: list[str], option_sets: list[dict[str, object]]) -> None:
+    for name in names:
+        f = attnlab.formulation(name)
+        x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
+        x = {n: t.requires_grad_() if f.arg(n).differentiable else t for n, t in x.items()}
+        for options in option_sets:
+            try:
+                ours = attnlab.kernel(name, "chunkwise", **options)
+                do = torch.randn_like(ours(**x))
+                times = kernel_times(lambda: ours(**x).backward(do))  # noqa: B023
+            except Exception as error:  # record and go on
+                print(f"{name} {options}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                continue
+            print(f"{name} forward + backward {options or 'defaults'}: total {sum(t for _, t in times):.3f} ms", flush=True)
+            for kname, ms in times:
+                print(f"    {ms:8.3f} ms  {kname}", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
+    args = sys.argv[1:]
+    if "--backward" in args:
+        at = args.index("--backward")
+        option_text = args[at + 1] if at + 1 < len(args) else ""
+        names = args[0].split(",") if at > 0 else attnlab.names()
+        profile_backward(names, _option_sets(option_text))
+        return
     names = sys.argv[1].split(",") if len(sys.argv) > 1 else attnlab.names()
     for name in names:
         f = attnlab.formulation(name)
