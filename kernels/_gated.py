@@ -122,6 +122,9 @@ with the products), and none crosses a chunk: the chunk's view takes S_c and dS_
 Chunkwise launches: the chunk states h (the forward's kernel, again), the state cotangents dh
 (sequential over chunks, from the last), A and dA (the forward's scores kernel, on (q, k, gk) and
 on (do, v, gv)), then dq, dk, dgk (per K block) and dv, dgv (per V block), parallel over chunks.
+The backward takes its own chunks of at most BACKWARD_CHUNK rows, whatever the forward's chunk_size (it
+recomputes everything it reads, so the two need not agree): the dq/dk and dv kernels hold about eight
+[BT, BK] fp32 tiles beside [BT, BT] ones, which at BT = 64 on 4 warps spill (reports/bench.md).
 The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
 a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
 backward keeps h, dh, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"; its
@@ -154,6 +157,8 @@ CHUNK_SIZES = (16, 32, 64)
 # The recurrent backward's segment: the forward checkpoints the state every RECURRENT_SEGMENT steps, and
 # the backward replays one segment at a time (module docstring, "Backward").
 RECURRENT_SEGMENT = 64
+# The chunkwise backward's largest chunk (module docstring, "Backward").
+BACKWARD_CHUNK = 32
 
 # The fastest chunkwise setting (one bf16/fp16 tensor-core dot per product, h and A stored in
 # bf16 for bf16 inputs), as flash-linear-attention computes; ``attnlab bench`` times it beside
@@ -1196,7 +1201,7 @@ def chunkwise_backward(
     V = v.shape[-1]
     if gpu_shape_known_bad(K, V, max_K=256):  # the forward ran the recurrent kernel
         return recurrent_backward(q, k, v, gk, gv, scale, state, do, d_state, saved)
-    BT = min(chunk_size, block_size(T))
+    BT = min(chunk_size, BACKWARD_CHUNK, block_size(T))
     NT = triton.cdiv(T, BT)
     BK = min(block_k, block_size(K))
     # The backward's kernels hold more fp32 tiles than the forward's: V tiles of at most 64.
