@@ -1,8 +1,8 @@
 """``attnlab bench``: each kernel timed side by side with its peer, in one run.
 
 The peer is the registry entry's ``bench_peer`` (attnlab.spec.Peer): flash-linear-attention's kernel of the
-same formulation where it has one, torch's scaled_dot_product_attention for softmax. It is called through its
-declared convention (attnlab.conventions): every conversion (names, dtypes, layout, log decay, stacked state)
+same formulation where it has one, torch's scaled_dot_product_attention pinned to its flash backend
+(FlashAttention-2) for softmax. It is called through its declared convention (attnlab.conventions): every conversion (names, dtypes, layout, log decay, stacked state)
 is done once, before the timing, so the timed call is exactly the peer's own. attnlab's kernel runs with the
 peer's ``our_options`` (the options under which it computes the same function). Times are medians of
 ``triton.testing.do_bench`` after a warm-up call (compilation stays out of the numbers); the ratio ours / peer
