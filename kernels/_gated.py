@@ -277,6 +277,17 @@ def _level_select(local, LEVEL: tl.constexpr):
     return upper, lower, same_block, select
 
 
+@triton.jit
+def _program_indices(N0, N1, H):
+    """The program's place in a grid of N0 * N1 * B * H programs, the fastest first: (i0, i1, batch, head, and
+    batch * H + head), the batch and the flat head as int64 for offsets."""
+    pid = tl.program_id(0)
+    i0 = pid % N0
+    i1 = (pid // N0) % N1
+    bh = pid // (N0 * N1)
+    return i0, i1, (bh // H).to(tl.int64), bh % H, bh.to(tl.int64)
+
+
 # NT is not specialized: specialized to NT == 1 (one chunk), the GPU build returns a wrong final state for
 # general with a value gate while every longer sequence is right (reports/bench.md); a generic trip count
 # keeps the single-chunk case on the code path the longer ones take.
@@ -304,13 +315,7 @@ def _chunk_states_kernel(
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    kb = pid % NK
-    vb = (pid // NK) % NV
-    bh = pid // (NK * NV)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    kb, vb, b, h, bh64 = _program_indices(NK, NV, H)
     local = tl.arange(0, BT)
     # Suffix sums within the chunk (rows past T load as gate 0).
     after = local[None, :] > local[:, None]
@@ -527,13 +532,7 @@ def _chunk_output_kernel(
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    vb = pid % NV
-    c = (pid // NV) % NT
-    bh = pid // (NV * NT)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    vb, c, b, h, bh64 = _program_indices(NV, NT, H)
     local = tl.arange(0, BT)
     # Prefix sums within the chunk, each row's own gate included.
     upto = local[None, :] <= local[:, None]
@@ -688,13 +687,7 @@ def _chunk_state_grads_kernel(
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    kb = pid % NK
-    vb = (pid // NK) % NV
-    bh = pid // (NK * NV)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    kb, vb, b, h, bh64 = _program_indices(NK, NV, H)
     local = tl.arange(0, BT)
     upto = local[None, :] <= local[:, None]
     keys = kb * BK + tl.arange(0, BK)
@@ -745,6 +738,32 @@ def _spanning(local, LEVEL: tl.constexpr):
 
 
 @triton.jit
+def _level_gradients(scores, later, earlier, gate, factor, later_sum, earlier_sum, dgate, local, zero,
+                     LEVELS: tl.constexpr, PRECISION: tl.constexpr, DT: tl.constexpr):
+    """The intra-chunk pair terms of one side's gate, over the reference-row levels (module docstring), and
+    their share of that gate's gradient. For pairs (t, j), j < t, of one chunk with weights ``scores`` [BT, BT]
+    (dA_tj for the key side, A_tj for the value side), ``later`` the tile at t (q; do), ``earlier`` the tile at
+    j (k; v) and E = exp(select_l @ gate) at each level l:
+        later_l   = factor (upper * E) * ((same_block * scores) @ (lower * earlier * E))       (dq_l; o_l)
+        earlier_l = factor (lower * E) * ((same_block * scores)^T @ (upper * later * E))     (dk_l; dv_l)
+        dgate    += spanning_l @ (later * later_l + earlier * earlier_l)
+    Returns (later_sum + sum_l later_l, earlier_sum + sum_l earlier_l, dgate), each level added in turn."""
+    for level in tl.static_range(LEVELS):
+        upper, _, same_block, select = _level_select(local, level)
+        decay = tl.exp(span_sums(select, gate, DT != tl.float32))
+        pairs = tl.where(same_block, scores, 0.0)
+        later_level = (factor * tl.where(upper, decay, 0.0)) * _dot(
+            pairs, tl.where(upper, 0.0, earlier * decay), zero, PRECISION, DT)
+        earlier_level = (factor * tl.where(upper, 0.0, decay)) * _dot(
+            tl.trans(pairs), tl.where(upper, later * decay, 0.0), zero, PRECISION, DT)
+        dgate = _dot(_spanning(local, level).to(DT), later * later_level + earlier * earlier_level, dgate,
+                     PRECISION, DT)
+        later_sum += later_level
+        earlier_sum += earlier_level
+    return later_sum, earlier_sum, dgate
+
+
+@triton.jit
 def _chunk_dqk_kernel(
     q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dA_ptr, dq_ptr, dk_ptr, dgk_ptr,
     scale, T, H, NT,
@@ -767,13 +786,7 @@ def _chunk_dqk_kernel(
     (masked sums of products: no difference of two large sums).
     """
     NK: tl.constexpr = (K + BK - 1) // BK
-    pid = tl.program_id(0)
-    kb = pid % NK
-    c = (pid // NK) % NT
-    bh = pid // (NK * NT)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    kb, c, b, h, bh64 = _program_indices(NK, NT, H)
     local = tl.arange(0, BT)
     upto = local[None, :] <= local[:, None]
     after = local[None, :] > local[:, None]
@@ -828,16 +841,7 @@ def _chunk_dqk_kernel(
         diagonal = tl.sum(tl.where(local[:, None] == local[None, :], dA, 0.0), axis=1)[:, None]
         dq += diagonal * k
         dk += diagonal * q
-        for level in tl.static_range(LEVELS):
-            upper, _, same_block, select = _level_select(local, level)
-            decay = tl.exp(span_sums(select, gk, DT != tl.float32))
-            pairs = tl.where(same_block, dA, 0.0)
-            dq_level = tl.where(upper, decay, 0.0) * _dot(pairs, tl.where(upper, 0.0, k * decay), zero, PRECISION, DT)
-            dk_level = tl.where(upper, 0.0, decay) * _dot(tl.trans(pairs), tl.where(upper, q * decay, 0.0), zero,
-                                                          PRECISION, DT)
-            dgk = _dot(_spanning(local, level).to(DT), q * dq_level + k * dk_level, dgk, PRECISION, DT)
-            dq += dq_level
-            dk += dk_level
+        dq, dk, dgk = _level_gradients(dA, q, k, gk, 1.0, dq, dk, dgk, local, zero, LEVELS, PRECISION, DT)
         tl.store(dgk_ptr + k_offsets, dgk.to(dgk_ptr.dtype.element_ty), mask=k_mask)
     else:
         dq = _dot(dA, k, scale * from_state, PRECISION, DT)
@@ -865,13 +869,7 @@ def _chunk_dv_kernel(
     o's terms recomputed in fp32 as the forward's output kernel does.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0)
-    vb = pid % NV
-    c = (pid // NV) % NT
-    bh = pid // (NV * NT)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    vb, c, b, h, bh64 = _program_indices(NV, NT, H)
     local = tl.arange(0, BT)
     upto = local[None, :] <= local[:, None]
     after = local[None, :] > local[:, None]
@@ -926,16 +924,8 @@ def _chunk_dv_kernel(
         dgv = _dot((local[None, :] < local[:, None]).to(DT), v * dv, dgv, PRECISION, DT)
         diagonal = tl.sum(tl.where(local[:, None] == local[None, :], A, 0.0), axis=1)[:, None]
         dv += scale * diagonal * do
-        for level in tl.static_range(LEVELS):
-            upper, _, same_block, select = _level_select(local, level)
-            decay = tl.exp(span_sums(select, gv, DT != tl.float32))
-            pairs = tl.where(same_block, A, 0.0)
-            dv_level = (scale * tl.where(upper, 0.0, decay)) * _dot(tl.trans(pairs), tl.where(upper, do * decay, 0.0),
-                                                                    zero, PRECISION, DT)
-            o_level = (scale * tl.where(upper, decay, 0.0)) * _dot(pairs, tl.where(upper, 0.0, v * decay), zero,
-                                                                   PRECISION, DT)
-            dgv = _dot(_spanning(local, level).to(DT), do * o_level + v * dv_level, dgv, PRECISION, DT)
-            dv += dv_level
+        # o's level terms enter dgv only: their sum is not kept.
+        _, dv, dgv = _level_gradients(A, do, v, gv, scale, zero, dv, dgv, local, zero, LEVELS, PRECISION, DT)
         tl.store(dgv_ptr + v_offsets, dgv.to(dgv_ptr.dtype.element_ty), mask=v_mask)
     else:
         dv = to_state + scale * _dot(tl.trans(A), do, zero, PRECISION, DT)
