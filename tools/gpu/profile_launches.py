@@ -1,18 +1,20 @@
 """Per-launch GPU time of each kernel and its peer at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
 
-    python3 tools/gpu/profile_launches.py [NAME,NAME...] [--backward [OPTION=VALUE,...;...]]
+    python3 tools/gpu/profile_launches.py [NAME,NAME...] [--options "OPT=V,...;..."] [--form recurrent]
+                                          [--backward] [--no-peer]
 
-For each formulation: attnlab's default setting, its SPEED_OPTIONS setting and the peer, each run under
-torch.profiler for a few calls after a warm-up; prints, per implementation, every GPU kernel it launched
-with its mean time per call, so that one sees which pass of a multi-launch kernel costs what.
-With --backward: attnlab's kernel alone, forward and backward together (``o.backward(do)``, as the bench's
-backward pass), at its defaults and at each ';'-separated set of kernel options given (e.g.
-"num_warps=8;num_stages=3,num_warps=8"), so that launch options can be compared per kernel.
+For each formulation: attnlab's default setting, its SPEED_OPTIONS setting, each ';'-separated set of kernel
+options given (e.g. "chunk_size=8,block_c=128;num_warps=8"), and the peer, each run under torch.profiler for a
+few calls after a warm-up, on the bench's inputs (the peer's ``our_options`` included); prints, per
+implementation, every GPU kernel it launched with its mean time per call, so that one sees which pass of a
+multi-launch kernel costs what. With --backward: attnlab's kernel forward and backward together
+(``o.backward(do)``, as the bench's backward pass), at its defaults and at each option set, without the peer
+(how gla's backward chunk was chosen).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from collections import defaultdict
 
 import torch
@@ -40,70 +42,60 @@ def kernel_times(call) -> list[tuple[str, float]]:
 
 
 def _option_sets(text: str) -> list[dict[str, object]]:
-    sets = [{}]
-    for group in filter(None, text.split(";")):
-        sets.append({key: (value if not value.lstrip("-").isdigit() else int(value))
-                     for key, value in (item.split("=") for item in group.split(","))})
-    return sets
+    """"a=1,b=x;c=2" -> [{"a": 1, "b": "x"}, {"c": 2}]."""
+    return [{key: (int(value) if value.lstrip("-").isdigit() else value)
+             for key, value in (item.split("=") for item in group.split(","))}
+            for group in filter(None, text.split(";"))]
 
 
-def profile_backward(names: list[str], option_sets: list[dict[str, object]]) -> None:
-    for name in names:
-        f = attnlab.formulation(name)
-        x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-        x = {n: t.requires_grad_() if f.arg(n).differentiable else t for n, t in x.items()}
-        for options in option_sets:
-            try:
-                ours = attnlab.kernel(name, "chunkwise", **options)
-                do = torch.randn_like(ours(**x))
-                times = kernel_times(lambda: ours(**x).backward(do))  # noqa: B023
-            except Exception as error:  # record and go on
-                print(f"{name} {options}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-                continue
-            print(f"{name} forward + backward {options or 'defaults'}: total {sum(t for _, t in times):.3f} ms", flush=True)
-            for kname, ms in times:
-                print(f"    {ms:8.3f} ms  {kname}", flush=True)
-        del x
-        torch.cuda.empty_cache()
+def _print_times(label: str, times: list[tuple[str, float]]) -> None:
+    print(f"{label}: total {sum(t for _, t in times):.3f} ms", flush=True)
+    for kname, ms in times:
+        print(f"    {ms:8.3f} ms  {kname}", flush=True)
+
+
+def profile_formulation(name: str, form: str, option_sets: list[dict[str, object]], backward: bool, with_peer: bool) -> None:
+    f = attnlab.formulation(name)
+    x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
+    inputs = peer_inputs(name, x)
+    if backward:
+        inputs = {n: t.requires_grad_() if isinstance(t, torch.Tensor) and f.arg(n).differentiable else t
+                  for n, t in inputs.items()}
+    speed = speed_options(name, form)
+    settings = [("defaults", {}), *([("speed", speed)] if speed and not backward else []),
+                *((str(options), options) for options in option_sets)]
+    for label, options in settings:
+        try:
+            ours = attnlab.kernel(name, form, **options)
+            if backward:
+                do = torch.randn_like(ours(**inputs))
+                times = kernel_times(lambda: ours(**inputs).backward(do))  # noqa: B023
+            else:
+                times = kernel_times(lambda: ours(**inputs))  # noqa: B023
+        except Exception as error:  # record and go on
+            print(f"{name} {form} {label}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+            continue
+        _print_times(f"{name} {form} {'forward + backward' if backward else 'forward'} {label} ({ours!r})", times)
+    peer = f.bench_peer
+    if peer and with_peer and not backward:
+        try:
+            _print_times(f"{name} peer {peer.label}", kernel_times(peer_call(name, x)))
+        except Exception as error:
+            print(f"{name} peer: {type(error).__name__}: {str(error)[:200]}", flush=True)
+    del x, inputs
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if "--backward" in args:
-        at = args.index("--backward")
-        option_text = args[at + 1] if at + 1 < len(args) else ""
-        names = args[0].split(",") if at > 0 else attnlab.names()
-        profile_backward(names, _option_sets(option_text))
-        return
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else attnlab.names()
-    for name in names:
-        f = attnlab.formulation(name)
-        x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-        peer = attnlab.formulation(name).bench_peer
-        inputs = peer_inputs(name, x)
-        speed = speed_options(name, "chunkwise")
-        runs = [("attnlab default", attnlab.kernel(name, "chunkwise")), ("attnlab speed", attnlab.kernel(name, "chunkwise", **speed) if speed else None)]
-        for label, ours in runs:
-            if ours is None:
-                continue
-            try:
-                times = kernel_times(lambda: ours(**inputs))  # noqa: B023
-            except Exception as error:  # record and go on
-                print(f"{name} {label}: {type(error).__name__}: {str(error)[:200]}")
-                continue
-            print(f"{name} {label} ({ours!r}): total {sum(t for _, t in times):.3f} ms")
-            for kname, ms in times:
-                print(f"    {ms:8.3f} ms  {kname}")
-        if peer:
-            try:
-                times = kernel_times(peer_call(name, x))
-                print(f"{name} peer {peer.label}: total {sum(t for _, t in times):.3f} ms")
-                for kname, ms in times:
-                    print(f"    {ms:8.3f} ms  {kname}")
-            except Exception as error:
-                print(f"{name} peer: {type(error).__name__}: {str(error)[:200]}")
-        del x, inputs
-        torch.cuda.empty_cache()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("names", nargs="?", default=",".join(attnlab.names()))
+    parser.add_argument("--options", default="", help="';'-separated kernel option sets, each OPT=V,...")
+    parser.add_argument("--form", default="chunkwise", choices=("chunkwise", "recurrent"))
+    parser.add_argument("--backward", action="store_true", help="forward + backward, attnlab's kernel only")
+    parser.add_argument("--no-peer", action="store_true")
+    args = parser.parse_args()
+    for name in args.names.split(","):
+        profile_formulation(name, args.form, _option_sets(args.options), args.backward, not args.no_peer)
 
 
 if __name__ == "__main__":
