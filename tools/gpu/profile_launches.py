@@ -54,7 +54,8 @@ def _print_times(label: str, times: list[tuple[str, float]]) -> None:
         print(f"    {ms:8.3f} ms  {kname}", flush=True)
 
 
-def profile_formulation(name: str, form: str, option_sets: list[dict[str, object]], backward: bool, with_peer: bool) -> None:
+def profile_formulation(name: str, form: str, option_sets: list[dict[str, object]], backward: bool,
+                        with_peer: bool) -> None:
     f = attnlab.formulation(name)
     x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
     inputs = peer_inputs(name, x)
