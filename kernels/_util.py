@@ -95,3 +95,19 @@ def gpu_shape_known_bad(K: int, V: int, max_K: int = 128) -> bool:
     interpreter (CPU) keeps testing the chunkwise kernels.
     """
     return not interpreter_active() and (K % 16 != 0 or V % 16 != 0 or K > max_K)
+
+
+@triton.jit
+def state_block(H, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """The program of a kernel over (V block, batch * head), grid (cdiv(V, BV), B * H), and its [BK, BV] block
+    of a state S [B, H, K, V]: (pid_v, pid_bh, batch, head, key lanes, value lanes, their masks, the block's
+    offsets in S and its mask)."""
+    pid_v = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    return pid_v, pid_bh, pid_bh // H, pid_bh % H, keys, values, key_ok, value_ok, S_offsets, S_mask

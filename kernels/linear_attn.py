@@ -100,7 +100,7 @@ from attnlab.kernels._numerics import (
     INPUT_SPLIT_PRECISIONS, dot_f32_f32, dot_f32_lowp, dot_lowp_f32, input_split_config,
 )
 from attnlab.kernels._util import (
-    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks,
+    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks, state_block,
 )
 
 OPTIONS = {
@@ -234,18 +234,7 @@ def _recurrent_kernel(
 ):
     # The literal recurrence, one token at a time, everything in fp32:
     #   S += phi(k_t) v_t^T,  z += phi(k_t),  o_t = phi(q_t)^T S / phi(q_t)^T z  or  scale phi(q_t)^T S
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     z_offsets = pid_bh.to(tl.int64) * K + keys
     if HAS_INITIAL_STATE:
         S = tl.load(initial_S + S_offsets, mask=S_mask, other=0.0)
@@ -527,19 +516,10 @@ def _state_cotangent_kernel(
     # are stored for chunk c's gradients, then carried back past its rows:
     #   dS <- dS + (w fq)^T do,   dz <- dz - (w fq)^T do_o    (w = 1 / den, or scale when not normalized)
     # A plain reverse sum: no gates, nothing to decay, no cancellation beyond the sum's own.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     dtype = q.dtype.element_ty
 
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     z_offsets = pid_bh.to(tl.int64) * K + keys
     if HAS_D_STATE:
         dS = tl.load(d_final_S + S_offsets, mask=S_mask, other=0.0)
@@ -820,18 +800,10 @@ def _recurrent_query_kernel(
     #   dfq_t = (S_t do_t - do_o_t z_t) / den_t,  do_o_t = do_t . num_t / den_t     (or scale S_t do_t)
     # do . o is formed from these S_t do_t, so that the cancellation in dfq (phi(q_t) . dfq_t = 0) holds in their
     # rounding too.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     part = pid_v.to(tl.int64) * part_stride
     if HAS_INITIAL_STATE:
-        S = tl.load(initial_S + pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :],
-                    mask=key_ok[:, None] & value_ok[None, :], other=0.0)
+        S = tl.load(initial_S + S_offsets, mask=S_mask, other=0.0)
         z = tl.load(initial_z + pid_bh.to(tl.int64) * K + keys, mask=key_ok, other=0.0)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
@@ -875,16 +847,7 @@ def _recurrent_key_value_kernel(
     #   dS <- dS + w_t phi(q_t) do_t^T,   dz <- dz - w_t do_o_t phi(q_t)
     #   dfk_t = dS v_t + dz,   dv_t = dS^T phi(k_t)
     # dfk_t sums over V: each V block writes its part (dz in block 0's); the host sums them.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     z_offsets = pid_bh.to(tl.int64) * K + keys
     part = pid_v.to(tl.int64) * part_stride
     if HAS_D_STATE:

@@ -84,7 +84,7 @@ import triton.language as tl
 
 from attnlab.kernels._numerics import INPUT_SPLIT_PRECISIONS, dot_f32_lowp, dot_lowp_f32, input_split_config
 from attnlab.kernels._util import (
-    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks,
+    Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks, state_block,
 )
 
 OPTIONS = {
@@ -210,19 +210,8 @@ def _recurrent_kernel(
 ):
     # The literal recurrence, one token at a time, in fp32:
     #   S = exp(g) S + k_t v_t^T,   o_t = S^T (scale q_t)
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     keep, change = decay_factors(tl.load(g + h).to(tl.float32))
-
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     if HAS_INITIAL_STATE:
         S = tl.load(initial_state + S_offsets, mask=S_mask, other=0.0)
     else:
@@ -350,19 +339,8 @@ def _recurrent_tangent_sweep_kernel(
     #   dg   = sum_t scale q_t^T M_t do_t + <dS_T, M_T>
     # M_t = sum_{i<=t} (t - i) exp((t - i) g) k_i v_i^T + t exp(t g) S_0: every term carries its distance, a weight
     # >= 0, so dg is summed from its own terms and cancels no more than they do.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     keep, change = decay_factors(tl.load(g + h).to(tl.float32))
-
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     if HAS_INITIAL_STATE:
         S = tl.load(initial_state + S_offsets, mask=S_mask, other=0.0)
     else:
@@ -405,19 +383,8 @@ def _recurrent_reverse_sweep_kernel(
     #   dv_t = D_t^T k_t
     #   E = exp(g) D_t
     # and dS_0 = E after t = 1.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     keep, change = decay_factors(tl.load(g + h).to(tl.float32))
-
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     if HAS_FINAL_GRAD:
         E = tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0)
     else:
