@@ -141,7 +141,7 @@ import triton.language as tl
 from attnlab.kernels import _state_pass
 from attnlab.kernels._numerics import peak, split_dot, split_dot_into, to_scratch, unit_lower_inverse
 from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u
-from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
+from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks, state_block
 from attnlab.runtime import interpreter_active
 
 BLOCK_VS = (None, 16, 32, 64, 128)
@@ -337,14 +337,7 @@ def _recurrent_kernel(
     With SEGMENT > 0 (gradients wanted) the state entering every SEGMENT-th step is also stored, in
     checkpoint [B*H, cdiv(T, SEGMENT), K, V], for the backward's replay.
     """
-    vblock = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kcol = tl.arange(0, BK)
-    vcol = vblock * BV + tl.arange(0, BV)
-    k_in, v_in = kcol < K, vcol < V
-    state_offsets = bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :]
-    state_mask = k_in[:, None] & v_in[None, :]
+    vblock, bh, b, h, kcol, vcol, k_in, v_in, state_offsets, state_mask = state_block(H, K, V, BK, BV)
     if HAS_INITIAL:
         S = tl.load(s0_ptr + state_offsets, mask=state_mask, other=0.0)
     else:
@@ -393,20 +386,13 @@ def _recurrent_backward_kernel(
 
     dq, dk, dbeta and dg sum over V: this V block's part goes to its own slice [vblock] of theirs.
     """
-    vblock = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    kcol = tl.arange(0, BK)
-    vcol = vblock * BV + tl.arange(0, BV)
-    k_in, v_in = kcol < K, vcol < V
-    state_mask = k_in[:, None] & v_in[None, :]
+    vblock, bh, b, h, kcol, vcol, k_in, v_in, state_offsets, state_mask = state_block(H, K, V, BK, BV)
     scratch = (bh.to(tl.int64) * tl.num_programs(0) + vblock) * SLOTS
     decayed = decayed_ptr + scratch * BK * BV + kcol[:, None] * BV + tl.arange(0, BV)[None, :]
     errors = error_ptr + scratch * BV + tl.arange(0, BV)
     part = vblock.to(tl.int64) * B * T * H  # this V block's slice of dq, dk, dbeta, dg (in tokens)
     if HAS_D_FINAL:
-        dS = tl.load(d_final_ptr + bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :], mask=state_mask,
-                     other=0.0)
+        dS = tl.load(d_final_ptr + state_offsets, mask=state_mask, other=0.0)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -457,7 +443,7 @@ def _recurrent_backward_kernel(
         tl.debug_barrier()  # the next segment overwrites the scratch
 
     if STORE_D_INITIAL:
-        tl.store(d_initial_ptr + bh.to(tl.int64) * K * V + kcol[:, None] * V + vcol[None, :], dS, mask=state_mask)
+        tl.store(d_initial_ptr + state_offsets, dS, mask=state_mask)
 
 
 # --------------------------------------------------------------------------- launchers

@@ -162,7 +162,9 @@ import triton.language as tl
 from attnlab.kernels import _state_pass
 from attnlab.kernels._numerics import dot_scratch, peak, scaled_dot, scaled_dot_within, span_sums, to_scratch
 from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u, value_block
-from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks, zero_state
+from attnlab.kernels._util import (
+    Launch, block_size, launch_after_checks, no_pending_checks, state_block, zero_state,
+)
 from attnlab.runtime import interpreter_active
 
 SUB_CHUNK = 16
@@ -546,18 +548,7 @@ def _kda_recurrent_kernel(
     With SEGMENT > 0 (gradients wanted) the state entering every SEGMENT-th step also goes to
     checkpoint [B*H, cdiv(T, SEGMENT), K, V], this program's V columns of it.
     """
-    v_block = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-
-    channels = tl.arange(0, BK)
-    values = v_block * BV + tl.arange(0, BV)
-    channel_ok = channels < K
-    value_ok = values < V
-
-    state_ptrs = bh.to(tl.int64) * K * V + channels[:, None] * V + values[None, :]
-    state_mask = channel_ok[:, None] & value_ok[None, :]
+    v_block, bh, b, h, channels, values, channel_ok, value_ok, state_ptrs, state_mask = state_block(H, K, V, BK, BV)
     if HAS_INITIAL_STATE:
         S = tl.load(state_in_ptr + state_ptrs, mask=state_mask, other=0.0)
     else:
