@@ -1167,6 +1167,11 @@ def recurrent(
 # --------------------------------------------------------------------------------------------
 
 
+def chunkwise_options(keywords: dict[str, object]) -> dict[str, object]:
+    """The chunkwise kernel options among a backward's keywords (the forward call's, which hold more)."""
+    return {name: value for name, value in keywords.items() if name in CHUNKWISE_OPTIONS}
+
+
 def chunkwise_backward(
     q: torch.Tensor,
     k: torch.Tensor,

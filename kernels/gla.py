@@ -53,14 +53,12 @@ def _returned(r: dict, state: tuple[torch.Tensor, ...] | None) -> dict:
 def chunkwise_backward(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     scale: float, state: tuple[torch.Tensor, ...] | None, do: torch.Tensor,
-    d_state: tuple[torch.Tensor, ...] | None, saved: dict[str, torch.Tensor],
-    chunk_size: int = 64, precision: str = "auto", block_k: int = 64, block_v: int = 128,
-    num_warps: int = 4, num_stages: int = 2, **ignored,
+    d_state: tuple[torch.Tensor, ...] | None, saved: dict[str, torch.Tensor], **keywords,
 ) -> dict:
-    """Gradients of the chunkwise form (kernels/_gated.py, "Backward"); o is not needed."""
-    r = _gated.chunkwise_backward(q, k, v, g, None, scale, state, do, d_state, chunk_size=chunk_size,
-                                  precision=precision, block_k=block_k, block_v=block_v,
-                                  num_warps=num_warps, num_stages=num_stages, saved=saved)
+    """Gradients of the chunkwise form (kernels/_gated.py, "Backward") under the forward's options; o is not
+    needed."""
+    r = _gated.chunkwise_backward(q, k, v, g, None, scale, state, do, d_state, saved=saved,
+                                  **_gated.chunkwise_options(keywords))
     return _returned(r, state)
 
 

@@ -186,7 +186,8 @@ def test_gradients_in_every_precision_mode(precision):
 
 @pytest.mark.parametrize("chunk_size", [32, 64])
 def test_gradients_in_chunks_of_32_and_64(chunk_size):
-    """Two chunks, the second partial: the levels of the larger chunks."""
+    """Two forward chunks, the second partial. The backward takes chunks of at most 32 rows
+    (_gated.BACKWARD_CHUNK): at 64 the two passes chunk the sequence differently, which they must be free to."""
     check_gradients("gla", "chunkwise", _with_state(_sample(T=chunk_size + 13, seed=30)), torch.float32,
                     chunk_size=chunk_size)
 
