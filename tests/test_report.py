@@ -287,6 +287,25 @@ def test_a_backward_that_raises_is_a_failed_row_and_one_without_grad_is_listed()
     assert no_backward == {("gla", "detached"): "its output does not require grad"}
 
 
+def test_a_reference_gradient_out_of_memory_fails_its_rows_with_what_to_change(monkeypatch):
+    """The float64 reference of a long softmax row does not fit (as on an H100 at T = 16384 with 4 heads): every
+    implementation's row at that point records it, saying which options shrink it, and the sweep goes on."""
+    import attnlab.gradients
+    from attnlab.commands.report import Sizes
+    from attnlab.oracle import oracle
+    from attnlab.registry import formulation
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB.")
+
+    monkeypatch.setattr(attnlab.gradients, "oracle_gradients", out_of_memory)
+    impl = Implementation("fp32-recurrent", lambda: oracle("softmax", "recurrent", "float32"))
+    rows = measure_backward_point(formulation("softmax"), "float32", 8, Sizes(1, 1, 8, 8), [impl], {}, seed=0,
+                                  device="cpu")
+    assert [(r["impl"], r["verdict"]) for r in rows] == [("fp32-recurrent", "failed")]
+    assert "OutOfMemoryError" in rows[0]["error"] and "--shape" in rows[0]["error"], rows[0]["error"]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("command", [("report",), ("map", "shift")])
 def test_cuda_without_a_gpu_exits_2(command, tmp_path):

@@ -398,6 +398,10 @@ def measure_backward_point(
         dtypes = gradient_dtypes(f, inputs)
     except Exception as error:  # noqa: BLE001 - recorded in the rows, the sweep goes on
         message = f"reference gradients failed: {describe_error(error)}"
+        if isinstance(error, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            message += (" (float64 autograd through the oracle keeps its intermediates, T x T per head for softmax: "
+                        "fewer heads with --shape, or shorter --lengths)")
         return [_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": message}, backward_bounds(f, dtype))
                 for impl in todo]
     rows = []
