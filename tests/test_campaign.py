@@ -190,6 +190,64 @@ def test_every_cell_starts_before_any_goes_on_and_then_runs_in_a_row() -> None:
     assert backward["key"] == "a.f/float32/default/backward_r"
 
 
+class _Config:
+    """What pytest-xdist's LoadScheduling reads of pytest's config: the workers' specs and the chunk cap."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def getvalue(self, name: str) -> list[str]:
+        assert name == "tx"
+        return [f"{self.workers}*popen"]
+
+    def getoption(self, name: str) -> None:
+        assert name == "maxschedchunk"
+
+
+class _Worker:
+    """A pytest-xdist worker as the scheduler sees it: the items it is sent."""
+
+    shutting_down = False
+
+    def __init__(self, name: str) -> None:
+        self.gateway = type("Gateway", (), {"id": name})()
+        self.sent: list[int] = []
+
+    def send_runtest_some(self, indices: list[int]) -> None:
+        self.sent.extend(indices)
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+def test_each_worker_is_sent_one_cell_at_a_time_every_cell_started_first() -> None:
+    """Four cells of six items over three workers (the plan's order: every cell's first, then the rests): each
+    worker's first batch is one cell's, the three cells first in the plan start at once, the fourth goes to the
+    first worker to run low before anyone gets more of a started cell, and a dead worker's items are re-queued."""
+    from attnlab.commands.campaign_schedule import CellScheduling, cell_lookup
+
+    items = [{"key": f"k{c}.f/float32/default/p{n}", "kernel": f"k{c}.f", "dtype": "float32"}
+             for n in range(6) for c in range(4)]
+    items = items[:4] + sorted(items[4:], key=lambda i: i["kernel"])  # firsts, then each cell's rest in a row
+    collection = [f"campaign_items.py::test_item[{campaign_report.node_id(i['key'])}]" for i in items]
+    cell_of = cell_lookup(items)
+    scheduler = CellScheduling(_Config(3), None, cell_of)
+    workers = [_Worker(f"gw{n}") for n in range(3)]
+    for w in workers:
+        scheduler.add_node(w)
+        scheduler.add_node_collection(w, collection)
+    scheduler.schedule()
+    cells = [{cell_of(collection[i]) for i in w.sent} for w in workers]
+    assert cells == [{"k0.f/float32"}, {"k1.f/float32"}, {"k2.f/float32"}], cells
+    first, sent = workers[0], len(workers[0].sent)
+    for index in list(first.sent):
+        scheduler.mark_test_complete(first, index)
+    assert {cell_of(collection[i]) for i in first.sent[sent:]} == {"k3.f/float32"}  # the unstarted cell
+    crashed = scheduler.remove_node(workers[1])  # its first item was running: the rest goes back to pending
+    assert crashed == collection[workers[1].sent[0]]
+    assert set(workers[1].sent[1:]) <= set(scheduler.pending) | {i for w in (workers[0], workers[2]) for i in w.sent}
+
+
 def test_gpu_workers_are_pinned_in_their_execnet_specs_and_cpu_workers_counted() -> None:
     assert _worker_specs("cuda", 2, 2, 0) == ["--dist=load"] + [f"--tx=popen//env:CUDA_VISIBLE_DEVICES={g}"
                                                                    for g in (0, 0, 1, 1)]
@@ -309,6 +367,10 @@ def test_a_campaign_judges_every_item_and_fails_only_the_broken_kernel(finished)
     stored = results(out)
     assert set(stored) == {i["key"] for i in plan["items"]}  # every item has its line
     assert {r["worker"] for r in stored.values()} == {"gw0", "gw1"}  # spread over both workers
+    # Each worker started on a cell of its own (attnlab.commands.campaign_schedule): its file's first line.
+    first_cells = {json.loads(path.read_text().splitlines()[0])["kernel"]
+                   for path in (out / "results").glob("gw*.jsonl")}
+    assert first_cells == {"gla.good", "gla.stale_gate"}, first_cells
     good = [r for r in stored.values() if r["kernel"] == "gla.good"]
     assert good and all(r["status"] == "held" for r in good), [r for r in good if r["status"] != "held"]
     assert any(r["property"] == "backward_matches_oracle" for r in good)  # differentiable: judged backward too

@@ -24,8 +24,9 @@ out not to be differentiable) is one item that judges every gradient in turn (on
 ``backward_matches_oracle[dq]``...), so that its gradients share each drawn case's backward pass
 (attnlab.properties.checks' cache) in one process. It writes ``DIR/plan.json``. The items come in order
 (:func:`plan_items`): first one item of every cell (kernel, dtype), so that every cell starts before any goes
-further, then the rest of each cell in a row, which pytest-xdist hands out in consecutive chunks (a library's
-kernels compile and autotune about once per cell and worker).
+further, then the rest of each cell in a row. pytest-xdist hands them out by cell
+(attnlab.commands.campaign_schedule): a worker is sent the items of one cell at a time, a cell no worker has
+started first, so that a library's kernels compile and autotune about once per cell, not once per worker.
 
 The run. ``python -m pytest`` runs :mod:`attnlab.commands.campaign_items` under pytest-xdist: one worker per
 GPU (``--workers-per-gpu`` more), each pinned to its GPU by ``CUDA_VISIBLE_DEVICES`` in its execnet spec, so
@@ -266,16 +267,15 @@ def item_key(kernel_id: str, dtype: str, strategy: str, prop: str) -> str:
 
 
 def plan_items(kernels: list[dict[str, Any]], dtypes: list[str], strategies: list[str], curve: bool) -> list[dict[str, Any]]:
-    """Every item, in the order pytest-xdist hands them out (its ``load`` scheduling sends each worker a chunk of
-    consecutive items, then more consecutive ones as it runs low).
+    """Every item, in the order the campaign's scheduler reads them (attnlab.commands.campaign_schedule: a worker
+    takes the first pending item of a cell nobody has started, or more of its own cell, in this order).
 
     First one item of every cell (kernel, dtype): the first property of its first strategy (``matches_oracle``
     under the default inputs, where the suite has it), so that every cell starts before any cell's second item.
     Then, cell after cell, the rest of each cell in a row, the curve first: a worker mostly runs one cell's items
-    together, so that a library's Triton kernels compile and autotune about once per cell and worker, not once per
-    item (the first fla campaign, its items interleaved over 8 workers, paid a first call in 113 of its 115 items:
-    16 s each on average, against 0.1 s for the other two). Not ``loadgroup``: pytest-xdist 3.8 hangs when a
-    worker dies inside a group, and a kernel that crashes its process is one thing a campaign must survive.
+    together, so that a library's Triton kernels compile and autotune about once per cell, not once per item (the
+    first fla campaign, its items interleaved over 8 workers, paid a first call in 113 of its 115 items: 16 s each
+    on average, against 0.1 s for the other two).
     """
     firsts, rests = [], []
     for k in kernels:
@@ -429,7 +429,8 @@ def pytest_command(out: Path, specs: list[str]) -> list[str]:
     ini = out / "pytest.ini"
     ini.write_text("[pytest]\n")
     return [sys.executable, "-m", "pytest", str(ITEMS_MODULE), "-c", str(ini), "--rootdir", str(out),
-            "--confcutdir", str(ITEMS_MODULE.parent), "-p", "xdist", "-p", "no:cacheprovider", "-q",
+            "--confcutdir", str(ITEMS_MODULE.parent), "-p", "xdist", "-p", "attnlab.commands.campaign_schedule",
+            "-p", "no:cacheprovider", "-q",
             "--junitxml", str(out / "junit.xml"), *specs]
 
 
