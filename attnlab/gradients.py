@@ -70,6 +70,7 @@ def oracle_gradients(
     d_final_state: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
     form: str = "chunkwise",
     chunk_size: int = 64,
+    heads_per_call: int | None = None,
     **opts: Any,
 ) -> dict[str, Any]:
     """Float64 gradients of ``<do, o> + <d_final_state, final_state>`` by autograd through the oracle.
@@ -80,8 +81,15 @@ def oracle_gradients(
     ``opts`` (rwkv4's ``stable``) configure attnlab.oracle. Returns ``{name: float64 gradient}`` for every
     differentiable input present (:func:`differentiable_names`), ``initial_state``'s a tuple for a
     multi-part state. Inputs are validated as the oracle validates them (a bad one raises the same error).
+    ``heads_per_call``: differentiate that many heads at a time (:func:`_by_heads`), so that autograd keeps the
+    intermediates of those heads only (softmax's are T x T per head); None: all at once.
     """
     f = as_formulation(name_or_entry)
+    if heads_per_call is not None:
+        by_heads = _by_heads(f, inputs, do, d_final_state, heads_per_call,
+                             lambda x, d, dS: oracle_gradients(f, x, d, dS, form, chunk_size, **opts))
+        if by_heads is not None:
+            return by_heads
     call = {k: v for k, v in inputs.items() if k != "return_state"}
     validate(f, call)  # as given: an integer tensor must not pass for being upcast
     names = differentiable_names(f, inputs)
@@ -106,6 +114,47 @@ def oracle_gradients(
         parts, grads = grads[: len(leaves[n])], grads[len(leaves[n]):]
         out[n] = f.state.join(tuple(parts)) if n == STATE else parts[0]
     return out
+
+
+def _by_heads(f: Formulation, inputs: Mapping[str, Any], do: torch.Tensor, d_final_state: Any, heads: int,
+              gradients: Any) -> dict[str, Any] | None:
+    """``gradients(inputs, do, d_final_state)`` over groups of ``heads`` heads, joined: heads are independent, so a
+    head-indexed input's gradient is its groups' gradients side by side and a shared input's (one without the H
+    dimension: aft's position bias) their sum. None when there is nothing to split: no H dimension in o (o has
+    v's dims), or no more than ``heads`` heads."""
+    value = f.arg("v")
+    if "H" not in value.dims or not isinstance(inputs.get("v"), torch.Tensor):
+        return None
+    axis_of = {a.name: a.dims.index("H") if "H" in a.dims else None for a in f.args}
+    o_axis = value.dims.index("H")
+    H = inputs["v"].shape[o_axis]
+    if H <= heads or tuple(do.shape) != tuple(inputs["v"].shape):
+        return None
+    state_axes = [dims.index("H") for _, dims in f.state.parts] if f.state is not None else []
+
+    def state_slice(state: Any, h0: int) -> Any:
+        parts = tuple(p.narrow(axis, h0, min(heads, H - h0)) for p, axis in zip(f.state.split(state), state_axes))
+        return f.state.join(parts)
+
+    groups = []
+    for h0 in range(0, H, heads):
+        width = min(heads, H - h0)
+        x = {n: (t.narrow(axis_of[n], h0, width) if isinstance(t, torch.Tensor) and axis_of.get(n) is not None else t)
+             for n, t in inputs.items() if n != STATE}
+        if inputs.get(STATE) is not None:
+            x[STATE] = state_slice(inputs[STATE], h0)
+        d_state = state_slice(d_final_state, h0) if d_final_state is not None else None
+        groups.append(gradients(x, do.narrow(o_axis, h0, width), d_state))
+    joined: dict[str, Any] = {}
+    for n in groups[0]:
+        if n == STATE:
+            parts = zip(*(f.state.split(g[n]) for g in groups))
+            joined[n] = f.state.join(tuple(torch.cat(p, axis) for p, axis in zip(parts, state_axes)))
+        elif axis_of[n] is not None:
+            joined[n] = torch.cat([g[n] for g in groups], axis_of[n])
+        else:
+            joined[n] = sum(g[n] for g in groups)
+    return joined
 
 
 def inner(grads: Mapping[str, Any], direction: Mapping[str, Any]) -> float:

@@ -26,8 +26,9 @@ the same inputs, a random cotangent ``do`` (drawn from the seed, rounded to
 the dtype) and, where the formulation has a state, a random fp32 cotangent of
 the final state (on its scale-free parts: attnlab.gradients.log_scale_cotangent),
 each differentiable implementation's gradients by autograd are measured
-against float64 autograd through the chunkwise oracle
-(attnlab.gradients.oracle_gradients), with each gradient's rounding floor and
+against float64 autograd through the chunkwise oracle, one head at a time
+(attnlab.gradients.oracle_gradients; softmax keeps T x T intermediates per
+head), with each gradient's rounding floor and
 conditioning floor (attnlab.gradients.gradient_floor): one row per gradient,
 with ``"pass": "backward"`` and ``"gradient"`` (a row without ``pass`` is a
 forward row, as every report written before). Implementations whose output
@@ -392,7 +393,8 @@ def measure_backward_point(
             o, final = reference(**inputs), None
         do, d_scaled = draw_cotangents(f, o, final, dtype, seed)
         d_final = None if final is None else log_scale_cotangent(f, final, d_scaled)
-        chunking = {"form": "chunkwise", "chunk_size": REFERENCE_CHUNK_SIZE}
+        # One head per autograd call: a long softmax row's T x T intermediates for one head at a time.
+        chunking = {"form": "chunkwise", "chunk_size": REFERENCE_CHUNK_SIZE, "heads_per_call": 1}
         ref = oracle_gradients(f, inputs, do, d_final, **chunking)
         floor_cond = gradient_floor(f, inputs, do, d_final, base=ref, seed=seed, **chunking)
         dtypes = gradient_dtypes(f, inputs)
@@ -400,8 +402,8 @@ def measure_backward_point(
         message = f"reference gradients failed: {describe_error(error)}"
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
-            message += (" (float64 autograd through the oracle keeps its intermediates, T x T per head for softmax: "
-                        "fewer heads with --shape, or shorter --lengths)")
+            message += (" (float64 autograd through the oracle keeps its intermediates, one head at a time: T x T "
+                        "for softmax; shorter --lengths)")
         return [_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": message}, backward_bounds(f, dtype))
                 for impl in todo]
     rows = []
