@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import mpmath
@@ -117,7 +117,7 @@ def oracle_gradients(
 
 
 def _by_heads(f: Formulation, inputs: Mapping[str, Any], do: torch.Tensor, d_final_state: Any, heads: int,
-              gradients: Any) -> dict[str, Any] | None:
+              gradients: Callable[[dict[str, Any], torch.Tensor, Any], dict[str, Any]]) -> dict[str, Any] | None:
     """``gradients(inputs, do, d_final_state)`` over groups of ``heads`` heads, joined: heads are independent, so a
     head-indexed input's gradient is its groups' gradients side by side and a shared input's (one without the H
     dimension: aft's position bias) their sum. None when there is nothing to split: no H dimension in o (o has
