@@ -637,24 +637,15 @@ def _kda_recurrent_backward_kernel(
     the previous (later) step's S_{t-1}, carried in registers. dq, dk, dg and dbeta sum over V: this V
     block's part goes to its own slice [v_block] of theirs. One program per (V block, batch*head).
     """
-    v_block = tl.program_id(0)
-    bh = tl.program_id(1)
+    v_block, bh, b, h, channels, values, channel_ok, value_ok, state_ptrs, state_mask = state_block(H, K, V, BK, BV)
     program = v_block * tl.num_programs(1) + bh
-    b = bh // H
-    h = bh % H
-
-    channels = tl.arange(0, BK)
-    values = v_block * BV + tl.arange(0, BV)
-    channel_ok = channels < K
-    value_ok = values < V
-    state_offsets = channels[:, None] * V + values[None, :]
-    state_mask = channel_ok[:, None] & value_ok[None, :]
+    state_offsets = channels[:, None] * V + values[None, :]  # within one checkpoint
     tile = channels[:, None] * BV + tl.arange(0, BV)[None, :]  # a dense [BK, BV] tile in scratch
     scratch = scratch_ptr + program.to(tl.int64) * SEGMENT * BK * BV + tile
     key_part = v_block.to(tl.int64) * B * T * H * K  # this V block's slice of dq, dk, dg
     beta_part = v_block.to(tl.int64) * B * T * H  # and of dbeta
     if HAS_D_FINAL:
-        dS = tl.load(d_final_ptr + bh.to(tl.int64) * K * V + state_offsets, mask=state_mask, other=0.0)
+        dS = tl.load(d_final_ptr + state_ptrs, mask=state_mask, other=0.0)
     else:
         dS = tl.zeros((BK, BV), dtype=tl.float32)
 
@@ -707,7 +698,7 @@ def _kda_recurrent_backward_kernel(
         tl.debug_barrier()  # the next segment overwrites the scratch
 
     if STORE_D_INITIAL:
-        tl.store(d_initial_ptr + bh.to(tl.int64) * K * V + state_offsets, dS, mask=state_mask)
+        tl.store(d_initial_ptr + state_ptrs, dS, mask=state_mask)
 
 
 def recurrent_backward(

@@ -143,17 +143,10 @@ def _chunkwise_kernel(
     #   o   = num / den  (normalize)  or  scale * num
     #   S  += fk^T v,   z += colsum(fk)
     # SAVE_DEN (for the backward, normalized): den per row.
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     dtype = q.dtype.element_ty
 
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
     causal = rows[:, None] >= rows[None, :]
 
     # Within a chunk, row i of q and k is i * H * K elements after row 0 (int32 tiles, fixed);
@@ -162,8 +155,6 @@ def _chunkwise_kernel(
     v_tile = rows[:, None] * (H * V) + values[None, :]
     qk_chunk = (b.to(tl.int64) * T * H + h) * K  # element (b, start, h, 0) of q and k
     v_chunk = (b.to(tl.int64) * T * H + h) * V
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     z_offsets = pid_bh.to(tl.int64) * K + keys
     if HAS_INITIAL_STATE:
         S = tl.load(initial_S + S_offsets, mask=S_mask, other=0.0)
@@ -462,19 +453,11 @@ def _chunk_states_kernel(
 ):
     # The forward's state pass again, one V block of one head: S (and z) at every chunk's start, by the forward's
     # very operations (so den and o are those of these states):  S += fk^T v,  z += colsum(fk)
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-    S_tile = keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
+    S_tile = keys[:, None] * V + values[None, :]  # within one stored state
     if HAS_INITIAL_STATE:
-        S = tl.load(initial_S + pid_bh.to(tl.int64) * K * V + S_tile, mask=S_mask, other=0.0)
+        S = tl.load(initial_S + S_offsets, mask=S_mask, other=0.0)
         z = tl.load(initial_z + pid_bh.to(tl.int64) * K + keys, mask=key_ok, other=0.0)
     else:
         S = tl.zeros([BK, BV], dtype=tl.float32)
@@ -557,6 +540,27 @@ def _state_cotangent_kernel(
 
 
 @triton.jit
+def _chunk_features(q, k, c, pid_bh, T, H, K, CHUNK: tl.constexpr, BK: tl.constexpr,
+                    ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
+    """Chunk c of head pid_bh, as the backward's per-chunk kernels read it: its rows' element indices into
+    [B, T, H, *] and their mask, the key lanes and their mask, the causal mask, q's and k's [CHUNK, BK] tiles
+    (their offsets, mask and values) and their features fq, fk."""
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    keys = tl.arange(0, BK)
+    row_ok = t < T
+    key_ok = keys < K
+    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
+    row = ((pid_bh // H).to(tl.int64) * T + t) * H + pid_bh % H
+    qk_offsets = row[:, None] * K + keys[None, :]
+    qk_mask = row_ok[:, None] & key_ok[None, :]
+    q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
+    k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
+    fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
+    fk = features(k_c, qk_mask, ELU1, FP32_FEATURES)
+    return row, row_ok, keys, key_ok, causal, qk_offsets, qk_mask, q_c, k_c, fq, fk
+
+
+@triton.jit
 def _chunk_query_key_kernel(
     q, k, v, do, dq, dk,
     den, chunk_S, chunk_z, chunk_dS, chunk_dz,
@@ -578,22 +582,9 @@ def _chunk_query_key_kernel(
     # term, so that its rounding is not amplified.
     c = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
     dtype = q.dtype.element_ty
-
-    t = c * CHUNK + tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    row_ok = t < T
-    key_ok = keys < K
-    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
-    row = (b.to(tl.int64) * T + t) * H + h
-    qk_offsets = row[:, None] * K + keys[None, :]
-    qk_mask = row_ok[:, None] & key_ok[None, :]
-    q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
-    k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
-    fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
-    fk = features(k_c, qk_mask, ELU1, FP32_FEATURES)
+    row, row_ok, keys, key_ok, causal, qk_offsets, qk_mask, q_c, k_c, fq, fk = _chunk_features(
+        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FP32_FEATURES)
 
     chunk_state = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + c
     do_v = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)   # do v^T
@@ -652,22 +643,12 @@ def _chunk_value_kernel(
     pid_v = tl.program_id(0)
     c = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
     dtype = q.dtype.element_ty
-
-    t = c * CHUNK + tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
+    row, row_ok, keys, key_ok, causal, _, _, _, _, fq, fk = _chunk_features(
+        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FP32_FEATURES)
     values = pid_v * BV + tl.arange(0, BV)
-    row_ok = t < T
-    key_ok = keys < K
     value_ok = values < V
-    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
-    row = (b.to(tl.int64) * T + t) * H + h
-    qk_mask = row_ok[:, None] & key_ok[None, :]
     v_mask = row_ok[:, None] & value_ok[None, :]
-    fq = features(tl.load(q + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0), qk_mask, ELU1, FP32_FEATURES)
-    fk = features(tl.load(k + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0), qk_mask, ELU1, FP32_FEATURES)
     A = tl.where(causal, mixed_dot(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION,
                                    RESCALE), 0.0)
     if NORMALIZE:

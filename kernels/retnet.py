@@ -143,16 +143,8 @@ def _chunkwise_kernel(
     # One program: V block pid_v of head (b, h), decay g = g[h]. Per chunk of C rows i, j:
     #   o_i = scale sum_{j<=i} exp((i-j) g) (q_i.k_j) v_j + scale exp((i+1) g) q_i S
     #   S   = exp(C g) S + sum_j k_j (exp((C-1-j) g) v_j)^T
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
 
     log_decay = tl.load(g + h).to(tl.float32)
     causal = rows[:, None] >= rows[None, :]
@@ -165,8 +157,6 @@ def _chunkwise_kernel(
     v_tile = rows[:, None] * (H * V) + values[None, :]
     qk_chunk = (b.to(tl.int64) * T * H + h) * K  # element (b, start, h, 0) of q and k
     v_chunk = (b.to(tl.int64) * T * H + h) * V
-    S_offsets = pid_bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
     if HAS_INITIAL_STATE:
         S = tl.load(initial_state + S_offsets, mask=S_mask, other=0.0)
     else:
@@ -422,25 +412,16 @@ def _chunk_state_gradients_kernel(
     # Store it (chunk c's keys and values read it), then step to the state entering chunk c, of length C:
     #   dS = exp(C g) dS + sum_i (scale exp((i + 1) g) q_i) do_i^T
     # dS_0 is dS after chunk 0. One program: V block pid_v of head (b, h).
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-
+    pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     rows = tl.arange(0, CHUNK)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
     log_decay = tl.load(g + h).to(tl.float32)
     query_decay = scale * tl.exp((rows + 1).to(tl.float32) * log_decay)
 
     qk_tile = rows[:, None] * (H * K) + keys[None, :]
     v_tile = rows[:, None] * (H * V) + values[None, :]
-    S_tile = keys[:, None] * V + values[None, :]
-    S_mask = key_ok[:, None] & value_ok[None, :]
+    S_tile = keys[:, None] * V + values[None, :]  # within one stored state
     if HAS_FINAL_GRAD:
-        dS = tl.load(d_final_state + pid_bh.to(tl.int64) * K * V + S_tile, mask=S_mask, other=0.0)
+        dS = tl.load(d_final_state + S_offsets, mask=S_mask, other=0.0)
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -460,7 +441,7 @@ def _chunk_state_gradients_kernel(
                           PRECISION, RESCALE)
 
     if STORE_INITIAL_GRAD:
-        tl.store(d_initial_state + pid_bh.to(tl.int64) * K * V + S_tile, dS, mask=S_mask)
+        tl.store(d_initial_state + S_offsets, dS, mask=S_mask)
 
 
 @triton.jit
