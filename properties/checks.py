@@ -944,12 +944,17 @@ def gradient_run(target: Target, case: Case, dtype: torch.dtype, device: str = "
         run.note = "with a drawn initial state and a final-state cotangent"
     reference = oracle_gradients(f, reference_x, reference_do, d_reference, chunk_size=ORACLE_CHUNK_SIZE)
     run.reference = {gradient_label(n): g for n, g in reference.items()}
+    timeless_labels = {gradient_label(n) for n in timeless}
     for label in list(run.problems):
         # A part without a gradient is fine where the reference is exactly zero (a state part the kernel's options
-        # leave unused, as linear attention's normalizer z without normalize), or one call of two does not use it.
+        # leave unused, as linear attention's normalizer z without normalize), or one call of two does not use it
+        # (an input without a time axis has a leaf per call, its reference one part: the sum is judged instead).
+        if "no gradient" not in run.problems[label]:
+            continue
         parts = (run.reference[label],) if isinstance(run.reference.get(label), torch.Tensor) else run.reference.get(label)
-        unused = parts is not None and all(not bool(parts[i].any()) for i in run.missing_parts.get(label, ()))
-        if "no gradient" in run.problems[label] and (unused or label in [gradient_label(n) for n in timeless]):
+        unused = parts is not None and all(i < len(parts) and not bool(parts[i].any())
+                                           for i in run.missing_parts.get(label, ()))
+        if label in timeless_labels or unused:
             del run.problems[label]
     from attnlab.gradients import gradient_dtypes
 

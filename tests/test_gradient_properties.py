@@ -318,6 +318,24 @@ def test_a_state_part_the_options_leave_unused_may_come_back_without_a_gradient(
     assert missing.failed and "returned no gradient for initial_state" in missing.detail  # z is read: a real miss
 
 
+def test_an_input_without_a_time_axis_that_the_resumed_call_ignores_is_judged_not_a_crash() -> None:
+    # RWKV-4's u has one leaf per call of split-and-resume and one reference part: the resumed call detaching it
+    # used to index a second reference part that does not exist. Its gradient then misses the tail's share: failed.
+    ideal = rounded_oracle_target("rwkv4")
+
+    def tail_ignores_u(*, initial_state=None, return_state=False, **x: Any) -> Any:
+        if initial_state is not None:
+            x = {**x, "u": x["u"].detach()}
+        return ideal.function(**x, initial_state=initial_state, return_state=return_state)
+
+    target = function_target(tail_ignores_u, "rwkv4", "tail_ignores_u")
+    case = Case(name="rwkv4", seed=4, B=1, T=6, H=1, K=4, V=4, cut=3)
+    result = checks.BACKWARD_CHECKS["backward_split_and_resume"](target, case, torch.float32, "cpu", gradient="du")
+    assert result.failed and "du" in result.detail, result.message()
+    whole = checks.BACKWARD_CHECKS["backward_split_and_resume"](ideal, case, torch.float32, "cpu", gradient="du")
+    assert whole.held, whole.message()
+
+
 @pytest.mark.parametrize("form", ["recurrent", "chunkwise"])
 def test_a_gradient_that_is_zero_up_to_float64_rounding_is_not_judged_relative_to_that_noise(form: str) -> None:
     # Found by CI's search on attnlab's kernels: normalized linear attention at K = 1 does not depend on q (phi(q)
