@@ -47,15 +47,6 @@ def _names_arg(text: str) -> list[str]:
     return chosen
 
 
-def _passes_arg(text: str) -> tuple[str, ...]:
-    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [p for p in chosen if p not in ("forward", "backward")]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown pass(es) {', '.join(unknown) or repr(text)}; expected forward, "
-                                         "backward or both (comma-separated)")
-    return chosen
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     print(list_table())
     return 0
@@ -109,7 +100,7 @@ def _version(dist: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnlab", description="numerical-analysis and property-testing lab for attention")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="the formulations with their forms, precisions and kernels").set_defaults(func=cmd_list)
+    sub.add_parser("list", help="the formulations with their forms, precisions and kernels, and which kernels have a backward").set_defaults(func=cmd_list)
 
     bench = sub.add_parser("bench", help="time each kernel side by side with its peer (GPU)")
     bench.add_argument("--formulations", type=_names_arg, default=names(), help="'all' or a comma-separated list")
@@ -117,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
     for dim, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128)):
         bench.add_argument(f"-{dim}", type=int, default=default)
-    bench.add_argument("--passes", type=_passes_arg, default=("forward",),
+    bench.add_argument("--passes", type=report.passes_arg, default=[report.FORWARD],
                        help="comma-separated: forward, backward (forward and backward together, as in training); "
                             "default forward")
     bench.add_argument("--out", help="write the table as Markdown here (and .json beside it)")

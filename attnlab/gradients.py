@@ -121,14 +121,14 @@ def _by_heads(f: Formulation, inputs: Mapping[str, Any], do: torch.Tensor, d_fin
     """``gradients(inputs, do, d_final_state)`` over groups of ``heads`` heads, joined: heads are independent, so a
     head-indexed input's gradient is its groups' gradients side by side and a shared input's (one without the H
     dimension: aft's position bias) their sum. None when there is nothing to split: no H dimension in o (o has
-    v's dims), or no more than ``heads`` heads."""
-    value = f.arg("v")
-    if "H" not in value.dims or not isinstance(inputs.get("v"), torch.Tensor):
+    the value argument's dims), or no more than ``heads`` heads."""
+    value = f.args_with_role("value")[0]
+    if "H" not in value.dims or not isinstance(inputs.get(value.name), torch.Tensor):
         return None
     axis_of = {a.name: a.dims.index("H") if "H" in a.dims else None for a in f.args}
     o_axis = value.dims.index("H")
-    H = inputs["v"].shape[o_axis]
-    if H <= heads or tuple(do.shape) != tuple(inputs["v"].shape):
+    H = inputs[value.name].shape[o_axis]
+    if H <= heads or tuple(do.shape) != tuple(inputs[value.name].shape):
         return None
     state_axes = [dims.index("H") for _, dims in f.state.parts] if f.state is not None else []
 

@@ -121,9 +121,9 @@ from the last: it replays a segment forwards from its checkpoint, storing D_t
 and e_t of each step in the program's scratch and computing dq_t there (S_t is
 at hand), then walks the segment backwards through the dual above. dq, dk,
 dbeta and dg sum over V: each V block writes its fp32 part, added on the host;
-dv needs only this block's columns. The V blocks are half the forward's at a
-given K (the dual holds dS and reads D_t, two [K, BV] fp32 tiles: 2048 entries
-each, BV = 16 at K = 128); block_v, when given, caps the backward's too.
+dv needs only this block's columns. The backward's V blocks hold at most 2048
+entries of a [K, BV] fp32 tile (the dual holds dS and reads D_t: BV = 16 at
+K = 128, where the forward takes 64); block_v, when given, caps them too.
 
 Measurements behind these choices (timings, the designs tried, instruction
 counts): reports/bench.md, "Design history moved from the kernel docstrings".
@@ -557,8 +557,8 @@ def recurrent_backward(
     B, T, H, K = q.shape
     V = v.shape[-1]
     BK = block_size(K)
-    # The dual keeps dS and reads D_t, two [BK, BV] fp32 tiles: at most 2048 entries each (half the forward's
-    # tile), and at most block_v columns where it is given.
+    # The dual keeps dS and reads D_t, two [BK, BV] fp32 tiles: at most 2048 entries each, and at most block_v
+    # columns where it is given.
     BV = min(max(16, 2048 // BK), block_size(V), block_v or block_size(V))
     NV = triton.cdiv(V, BV)
     slots = min(RECURRENT_SEGMENT, T)

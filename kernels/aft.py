@@ -353,7 +353,9 @@ def chunkwise(
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
     """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None). With ``saved`` (a dict) it also
-    stores there "lse", the fp32 log-normalizer per (b, t, h, d) that chunkwise_backward needs."""
+    stores there what chunkwise_backward needs: "lse", the fp32 log-normalizer per (b, t, h, d), and the part
+    of it or of o that rounding dropped, "o_residual" for 16-bit inputs, "lse_residual" for fp32 (module
+    docstring, "Saved vs recomputed")."""
     B, T, H, D = k.shape
     half_operands = k.dtype != torch.float32
     if precision == "auto":
@@ -481,7 +483,7 @@ def _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d,
         seen = seen & (key <= offs_t)
     w_col = tl.load(w_ptr + offs_t * T + key, mask=seen, other=0.0).to(tl.float32)
     k_row = tl.load(k_ptr + base + key * row_stride + offs_d, mask=d_in & (key < T), other=0.0).to(tl.float32)
-    # As in _aft_tile_logs: the exponent is small, its parts are not; TwoSum rounds it once.
+    # As in _log_factor: the exponent is small, its parts are not; TwoSum rounds it once.
     logit, logit_err = _two_sum(w_col[:, None], k_row[None, :])
     exponent, exponent_err = _two_sum(logit, -lse)
     exponent += logit_err + exponent_err - lse_residual

@@ -653,7 +653,7 @@ def _softmax_bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None] & (offs_v < V)[None, :])
 
 
-# One step of the dQ kernel: the program's query rows i (q, do, lse, D resident) against one block of keys j.
+# One step of the dQ kernel: the program's query rows i (q, do, m, log2 l, D resident) against one block of keys j.
 #     P_ij = exp2((s_ij - m_i) - log2(l_i))    dS_ij = P_ij (do_i.v_j - D_i)    dq_i += sum_j dS_ij k_j
 @triton.jit
 def _dq_step(
@@ -742,7 +742,7 @@ def chunkwise_backward(
     BLOCK_K, BLOCK_V = block_size(K), block_size(V)
     configs = _backward_config(q.element_size(), max(BLOCK_K, BLOCK_V))
     fp32 = q.dtype == torch.float32
-    # As in the forward: q negated for a negative scale, so that P is computed from the same scores and lse.
+    # As in the forward: q negated for a negative scale, so that P is computed from the same scores and row statistics.
     # s = scale q.k = |scale| (-q).k: dk = |scale| dS^T (-q), dq = scale dS k.
     q_seen = -q if scale < 0 else q
     delta = torch.empty((B, H, T), dtype=torch.float32, device=q.device)

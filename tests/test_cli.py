@@ -50,8 +50,11 @@ def test_list_shows_every_formulation_with_forms_and_precisions():
     assert all("recurrent, parallel, chunkwise" in line and "float64, mpmath" in line for line in lines[2:])
     header = re.split(r"\s{2,}", lines[0])
     column = header.index("kernels' backward")
-    for line, name in zip(lines[2:], attnlab.names()):  # which kernels train: their modules' BACKWARD
-        assert re.split(r"\s{2,}", line)[column] == (", ".join(backward_forms(name)) or "none"), line
+    shown = {name: re.split(r"\s{2,}", line)[column] for line, name in zip(lines[2:], attnlab.names())}
+    for name, forms in shown.items():  # which kernels train: their modules' BACKWARD
+        assert forms == (", ".join(backward_forms(name)) or "none"), (name, forms)
+    # As built today: every form of the gated family trains; the delta rules' chunkwise kernels do not yet.
+    assert shown["gla"] == "chunkwise, recurrent" and shown["deltanet"] == shown["kda"] == "recurrent", shown
 
 
 def test_unknown_command_and_formulation_are_refused_with_usage():
@@ -80,7 +83,7 @@ def test_unknown_command_and_formulation_are_refused_with_usage():
         (("validate", "--formulation", "gla", "--kernel", "x:y", "--bound", "2", "--dtype", "float16,float32"),
          "give exactly one --dtype"),
         (("bench", "--dtype", "float8"), "invalid choice: 'float8'"),
-        (("bench", "--passes", "forward,sideways"), "unknown pass(es) sideways; expected forward, backward"),
+        (("bench", "--passes", "forward,sideways"), "unknown pass(es) sideways; expected some of forward, backward"),
     ],
 )
 def test_usage_errors_exit_2(args: tuple[str, ...], message: str, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import torch
 import attnlab
 from attnlab.gradients import (differentiable_names, directional_derivative_mpmath, gradient_dtypes, gradient_floor,
                                inner, log_scale_cotangent, oracle_gradients)
-from attnlab.metrics import gradient_conditioning_floor, measure_gradients, rel_err
+from attnlab.metrics import UNIT_ROUNDOFF, gradient_conditioning_floor, measure_gradients, rel_err
 from attnlab.validation import validate
 
 ENTRIES = list(attnlab.REGISTRY)
@@ -145,11 +145,15 @@ def test_gradients_taken_a_few_heads_at_a_time_are_the_whole_ones(f):
     if d_scaled is not None:
         d_final = log_scale_cotangent(f, _outputs(f, x, "chunkwise", chunk_size=CHUNK)[1], d_scaled)
     whole = oracle_gradients(f, x, do, d_final, chunk_size=CHUNK)
+    shared = {a.name for a in f.args if "H" not in a.dims}
     for heads in (1, 2):
         split = oracle_gradients(f, x, do, d_final, chunk_size=CHUNK, heads_per_call=heads)
         assert list(split) == list(whole)
         for name, g in split.items():
-            assert rel_err(g, whole[name]) <= 1e-14, (heads, name, rel_err(g, whole[name]))
+            if name in shared:  # the groups' sums, in another order: at most 2 roundings per group added (1.4 u seen)
+                assert rel_err(g, whole[name]) <= 2 * 3 * UNIT_ROUNDOFF[torch.float64], (heads, name)
+            else:  # each head's own arithmetic, unchanged
+                assert all(torch.equal(a, b) for a, b in zip(_tuple(g), _tuple(whole[name]))), (heads, name)
 
 
 @pytest.mark.parametrize("f", ENTRIES, ids=IDS)

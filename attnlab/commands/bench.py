@@ -18,7 +18,7 @@ so no conversion is timed). A kernel without a backward gets a row saying so.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -121,7 +121,6 @@ def _timed_peer(f: Formulation, x: Inputs, backward: bool = False) -> tuple[floa
     return ms, error
 
 
-PASSES = ("forward", "backward")
 PASS_LABELS = {"forward": "forward", "backward": "forward + backward"}
 
 
@@ -144,7 +143,7 @@ def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: boo
 
 
 def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
-        form: str = "chunkwise", passes: tuple[str, ...] = ("forward",), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
+        form: str = "chunkwise", passes: Sequence[str] = ("forward",), progress: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Time each formulation's kernel (its default and, if its module offers one, its SPEED_OPTIONS
     setting) and its peer at one shape, in each of ``passes``; one result row per kernel setting and pass."""
     from attnlab.kernel import kernel, speed_options

@@ -402,8 +402,8 @@ def measure_backward_point(
         message = f"reference gradients failed: {describe_error(error)}"
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
-            message += (" (float64 autograd through the oracle keeps its intermediates, one head at a time: T x T "
-                        "for softmax; shorter --lengths)")
+            message += (f" (float64 autograd through {f.name}'s oracle keeps its intermediates, one head at a time; "
+                        "shorter --lengths)")
         return [_graded(f, dtype, {**_blank_row(base), "impl": impl.name, "error": message}, backward_bounds(f, dtype))
                 for impl in todo]
     rows = []

@@ -11,7 +11,7 @@ import torch
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import _delta
-from kernel_checks import as_on_the_gpu_in_bf16, check_gradients, check_stateful_kernel
+from kernel_checks import as_on_the_gpu_in_bf16, check_gradients, check_stateful_kernel, with_state
 from attnlab.metrics import rel_err, rounding_floor
 from properties.regressions import REGRESSIONS
 
@@ -154,10 +154,7 @@ def test_bad_options_are_refused(form, opts):
 
 
 def _with_state(x: dict, name: str = NAME, seed: int = 20) -> dict:
-    """x with an initial state the recurrence can reach: the final state of another draw."""
-    B, T, H, K = x["q"].shape
-    other = attnlab.formulation(name).sample(B=B, T=16, H=H, K=K, V=x["v"].shape[-1], seed=seed)
-    return {**x, "initial_state": attnlab.oracle(name, "chunkwise", "float64")(**other, return_state=True)[1].float()}
+    return with_state(name, x, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

@@ -13,7 +13,7 @@ from attnlab.kernel import kernel
 from attnlab.kernels import _delta
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
 from attnlab.kernels._state_pass import StateOperands
-from kernel_checks import check_gradients, check_stateful_kernel
+from kernel_checks import check_gradients, check_stateful_kernel, with_state
 from attnlab.metrics import rel_err, rounding_floor
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
@@ -166,10 +166,7 @@ def test_prepare_bounds_and_row_factors(scale):
 
 
 def _with_state(x: dict, seed: int = 20) -> dict:
-    """x with an initial state the recurrence can reach: the final state of another draw."""
-    B, T, H, K = x["q"].shape
-    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
-    return {**x, "initial_state": attnlab.oracle(NAME, "chunkwise", "float64")(**other, return_state=True)[1].float()}
+    return with_state(NAME, x, seed)
 
 
 def _strong_gates(x: dict, seed: int) -> dict:

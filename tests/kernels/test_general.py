@@ -10,7 +10,7 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from kernel_checks import check_gradients, check_stateful_kernel
+from kernel_checks import check_gradients, check_stateful_kernel, with_state
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -80,11 +80,7 @@ def test_gla_is_general_with_only_a_key_gate():
 
 
 def _with_state(x: dict, seed: int = 40) -> dict:
-    """x with an initial state the recurrence can reach: the final state of another draw."""
-    B, T, H, K = x["q"].shape
-    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
-    final = attnlab.oracle("general", "chunkwise", "float64")(**other, return_state=True)[1]
-    return {**x, "initial_state": final.float()}
+    return with_state("general", x, seed)
 
 
 def _strong(x: dict, seed: int) -> dict:

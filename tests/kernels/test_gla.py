@@ -10,7 +10,7 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
-from kernel_checks import check_gradients, check_stateful_kernel
+from kernel_checks import check_gradients, check_stateful_kernel, with_state
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -116,10 +116,7 @@ def test_recurrent_takes_no_options():
 
 
 def _with_state(x: dict, seed: int = 20) -> dict:
-    """x with an initial state the recurrence can reach: the final state of another draw."""
-    B, T, H, K = x["q"].shape
-    other = _sample(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
-    return {**x, "initial_state": attnlab.oracle("gla", "chunkwise", "float64")(**other, return_state=True)[1].float()}
+    return with_state("gla", x, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])

@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import attnlab
-from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel as make_kernel
-from attnlab.metrics import conditioning_floor, measure, measure_gradients, rel_err
+from attnlab.metrics import conditioning_floor, measure, rel_err
 from attnlab.kernels import kda as kda_module
 from attnlab.kernels._numerics import dot_precision as resolve_dot_precision
-from kernel_checks import EXCESS_BOUND, STATE_BOUND, as_on_the_gpu_in_bf16
+from kernel_checks import EXCESS_BOUND, STATE_BOUND, as_on_the_gpu_in_bf16, check_gradients, with_state
 from properties.regressions import REGRESSIONS
 
 FORMS = ("chunkwise", "recurrent")
@@ -288,46 +287,13 @@ def test_auto_chunk_size_off_the_gpu():
 # --- recurrent backward (kernels/kda.py, "Recurrent backward") ----------------------------------------------------
 
 
-def _check_gradients(x: dict[str, torch.Tensor], dtype: torch.dtype, *, with_do: bool = True,
-                     with_d_state: bool = True, **options) -> dict[str, float]:
-    """The recurrent kernel's gradients of ``<do, o> + <dS, final state>`` on x rounded to dtype (x's
-    initial_state, if any, stays fp32) against the float64 oracle's: dtypes, shapes, finiteness and the
-    excess bound of tests/test_kernel_gradients.py (fp16 2, fp32 4). ``with_do=False`` puts do = 0,
-    ``with_d_state=False`` leaves the final state out of the loss. Returns the excess per gradient."""
-    f = attnlab.formulation("kda")
-    x = {n: (t if n == "initial_state" else t.to(dtype)) for n, t in x.items()}
-    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items() if n != "initial_state"}
-    state = x.get("initial_state")
-    state_leaf = state.detach().clone().requires_grad_() if state is not None else None
-    call = {**x, **leaves, **({"initial_state": state_leaf} if state is not None else {})}
-    o, final = make_kernel("kda", "recurrent", **options)(**call, return_state=True)
-    generator = torch.Generator().manual_seed(11)
-    do = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(dtype).double() * with_do
-    d_state = None
-    if with_d_state:
-        d_state = torch.randn(final.shape, generator=generator, dtype=torch.float64).float().double()
-    loss = (o.double() * do).sum() + ((final.double() * d_state).sum() if with_d_state else 0.0)
-    got = torch.autograd.grad(loss, [*leaves.values(), *([state_leaf] if state is not None else [])])
-    grads = dict(zip(leaves, got))
-    for n, g in grads.items():
-        assert g.dtype == dtype and g.shape == leaves[n].shape, n
-    dtypes = gradient_dtypes(f, x)
-    if state is not None:
-        grads["initial_state"] = got[-1]
-        assert got[-1].dtype == torch.float32
-        dtypes["initial_state"] = dtype
-    reference = oracle_gradients(f, x, do, d_state)
-    measured = measure_gradients(grads, reference, dtypes, gradient_floor(f, x, do, d_state, base=reference))
-    for n, m in measured.items():
-        assert m.nonfinite == 0 and m.excess <= EXCESS_BOUND[dtype], (n, m.as_dict())
-    return {n: m.excess for n, m in measured.items()}
+def _check_gradients(x: dict[str, torch.Tensor], dtype: torch.dtype, **options) -> dict[str, float]:
+    """The recurrent kernel's gradients against the float64 oracle's (kernel_checks.check_gradients)."""
+    return check_gradients("kda", "recurrent", x, dtype, **options)
 
 
-def _with_state(x: dict[str, torch.Tensor], seed: int = 20) -> dict[str, torch.Tensor]:
-    """x with an initial state the recurrence can reach: the final state of another draw."""
-    B, T, H, K = x["q"].shape
-    other = _inputs(T=16, K=K, V=x["v"].shape[-1], B=B, H=H, seed=seed)
-    return {**x, "initial_state": attnlab.oracle("kda", "chunkwise", "float64")(**other, return_state=True)[1].float()}
+def _with_state(x: dict, seed: int = 20) -> dict:
+    return with_state("kda", x, seed)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
