@@ -732,6 +732,8 @@ def _spanning(local, LEVEL: tl.constexpr):
     x in s's own half of its block of 2 HALF rows, x >= s in an upper half (the later position t of
     pairs (t, j), j in the lower half, with j < s <= t), x < s in a lower half (the earlier one, j)."""
     HALF: tl.constexpr = 1 << LEVEL
+    # This is _level_select's select, transposed; built in this layout, since transposing select in registers
+    # spilled 36 more bytes in gla's bf16 dq/dk kernel (sm_90 ptxas).
     same_half = (local[:, None] // HALF) == (local[None, :] // HALF)
     upper = ((local % (2 * HALF)) >= HALF)[:, None]
     return same_half & (upper == (local[None, :] >= local[:, None]))

@@ -8,7 +8,7 @@ options given (e.g. "chunk_size=8,block_c=128;num_warps=8"), and the peer, each 
 few calls after a warm-up, on the bench's inputs (the peer's ``our_options`` included); prints, per
 implementation, every GPU kernel it launched with its mean time per call, so that one sees which pass of a
 multi-launch kernel costs what. With --backward: attnlab's kernel forward and backward together
-(``o.backward(do)``, as the bench's backward pass), at its defaults and at each option set, without the peer
+(``attnlab.commands.bench.forward_backward``, the bench's training step), at its defaults and at each option set, without the peer
 (how gla's backward chunk was chosen).
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attnlab
-from attnlab.commands.bench import peer_call, peer_inputs
+from attnlab.commands.bench import forward_backward, peer_call, peer_inputs
 from attnlab.kernel import speed_options
 
 CALLS = 5
@@ -68,9 +68,9 @@ def profile_formulation(name: str, form: str, option_sets: list[dict[str, object
     for label, options in settings:
         try:
             ours = attnlab.kernel(name, form, **options)
-            if backward:
-                do = torch.randn_like(ours(**inputs))
-                times = kernel_times(lambda: ours(**inputs).backward(do))  # noqa: B023
+            if backward:  # the bench's training step: the leaves' gradients reset, none accumulated
+                leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
+                times = kernel_times(forward_backward(lambda: ours(**inputs), leaves))  # noqa: B023
             else:
                 times = kernel_times(lambda: ours(**inputs))  # noqa: B023
         except Exception as error:  # record and go on

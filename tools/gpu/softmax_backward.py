@@ -19,6 +19,7 @@ import torch
 import triton.testing
 
 import attnlab
+from attnlab.commands.bench import forward_backward
 from attnlab.third_party import sdpa_flash
 from attnlab.kernels import softmax
 
@@ -71,10 +72,9 @@ def main() -> None:
     record(what="forward", precision="fp16",
            ms=bench(lambda: softmax.chunkwise(q=q, k=k, v=v, scale=scale, causal=causal)))
     qh, kh, vh = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
-    doh = do.transpose(1, 2).contiguous()
     record(what="sdpa flash forward", ms=bench(lambda: sdpa_flash(qh, kh, vh, is_causal=causal, scale=scale)))
     record(what="sdpa flash forward + backward",
-           ms=bench(lambda: sdpa_flash(qh, kh, vh, is_causal=causal, scale=scale).backward(doh)))
+           ms=bench(forward_backward(lambda: sdpa_flash(qh, kh, vh, is_causal=causal, scale=scale), [qh, kh, vh])))
     (out / "softmax-backward.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
