@@ -387,12 +387,18 @@ def _property(plan: dict[str, Any], kernel: dict[str, Any], target: Any, convent
     return {"status": status, "verdicts": verdicts, "repro": repro}
 
 
+def result_of(item: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """An item's stored result: the plan's item without what only the run reads (its replays, the gradients it
+    judges), with ``fields``."""
+    return {**{k: v for k, v in item.items() if k not in ("replay", "judges")}, **fields}
+
+
 def run_item(plan: dict[str, Any], key: str) -> dict[str, Any]:
     """Run one item of the plan and append its result (attnlab.commands.campaign_items calls it); returns it."""
     item = plan["by_key"][key]
     kernel = plan["kernels_by_id"][item["kernel"]]
     started = time.time()
-    record: dict[str, Any] = {k: v for k, v in item.items() if k not in ("replay", "judges")}
+    record: dict[str, Any] = result_of(item)
     record.update(worker=os.environ.get("PYTEST_XDIST_WORKER", "main"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"))
     if started > plan["deadline"]:
         record.update(status="not run", detail=f"not started: the campaign's budget of {plan['budget_s']:g} s was spent")
@@ -443,8 +449,7 @@ def record_crashes(out: Path, plan: dict[str, Any]) -> None:
     for key, why in junit_outcomes(out / "junit.xml").items():
         item = by_node.get(key)
         if item is not None and item["key"] not in stored and "crashed" in why:
-            record = {k: v for k, v in item.items() if k not in ("replay", "judges")}
-            lines.append(json.dumps({**record, "status": "failed", "detail": f"{CRASHED}: {why}"}) + "\n")
+            lines.append(json.dumps(result_of(item, status="failed", detail=f"{CRASHED}: {why}")) + "\n")
     if lines:
         with open(out / RESULTS_DIR / "crashed.jsonl", "a") as crashed:
             crashed.writelines(lines)
@@ -462,12 +467,14 @@ def findings(record: dict[str, Any]) -> list[str]:
     return [line.rstrip(": ") for line in lines]
 
 
-def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs: list[str], progress: bool) -> dict[str, Any]:
-    """Run pytest-xdist on the plan (the items in ``todo``), following ``out/results`` as it runs; returns the run's
-    record (wall time, pytest's exit status, whether it was stopped at the budget)."""
+def run_items(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], specs: list[str], progress: bool,
+              since: str) -> dict[str, Any]:
+    """Run pytest-xdist on the plan (the items in ``todo``), following ``out/results`` as it runs: the results that
+    finished ``since`` the run started (a todo item may hold an earlier run's record, not this run's). Returns the
+    run's record (wall time, pytest's exit status, whether it was stopped at the budget)."""
     from tqdm import tqdm
 
-    started, since = time.time(), _utc_now()  # a todo item may hold an earlier run's record: not this run's
+    started = time.time()
     keys = {item["key"] for item in todo}
     seen: set[str] = set()
     bar = tqdm(total=len(todo), desc="attnlab campaign", unit="item", disable=not progress, file=sys.stderr)
@@ -500,8 +507,7 @@ def record_stopped(out: Path, plan: dict[str, Any], todo: list[dict[str, Any]], 
     detail = (f"stopped: no result when the campaign was stopped {stop:g} s after its first item (its budget, one "
               "item budget and a grace); it was still running or had not started")
     with open(out / RESULTS_DIR / "stopped.jsonl", "a") as stopped:
-        stopped.writelines(json.dumps({**{k: v for k, v in item.items() if k not in ("replay", "judges")},
-                                       "status": "not run", "detail": detail, "finished": _utc_now()}) + "\n"
+        stopped.writelines(json.dumps(result_of(item, status="not run", detail=detail, finished=_utc_now())) + "\n"
                            for item in items)
 
 
@@ -725,7 +731,7 @@ def command(args: argparse.Namespace) -> int:
     previous = json.loads((out / SUMMARY_NAME).read_text()).get("runs", []) if (out / SUMMARY_NAME).exists() and not args.fresh else []
     run = {"items": len(todo), "workers": where, "started": _utc_now()}
     if todo:
-        run.update(run_items(out, plan, todo, specs, progress=not args.no_progress))
+        run.update(run_items(out, plan, todo, specs, progress=not args.no_progress, since=run["started"]))
         record_crashes(out, plan)
         if run["stopped"]:
             record_stopped(out, plan, todo, run["started"])
