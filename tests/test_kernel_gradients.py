@@ -5,8 +5,9 @@ fp32, on the registry's inputs: each gradient against the float64 gradient oracl
 excess over the larger of its rounding floor in the dtype it is returned in and its conditioning floor
 (attnlab.metrics.measure_gradients); with a drawn initial state and a final-state cotangent, and without. The
 bound is the entry's gradient accuracy bound (bf16 1.5, fp16 2), and in fp32 the forward's bound on the registry's
-inputs (4, not the 48 any input is held to: these are the default inputs). A form without a backward refuses inputs
-that require grad with a message that says so. The ``gpu`` tests run the same check in bf16 and fp16 on the GPU, at
+inputs (4, not the 48 any input is held to: these are the default inputs). Every backward is causal: with do zero
+from a position on, the gradients there are exactly zero. A form without a backward refuses inputs that require
+grad with a message that says so. The ``gpu`` tests run the same check in bf16 and fp16 on the GPU, at
 a length of several chunks and head dims of 64 (each prints its excess per gradient).
 """
 
@@ -19,13 +20,15 @@ import torch
 
 import attnlab
 from attnlab.gradients import gradient_dtypes, gradient_floor, log_scale_cotangent, oracle_gradients
-from attnlab.kernel import backward_forms, kernel
+from attnlab.kernel import backward_forms, kernel, kernel_options
 from attnlab.metrics import measure_gradients
 from attnlab.registry import bounds_for, formulation, names
+from attnlab.properties.traits import time_axes
 
 INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
 SIZES = dict(B=1, T=40, H=2, K=16, V=16)
+CUT = 21  # the causality test's first position with do = 0
 # On the GPU: several chunks of every chunk size, head dims of the bench's tiles.
 GPU_SIZES = dict(B=2, T=300, H=2, K=64, V=64)
 
@@ -125,6 +128,27 @@ def test_every_gradient_matches_the_oracle_gpu(name, form, dtype, stateful):
     excess = check_gradients(name, form, dtype, stateful, device="cuda", sizes=GPU_SIZES)
     print(f"{name} {form} {dtype} {'state' if stateful else 'plain'}: "
           + ", ".join(f"{n} {e:.2f}" for n, e in excess.items()))
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("name,form", DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in DIFFERENTIABLE])
+def test_gradients_are_causal(name, form):
+    """do zero from position 21 on (inside a chunk of 16 where the form chunks) and no final-state cotangent: every
+    gradient of an input indexed by time is exactly zero at times >= 21 (the gates', beta's, aft's bias rows
+    included), and not zero before."""
+    f = formulation(name)
+    x = {n: t.half().requires_grad_() if f.arg(n).differentiable else t
+         for n, t in _inputs(name, torch.float32, 31).items()}
+    chunking = kernel_options(name, form).get("chunk_size")
+    o = kernel(name, form, **({"chunk_size": 16} if chunking and 16 in chunking[1] else {}))(**x)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(32)).half()
+    do[:, CUT:] = 0
+    timed = {n: time_axes(f.arg(n))[0] for n, t in x.items() if t.requires_grad and time_axes(f.arg(n))}
+    assert timed, name
+    grads = torch.autograd.grad(o, [x[n] for n in timed], do)
+    for (n, axis), g in zip(timed.items(), grads):
+        assert not g.narrow(axis, CUT, g.shape[axis] - CUT).any(), n
+        assert g.narrow(axis, 0, CUT).any(), n
 
 
 @INTERPRETER_ONLY
