@@ -287,23 +287,22 @@ def test_a_backward_that_raises_is_a_failed_row_and_one_without_grad_is_listed()
     assert no_backward == {("gla", "detached"): "its output does not require grad"}
 
 
-def test_a_reference_gradient_out_of_memory_fails_its_rows_with_what_to_change(monkeypatch):
-    """The float64 reference of a long softmax row does not fit: every implementation's row at that point records
-    it, saying which option shrinks it, and the sweep goes on."""
+def test_a_reference_gradient_out_of_memory_fails_its_rows_with_what_to_change(monkeypatch, tmp_path, capsys):
+    """The float64 reference of a long softmax row does not fit: `attnlab report --passes backward` records it in
+    every implementation's row at that point, saying which option shrinks it, and exits 1 (a point raised)."""
     import attnlab.gradients
-    from attnlab.commands.report import Sizes
-    from attnlab.oracle import oracle
-    from attnlab.registry import formulation
+    from attnlab.cli import main
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 256.00 MiB.")
 
     monkeypatch.setattr(attnlab.gradients, "oracle_gradients", out_of_memory)
-    impl = Implementation("fp32-recurrent", lambda: oracle("softmax", "recurrent", "float32"))
-    rows = measure_backward_point(formulation("softmax"), "float32", 8, Sizes(1, 1, 8, 8), [impl], {}, seed=0,
-                                  device="cpu")
-    assert [(r["impl"], r["verdict"]) for r in rows] == [("fp32-recurrent", "failed")]
-    assert "OutOfMemoryError" in rows[0]["error"] and "--lengths" in rows[0]["error"], rows[0]["error"]
+    code = main(["report", "--passes", "backward", "--formulations", "softmax", "--dtypes", "float32", "--lengths",
+                 "8", "--mpmath-check-max-T", "0", "--device", "cpu", "--out", str(tmp_path), *TINY])
+    assert code == 1, capsys.readouterr()
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert rows and all(r["verdict"] == "failed" and "OutOfMemoryError" in r["error"] and "softmax's oracle" in r["error"]
+                        and "--lengths" in r["error"] for r in rows), rows
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")

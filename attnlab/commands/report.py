@@ -758,6 +758,8 @@ def plot_gradient_error_vs_length(rows: Sequence[Row], name: str, path: Path) ->
             ax.set_yscale("log")
             ax.set_ylim(low, high)
             ax.set_xscale("log", base=2)
+            if not sub:  # nothing measured (every reference failed): no data to place the lengths on the log axis
+                ax.set_xlim(lengths[0] / 2, lengths[-1] * 2)
             ax.set_xticks(lengths, [str(T) for T in lengths])
             ax.grid(True, which="major", alpha=0.3)
             ax.set_title(f"d{gradient}, {dtype}", fontsize=10)

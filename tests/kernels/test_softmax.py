@@ -42,7 +42,7 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
-from attnlab.metrics import conditioning_floor, measure, measure_gradients
+from attnlab.metrics import UNIT_ROUNDOFF, conditioning_floor, measure, measure_gradients
 from attnlab.registry import bounds_for
 from attnlab.kernels import softmax as softmax_kernels
 from attnlab.kernels._numerics import pow2_scale
@@ -400,9 +400,11 @@ def test_forward_saves_lse_and_the_output_residual(dtype):
     row_max, log_row_sum = saved["row_max"].double(), saved["log_row_sum"].double()
     assert saved["row_max"].dtype == saved["log_row_sum"].dtype == torch.float32
     assert row_max.shape == log_row_sum.shape == (1, 2, 50)
-    assert (row_max - scores.amax(-1) / math.log(2)).abs().max() <= 1e-5 * lse.abs().max()
+    # A few fp32 roundings at the rows' magnitude: measured 1.6 u (the max) and 3.5 u (their sum) of max |lse|.
+    allowance = 8 * UNIT_ROUNDOFF[torch.float32] * lse.abs().max()
+    assert (row_max - scores.amax(-1) / math.log(2)).abs().max() <= allowance
     assert torch.all(log_row_sum >= 0)
-    assert (row_max + log_row_sum - lse).abs().max() <= 1e-5 * lse.abs().max()
+    assert (row_max + log_row_sum - lse).abs().max() <= allowance
     if dtype == torch.float32:
         assert "o_residual" not in saved
         return
