@@ -32,6 +32,14 @@ INTERPRETER_EXAMPLES = 2
 LONG_SEQUENCE_EXAMPLES = 2
 
 
+def _interpreted_own(target: Target) -> bool:
+    """Whether ``target`` is one of attnlab's own kernels running under the Triton interpreter (slow: fewer
+    examples, no shrinking, backward properties in fewer dtypes)."""
+    from attnlab.kernel import interpreter_active
+
+    return interpreter_active() and target.label.startswith("attnlab:")
+
+
 @dataclass(frozen=True)
 class Session:
     """What the suites run against in this session."""
@@ -50,11 +58,8 @@ class Session:
 
     def runs(self, prop: suite.KernelProperty, target: Target, dtype: torch.dtype) -> bool:
         """Whether this session runs ``prop`` on ``target`` in ``dtype`` (see :data:`INTERPRETER_BACKWARD_DTYPES`)."""
-        from attnlab.kernel import interpreter_active
-
         thorough = self.selection.profile == "thorough"
-        own = target.label.startswith("attnlab:")
-        return not (prop.name.startswith("backward_") and own and interpreter_active() and not thorough
+        return not (prop.name.startswith("backward_") and _interpreted_own(target) and not thorough
                     and dtype not in INTERPRETER_BACKWARD_DTYPES)
 
     def settings_for(self, target: Target, cap: int | None = None) -> settings:
@@ -63,11 +68,9 @@ class Session:
         Shrinking a failure replays the kernel hundreds of times: minutes
         under the interpreter. The unshrunk failing Case is reported instead.
         """
-        from attnlab.kernel import interpreter_active
-
         limit = settings.default.max_examples
         phases = settings.default.phases
-        if interpreter_active() and target.label.startswith("attnlab:"):
+        if _interpreted_own(target):
             limit = min(limit, INTERPRETER_EXAMPLES)
             phases = tuple(p for p in phases if p is not Phase.shrink)
         if cap is not None:
