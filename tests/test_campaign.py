@@ -26,7 +26,7 @@ import pytest
 from attnlab.cli import main
 from attnlab.commands import campaign, campaign_report
 from attnlab.commands.campaign import (KILL_GRACE, CampaignKernel, _worker_specs, library_for, plan_items, shipped_library,
-                                       shipped_targets)
+                                       shipped_targets, worker_threads)
 from attnlab.commands.validate import UsageError
 from attnlab.properties import suite
 from attnlab.properties.regressions import REGRESSIONS
@@ -82,8 +82,9 @@ def campaign_run(tmp_path: Path, target: Path | str, *options: str) -> subproces
     """``attnlab campaign`` as a user runs it (a subprocess, on the CPU, two workers, small searches)."""
     command = [sys.executable, "-m", "attnlab.cli", "campaign", str(target), "--device", "cpu", "--workers", "2",
                "--dtypes", "float32", "--examples", "2", "--no-progress", *options]
+    environ = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
     return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          env={**environ, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def results(out: Path) -> dict[str, dict]:
@@ -254,6 +255,13 @@ def test_gpu_workers_are_pinned_in_their_execnet_specs_and_cpu_workers_counted()
     assert _worker_specs("cpu", 0, 1, 3) == ["--numprocesses=3", "--dist=load"]
 
 
+def test_workers_share_the_cores_unless_the_user_set_the_thread_count() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert worker_threads(1, {}) == {"OMP_NUM_THREADS": str(cores)}
+    assert worker_threads(cores + 1, {}) == {"OMP_NUM_THREADS": "1"}  # never none
+    assert worker_threads(2, {"OMP_NUM_THREADS": "3"}) == {}  # the user's choice stands
+
+
 def test_an_execnet_spec_sets_the_workers_environment_before_the_tests_import_anything(tmp_path: Path) -> None:
     """The mechanism that pins a GPU: each worker's CUDA_VISIBLE_DEVICES is its spec's, already at import time
     (before torch could start CUDA)."""
@@ -367,6 +375,9 @@ def test_a_campaign_judges_every_item_and_fails_only_the_broken_kernel(finished)
     stored = results(out)
     assert set(stored) == {i["key"] for i in plan["items"]}  # every item has its line
     assert {r["worker"] for r in stored.values()} == {"gw0", "gw1"}  # spread over both workers
+    # Each worker gets its share of the cores as torch's CPU threads, not one thread per core each.
+    cores = len(os.sched_getaffinity(0))
+    assert {r["cpu_threads"] for r in stored.values()} == {max(1, cores // 2)}
     # Each worker started on a cell of its own (attnlab.commands.campaign_schedule): its file's first line.
     first_cells = {json.loads(path.read_text().splitlines()[0])["kernel"]
                    for path in (out / "results").glob("gw*.jsonl")}
@@ -392,7 +403,7 @@ def test_the_report_has_a_summary_row_per_cell_and_a_section_per_kernel(finished
     tmp_path, _ = finished
     text = (tmp_path / "out" / "campaign.md").read_text()
     assert text.startswith("# mylib under `attnlab campaign`")
-    assert "on pytest-xdist" in text and "2 CPU worker(s)" in text
+    assert "on pytest-xdist" in text and f"2 CPU worker(s), {max(1, len(os.sched_getaffinity(0)) // 2)} CPU thread(s) each" in text
     assert "| gla | `good` | float32 | held | held | held |" in text
     assert "| gla | `stale_gate` | float32 | failed |" in text
     assert "## gla: `good`" in text and "## gla: `stale_gate`" in text and "### Excess by length" in text
