@@ -86,8 +86,7 @@ Recurrent form: one program per (head, block of V columns), the literal
 recurrence token by token on the fp32 state (the read k^T S spans the whole
 K column, so only V is split).
 
-Recurrent backward (the recurrent form is differentiable; the chunkwise form
-has no backward yet). Write a step with the decayed state D_t = exp(g_t)
+Recurrent backward (the chunkwise form's is kernels/_delta_chunk_backward.py). Write a step with the decayed state D_t = exp(g_t)
 S_{t-1} and the write's error e_t = v_t - D_t^T k_t:
 
     S_t = D_t + beta_t k_t e_t^T,   o_t = S_t^T (scale q_t)
@@ -492,9 +491,11 @@ def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None,
     scale: float, state: tuple[torch.Tensor] | None, return_state: bool,
     chunk_size: int = 64, precision: str = "auto", block_v: int = 64, num_warps: int = 4,
-    num_stages: int | str = "auto", await_checks: Callable[[], None] = no_pending_checks,
+    num_stages: int | str = "auto", saved: dict[str, torch.Tensor] | None = None,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
-    """The prepare kernel, then the state pass; g None is DeltaNet. Returns (o, (S,) or None)."""
+    """The prepare kernel, then the state pass; g None is DeltaNet. Returns (o, (S,) or None). Nothing goes into
+    ``saved`` (gradients wanted): the backward (kernels/_delta_chunk_backward.py) recomputes what it needs."""
     choices = options(chunkwise=True)
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
                         ("num_warps", num_warps), ("num_stages", num_stages)):

@@ -5,15 +5,16 @@
 q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H] in [0, 2]; state S [B, H, K, V]
 in fp32. The Triton code (chunkwise UT transform, recurrent loop, the
 recurrent form's backward) and the meaning of the options are in
-kernels/_delta.py, shared with gated_deltanet. The recurrent form is
-differentiable (BACKWARD): gradients of q, k, v, beta and the initial state.
+kernels/_delta.py, shared with gated_deltanet; the chunkwise form's backward
+is kernels/_delta_chunk_backward.py. Both forms are differentiable (BACKWARD):
+gradients of q, k, v, beta and the initial state.
 """
 
 from __future__ import annotations
 
 import torch
 
-from attnlab.kernels import _delta
+from attnlab.kernels import _delta, _delta_chunk_backward
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
 
@@ -35,4 +36,9 @@ def recurrent_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bet
     return _delta.recurrent_backward(q=q, k=k, v=v, beta=beta, g=None, scale=scale, state=state, **rest)
 
 
-BACKWARD = {"recurrent": recurrent_backward}
+def chunkwise_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, scale: float,
+                       state: tuple[torch.Tensor] | None, **rest) -> dict:
+    return _delta_chunk_backward.chunkwise_backward(q=q, k=k, v=v, beta=beta, g=None, scale=scale, state=state, **rest)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}

@@ -6,7 +6,8 @@ q, k [B, T, H, K], v [B, T, H, V], g [B, T, H] (log gate <= 0), beta [B, T, H]
 in [0, 2]; state S [B, H, K, V] in fp32. The Triton code (chunkwise UT
 transform with chunk-local cumulative gates, recurrent loop) and the meaning
 of the options are in kernels/_delta.py, shared with deltanet, with the
-recurrent form's backward. The recurrent form is differentiable (BACKWARD):
+recurrent form's backward; the chunkwise form's is
+kernels/_delta_chunk_backward.py. Both forms are differentiable (BACKWARD):
 gradients of q, k, v, g, beta and the initial state.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from attnlab.kernels import _delta
+from attnlab.kernels import _delta, _delta_chunk_backward
 
 OPTIONS = {"chunkwise": _delta.options(chunkwise=True), "recurrent": _delta.options(chunkwise=False)}
 
@@ -38,4 +39,9 @@ def recurrent_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     return _delta.recurrent_backward(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state, **rest)
 
 
-BACKWARD = {"recurrent": recurrent_backward}
+def chunkwise_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       scale: float, state: tuple[torch.Tensor] | None, **rest) -> dict:
+    return _delta_chunk_backward.chunkwise_backward(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state, **rest)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}

@@ -1,0 +1,365 @@
+"""The chunkwise backward of DeltaNet and Gated DeltaNet (FORMULATIONS.md 8 and 9): the UT transform's dual.
+
+Per chunk of C positions (heads apart), with G_t the chunk-local cumulative log gate (G = 0 ungated), G_C its
+last value, Gamma_tj = exp(G_t - G_j) for t >= j, M the causal mask and N the strict one, the forward is
+(kernels/_delta.py):
+
+    L = N * Diag(beta) (K K^T * Gamma),   X = (I + L)^-1,   T = X Diag(beta)
+    Kg = exp(G) * K,   Qg = scale exp(G) * Q,   Kd = exp(G_C - G) * K     (row factors)
+    W = T Kg,   U = T V,   A = scale (Q K^T * Gamma * M)
+    Delta = U - W S,   O = Qg S + A Delta,   S' = exp(G_C) S + Kd^T Delta
+
+Its dual, from the cotangents dO of O and dS' of the state leaving the chunk, is
+
+    dDelta = A^T dO + Kd dS'                       (= dU)
+    dS     = exp(G_C) dS' + Qg^T dO - W^T dDelta   (the cotangent of the state entering the chunk)
+    dQg = dO S^T,   dW = -dDelta S^T,   dKd = Delta dS'^T,   dA = M * (dO Delta^T)
+    dT  = dDelta V^T + dW Kg^T,   dV = T^T dDelta,   dKg = T^T dW
+    dX  = dT Diag(beta),   dbeta_j = sum_i dT_ij X_ij,   dL = -N * (X^T dX X^T)
+    dbeta_i += sum_j dL_ij (K K^T * Gamma)_ij,   dE = Diag(beta) dL * Gamma  (E = K K^T)
+    dK  = (dE + dE^T) K + scale (dA * Gamma)^T Q + exp(G) dKg + exp(G_C - G) dKd
+    dQ  = scale (dA * Gamma) K + scale exp(G) dQg
+
+and, gated, the log gates' cotangent dG_t collects d/dG_t of every factor above: the pairwise decays of L and A
+(row sums minus column sums of dL * L and dA * A), the row factors (dQg * Qg, dKg * Kg, minus dKd * Kd, whose sum
+also goes to G_C) and exp(G_C) <S, dS'>; G_C is the last row's G, and dg = the reverse cumulative sum of dG over the
+chunk. Every term is a product of factors exp(<= 0): no exponent is positive, none cancels across chunks.
+
+Four launches. The arithmetic is fp32 (ACC) for 16-bit inputs, every dot at "tf32x3" (TF32 hi/lo pairs, about
+2^-22, far below their floors), nothing rounded to 16 bits before the gradients are written; for fp32 inputs it is
+fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X), and evaluated in fp32
+it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these equations rounded to
+fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
+(_numerics.unit_lower_inverse) refined by one Newton step in fp64, X + X (I - (I + L) X), which squares its error.
+
+- ``_local_kernel`` (grid (chunks, B*H), parallel): X, W and U of every chunk, stored in fp32.
+- ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk, recomputed from
+  W and U (the forward keeps no chunk states: fp32 [B, H, T/C, K, V], K times v's size; recomputing costs one
+  sequential pass).
+- ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
+  cotangent leaving it; the last dS is the initial state's gradient.
+- ``_gradients_kernel`` (grid (chunks, B*H), parallel): the sums over V above (each program walks its chunk's V
+  blocks), then the chunk's dq, dk, dv, dbeta and dg, written once each in the input dtype.
+
+S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate
+from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
+from attnlab.kernels._util import block_size
+from attnlab.runtime import interpreter_active
+
+# Diagonal blocks of X are inverted by substitution at this size, then merged (kernels/_delta.py's SUB).
+SUB = 16
+# fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
+STATE_TILE = 4096
+NUM_WARPS = 4
+
+
+@triton.jit
+def _chunk_rows(C: tl.constexpr, T, H):
+    """The program's chunk and head (grid (chunks, B*H)): its rows, their tokens, validity and scratch rows."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    rows = tl.arange(0, C)
+    pos = chunk * C + rows
+    valid = pos < T
+    token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
+    scratch_row = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C + rows
+    return chunk, bh, rows, valid, token, scratch_row
+
+
+@triton.jit
+def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """acc + a @ b in ACC: fp64 products, or fp32 at PRECISION (_numerics.split_dot_into)."""
+    if ACC == tl.float64:
+        acc = tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
+    else:
+        acc = split_dot_into(a, b, acc, PRECISION, EMULATE_BF16)
+    return acc
+
+
+@triton.jit
+def _mm(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=ACC), ACC, PRECISION, EMULATE_BF16)
+
+
+@triton.jit
+def _gate_factors(g_ptr, token, valid, GATED: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr):
+    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC; ungated M, 1, 1, 1. G comes as an fp32
+    pair (kernels/_delta.py's compensated scan), each difference taken part by part, so that it is accurate to its
+    own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
+    rows = tl.arange(0, C)
+    if GATED:
+        G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
+        end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
+        G_hi, G_lo, end_hi, end_lo = G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
+        pairwise = tl.minimum((G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :]), 0.0)
+        decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], pairwise, float("-inf")))
+        from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))
+        to_end = tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))
+        chunk_decay = tl.exp(tl.minimum(end_hi + end_lo, 0.0))
+    else:
+        decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
+        from_start = tl.full([C], 1.0, ACC)
+        to_end = tl.full([C], 1.0, ACC)
+        chunk_decay = tl.full([], 1.0, ACC)
+    return decay, from_start, to_end, chunk_decay
+
+
+@triton.jit
+def _local_kernel(
+    k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, T, H, K, V,
+    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """One chunk of one head: X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
+    chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
+    keys = tl.arange(0, BK)
+    k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & (keys < K)[None, :], other=0.0)
+    decay, from_start, _, _ = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+    beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
+    kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+    L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
+    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", EMULATE_BF16).to(ACC)
+    if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
+        residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION, EMULATE_BF16)
+        X = _dot(X, residual, X, ACC, PRECISION, EMULATE_BF16)
+    tl.store(x_ptr + scratch_row[:, None] * C + rows[None, :], X)
+    ut = X * beta[None, :]
+    w = _mm(ut * from_start[None, :], k, ACC, PRECISION, EMULATE_BF16)
+    tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], w, mask=(keys < K)[None, :])
+    for value_start in range(0, V, BV):
+        values = value_start + tl.arange(0, BV)
+        value_ok = values < V
+        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
+        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION, EMULATE_BF16),
+                 mask=value_ok[None, :])
+
+
+@triton.jit
+def _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values):
+    return ((bh.to(tl.int64) * chunks + chunk) * K + keys[:, None]) * V + values[None, :]
+
+
+@triton.jit
+def _states_kernel(
+    k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, T, H, K, V,
+    GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (fp32)."""
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    if HAS_INITIAL:
+        S = tl.load(s0_ptr + bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :], mask=S_mask,
+                    other=0.0).to(ACC)
+    else:
+        S = tl.zeros([BK, BV], dtype=ACC)
+    rows = tl.arange(0, C)
+    chunks = tl.cdiv(T, C)
+    for chunk in range(0, chunks):
+        tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S, mask=S_mask)
+        pos = chunk * C + rows
+        valid = pos < T
+        token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
+        scratch_row = (bh.to(tl.int64) * chunks + chunk) * C + rows
+        w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
+        u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
+        delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
+        _, _, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+        k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & key_ok[None, :], other=0.0)
+        S = _dot(tl.trans(k.to(ACC) * to_end[:, None]), delta, S * chunk_decay, ACC, PRECISION,
+                           EMULATE_BF16)
+
+
+@triton.jit
+def _reverse_kernel(
+    q_ptr, k_ptr, g_ptr, w_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V, scale,
+    GATED: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
+    leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
+    pid_v = tl.program_id(0)
+    bh = tl.program_id(1)
+    keys = tl.arange(0, BK)
+    values = pid_v * BV + tl.arange(0, BV)
+    key_ok = keys < K
+    value_ok = values < V
+    S_mask = key_ok[:, None] & value_ok[None, :]
+    S_offsets = bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    if HAS_D_FINAL:
+        dS = tl.load(d_final_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
+    else:
+        dS = tl.zeros([BK, BV], dtype=ACC)
+    rows = tl.arange(0, C)
+    chunks = tl.cdiv(T, C)
+    for i in range(0, chunks):
+        chunk = chunks - 1 - i
+        tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS, mask=S_mask)
+        pos = chunk * C + rows
+        valid = pos < T
+        token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
+        scratch_row = (bh.to(tl.int64) * chunks + chunk) * C + rows
+        in_keys = valid[:, None] & key_ok[None, :]
+        q = tl.load(q_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+        k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
+                     other=0.0).to(ACC)
+        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+        A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+        d_delta = _dot(k.to(ACC) * to_end[:, None], dS, _mm(tl.trans(A), do, ACC, PRECISION,
+                                                                                   EMULATE_BF16),
+                                 ACC, PRECISION, EMULATE_BF16)
+        tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
+        w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
+        qg = q.to(ACC) * (scale * from_start)[:, None]
+        dS = _dot(tl.trans(qg), do, dS * chunk_decay, ACC, PRECISION, EMULATE_BF16)
+        dS = _dot(tl.trans(-w), d_delta, dS, ACC, PRECISION, EMULATE_BF16)
+    if STORE_D_INITIAL:
+        tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
+
+
+@triton.jit
+def _gradients_kernel(
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, states_ptr, d_states_ptr, d_delta_ptr, do_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, T, H, K, V, scale,
+    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+):
+    """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
+    <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows."""
+    chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
+    chunks = tl.num_programs(0)
+    keys = tl.arange(0, BK)
+    key_ok = keys < K
+    in_keys = valid[:, None] & key_ok[None, :]
+    q = tl.load(q_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+    k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+    beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
+    X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
+    w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
+    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+    A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+
+    d_qg = tl.zeros([C, BK], dtype=ACC)
+    minus_dw = tl.zeros([C, BK], dtype=ACC)
+    d_kd = tl.zeros([C, BK], dtype=ACC)
+    dA = tl.zeros([C, C], dtype=ACC)
+    dT = tl.zeros([C, C], dtype=ACC)
+    state_pairing = tl.full([], 0.0, ACC)  # <S, dS'>
+    for value_start in range(0, V, BV):
+        values = value_start + tl.arange(0, BV)
+        value_ok = values < V
+        S_offsets = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
+        S_mask = key_ok[:, None] & value_ok[None, :]
+        S = tl.load(states_ptr + S_offsets, mask=S_mask, other=0.0)
+        dS = tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0)
+        in_values = valid[:, None] & value_ok[None, :]
+        scratch = scratch_row[:, None] * V + values[None, :]
+        u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
+        d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
+        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0).to(ACC)
+        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
+        delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
+        d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION, EMULATE_BF16)
+        minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION, EMULATE_BF16)
+        d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION, EMULATE_BF16)
+        dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION, EMULATE_BF16)
+        dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION, EMULATE_BF16)
+        state_pairing += tl.sum(tl.sum(S * dS, axis=1), axis=0)
+        dv = _mm(tl.trans(X), d_delta, ACC, PRECISION, EMULATE_BF16) * beta[:, None]  # T^T dDelta
+        tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
+
+    dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
+    kf = k.to(ACC)
+    kg = kf * from_start[:, None]
+    ut = X * beta[None, :]
+    dT = _dot(-minus_dw, tl.trans(kg), dT, ACC, PRECISION, EMULATE_BF16)
+    d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION, EMULATE_BF16)
+    dbeta = tl.sum(dT * X, axis=0)
+    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, PRECISION, EMULATE_BF16), tl.trans(X), ACC, PRECISION,
+                    EMULATE_BF16)
+    dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
+    kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+    dbeta += tl.sum(dL * kk, axis=1)
+    dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
+    dP = scale * dA * decay  # the cotangent of Q K^T through A
+    dq = _mm(dP, kf, ACC, PRECISION, EMULATE_BF16) + (scale * from_start)[:, None] * d_qg
+    dk = _mm(dE, kf, ACC, PRECISION, EMULATE_BF16)
+    dk = _dot(tl.trans(dE), kf, dk, ACC, PRECISION, EMULATE_BF16)
+    dk = _dot(tl.trans(dP), q.to(ACC), dk, ACC, PRECISION, EMULATE_BF16)
+    dk += from_start[:, None] * d_kg + to_end[:, None] * d_kd
+    tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
+    tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
+    tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
+    if GATED:
+        through_L = beta[:, None] * dL * kk  # dL * L
+        through_A = dA * A
+        to_end_terms = to_end * tl.sum(d_kd * kf, axis=1)
+        dG = (tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1)
+              - tl.sum(through_A, axis=0) + scale * from_start * tl.sum(d_qg * q.to(ACC), axis=1)
+              + from_start * tl.sum(d_kg * kf, axis=1) - to_end_terms)
+        d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C
+        dG += tl.where(rows == C - 1, d_end, 0.0)  # rows past T carry g = 0: the tile's last row holds G_C
+        dg = tl.cumsum(dG, 0, reverse=True)
+        tl.store(dg_ptr + token, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+
+
+def chunkwise_backward(
+    *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, scale: float,
+    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None, chunk_size: int = 64,
+    **forward_options,
+) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
+    """Gradients of q, k, v, beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in
+    fp32, by the four launches of the module docstring. g None is DeltaNet. The chunk size is the forward's; its
+    other options (the state pass's precision and tiles) do not apply here."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    chunks = triton.cdiv(T, C)
+    BK = block_size(K)
+    BV = min(block_size(V), max(16, STATE_TILE // BK))
+    fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
+    acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
+    X = torch.empty((B * H * chunks * C, C), **acc)
+    w = torch.empty((B * H * chunks * C, K), **acc)
+    u = torch.empty((B * H * chunks * C, V), **acc)
+    states = torch.empty((B * H, chunks, K, V), **acc)
+    d_states = torch.empty_like(states)
+    d_delta = torch.empty_like(u)
+    dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
+    dg = torch.empty_like(g) if g is not None else None
+    d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
+    gate = g if g is not None else beta  # an unused pointer when ungated
+    common = dict(GATED=g is not None, C=C, BK=BK, EMULATE_BF16=interpreter_active(), PRECISION="tf32x3",
+                  ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
+    _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV,
+                                   LEVELS=(C // SUB).bit_length() - 1, **common)
+    _states_kernel[(triton.cdiv(V, BV), B * H)](
+        k, gate, w, u, state[0] if state is not None else w, states, T, H, K, V,
+        HAS_INITIAL=state is not None, BV=BV, **common)
+    _reverse_kernel[(triton.cdiv(V, BV), B * H)](
+        q, k, gate, w, do, d_state[0] if d_state is not None else w, d_states, d_delta,
+        d_initial if d_initial is not None else w, T, H, K, V, float(scale),
+        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
+    _gradients_kernel[(chunks, B * H)](
+        q, k, v, beta, gate, X, w, u, states, d_states, d_delta, do, dq, dk, dv, dbeta,
+        dg if dg is not None else dbeta, T, H, K, V, float(scale), BV=BV, **common)
+    grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
+    if dg is not None:
+        grads["g"] = dg
+    if d_initial is not None:
+        grads["initial_state"] = (d_initial.float(),)
+    return grads
