@@ -52,7 +52,7 @@ import triton.language as tl
 
 from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate
 from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
-from attnlab.kernels._util import block_size
+from attnlab.kernels._util import block_size, state_block
 from attnlab.runtime import interpreter_active
 
 # Diagonal blocks of X are inverted by substitution at this size, then merged (kernels/_delta.py's SUB).
@@ -63,16 +63,21 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _chunk_rows(C: tl.constexpr, T, H):
-    """The program's chunk and head (grid (chunks, B*H)): its rows, their tokens, validity and scratch rows."""
-    chunk = tl.program_id(0)
-    bh = tl.program_id(1)
+def _chunk_of(chunk, bh, chunks, C: tl.constexpr, T, H):
+    """Chunk ``chunk`` of head ``bh``: its rows' validity (before T), tokens and rows of the scratch buffers."""
     rows = tl.arange(0, C)
     pos = chunk * C + rows
-    valid = pos < T
     token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
-    scratch_row = (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C + rows
-    return chunk, bh, rows, valid, token, scratch_row
+    return pos < T, token, (bh.to(tl.int64) * chunks + chunk) * C + rows
+
+
+@triton.jit
+def _chunk_rows(C: tl.constexpr, T, H):
+    """The program's chunk and head (grid (chunks, B*H)): its rows, their validity, tokens and scratch rows."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    valid, token, scratch_row = _chunk_of(chunk, bh, tl.num_programs(0), C, T, H)
+    return chunk, bh, tl.arange(0, C), valid, token, scratch_row
 
 
 @triton.jit
@@ -154,34 +159,22 @@ def _states_kernel(
     GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (fp32)."""
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-    S_mask = key_ok[:, None] & value_ok[None, :]
+    """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in ACC)."""
+    _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     if HAS_INITIAL:
-        S = tl.load(s0_ptr + bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :], mask=S_mask,
-                    other=0.0).to(ACC)
+        S = tl.load(s0_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
     else:
         S = tl.zeros([BK, BV], dtype=ACC)
-    rows = tl.arange(0, C)
     chunks = tl.cdiv(T, C)
     for chunk in range(0, chunks):
         tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S, mask=S_mask)
-        pos = chunk * C + rows
-        valid = pos < T
-        token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
-        scratch_row = (bh.to(tl.int64) * chunks + chunk) * C + rows
+        valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
         delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
         _, _, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
         k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & key_ok[None, :], other=0.0)
-        S = _dot(tl.trans(k.to(ACC) * to_end[:, None]), delta, S * chunk_decay, ACC, PRECISION,
-                           EMULATE_BF16)
+        S = _dot(tl.trans(k.to(ACC) * to_end[:, None]), delta, S * chunk_decay, ACC, PRECISION, EMULATE_BF16)
 
 
 @triton.jit
@@ -192,27 +185,16 @@ def _reverse_kernel(
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
     leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1)
-    keys = tl.arange(0, BK)
-    values = pid_v * BV + tl.arange(0, BV)
-    key_ok = keys < K
-    value_ok = values < V
-    S_mask = key_ok[:, None] & value_ok[None, :]
-    S_offsets = bh.to(tl.int64) * K * V + keys[:, None] * V + values[None, :]
+    _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     if HAS_D_FINAL:
         dS = tl.load(d_final_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
     else:
         dS = tl.zeros([BK, BV], dtype=ACC)
-    rows = tl.arange(0, C)
     chunks = tl.cdiv(T, C)
     for i in range(0, chunks):
         chunk = chunks - 1 - i
         tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS, mask=S_mask)
-        pos = chunk * C + rows
-        valid = pos < T
-        token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
-        scratch_row = (bh.to(tl.int64) * chunks + chunk) * C + rows
+        valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         in_keys = valid[:, None] & key_ok[None, :]
         q = tl.load(q_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
         k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
@@ -220,9 +202,8 @@ def _reverse_kernel(
                      other=0.0).to(ACC)
         decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
         A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
-        d_delta = _dot(k.to(ACC) * to_end[:, None], dS, _mm(tl.trans(A), do, ACC, PRECISION,
-                                                                                   EMULATE_BF16),
-                                 ACC, PRECISION, EMULATE_BF16)
+        d_delta = _mm(tl.trans(A), do, ACC, PRECISION, EMULATE_BF16)
+        d_delta = _dot(k.to(ACC) * to_end[:, None], dS, d_delta, ACC, PRECISION, EMULATE_BF16)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         qg = q.to(ACC) * (scale * from_start)[:, None]
@@ -236,7 +217,8 @@ def _reverse_kernel(
 def _gradients_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, states_ptr, d_states_ptr, d_delta_ptr, do_ptr,
     dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, T, H, K, V, scale,
-    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
     <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows."""
