@@ -1,8 +1,9 @@
-"""The chunkwise backward of DeltaNet and Gated DeltaNet (FORMULATIONS.md 8 and 9): the UT transform's dual.
+"""The chunkwise backward of DeltaNet, Gated DeltaNet and kda (FORMULATIONS.md 8 to 10): the UT transform's dual.
 
-Per chunk of C positions (heads apart), with G_t the chunk-local cumulative log gate (G = 0 ungated), G_C its
-last value, Gamma_tj = exp(G_t - G_j) for t >= j, M the causal mask and N the strict one, the forward is
-(kernels/_delta.py):
+Per chunk of C positions (heads apart), with G_t the chunk-local cumulative log gate (G = 0 ungated; kda: one per
+key channel, G_tc), G_C its last value, Gamma_tj = exp(G_t - G_j) for t >= j, M the causal mask and N the strict
+one, the forward is (kernels/_delta.py, kernels/kda.py; with per-channel gates K K^T * Gamma stands for
+sum_c k_tc k_jc exp(G_tc - G_jc), exp(G) * K for the channelwise product, exp(G_C) S for the rows of S scaled):
 
     L = N * Diag(beta) (K K^T * Gamma),   X = (I + L)^-1,   T = X Diag(beta)
     Kg = exp(G) * K,   Qg = scale exp(G) * Q,   Kd = exp(G_C - G) * K     (row factors)
@@ -23,7 +24,10 @@ Its dual, from the cotangents dO of O and dS' of the state leaving the chunk, is
 and, gated, the log gates' cotangent dG_t collects d/dG_t of every factor above: the pairwise decays of L and A
 (row sums minus column sums of dL * L and dA * A), the row factors (dQg * Qg, dKg * Kg, minus dKd * Kd, whose sum
 also goes to G_C) and exp(G_C) <S, dS'>; G_C is the last row's G, and dg = the reverse cumulative sum of dG over the
-chunk. Every term is a product of factors exp(<= 0): no exponent is positive, none cancels across chunks.
+chunk (per key channel for kda). Every term is a product of factors exp(<= 0): no exponent is positive, none cancels
+across chunks. A gate per head factors out of every channel sum, so the grams above are dots times Gamma; per-channel
+gates do not, and kda's grams and their cotangents' pairwise terms run CHANNEL_SLICE key channels at a time on
+[C, C, CHANNEL_SLICE] tiles (_channel_gram, _channel_gradients).
 
 Four launches. The arithmetic is fp32 (ACC) for 16-bit inputs, every dot at "tf32x3" (TF32 hi/lo pairs, about
 2^-22, far below their floors), nothing rounded to 16 bits before the gradients are written; for fp32 inputs it is
@@ -50,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate
+from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate, _two_sum
 from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
 from attnlab.kernels._util import block_size, state_block
 from attnlab.runtime import interpreter_active
@@ -60,6 +64,8 @@ SUB = 16
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
+# Key channels a step of the per-channel gates' pairwise sums ([C, C, CHANNEL_SLICE] tiles).
+CHANNEL_SLICE = 4
 
 
 @triton.jit
@@ -96,41 +102,96 @@ def _mm(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.const
 
 
 @triton.jit
-def _gate_factors(g_ptr, token, valid, GATED: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr):
-    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC; ungated M, 1, 1, 1. G comes as an fp32
-    pair (kernels/_delta.py's compensated scan), each difference taken part by part, so that it is accurate to its
+def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr,
+                  BK: tl.constexpr, ACC: tl.constexpr):
+    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC: [C, C], [C, BK], [C, BK] and [BK], the
+    row factors per key channel (one gate per head: the same in every channel; ungated M, 1, 1, 1). Per-channel
+    gates (CHANNEL) leave Gamma to _channel_gram and give M. G comes as an fp32 pair (kernels/_delta.py's
+    compensated scan, on [C] or [C, BK] tiles), each difference taken part by part, so that it is accurate to its
     own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
     rows = tl.arange(0, C)
-    if GATED:
+    causal = rows[:, None] >= rows[None, :]
+    ones = tl.full([C, BK], 1.0, ACC)
+    if CHANNEL:
+        G_hi, G_lo, end_hi, end_lo = _channel_gate_pairs(g_ptr, token, valid, keys, K, ACC)
+        decay = tl.where(causal, 1.0, 0.0).to(ACC)
+        from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))
+        to_end = tl.exp(tl.minimum((end_hi[None, :] - G_hi) + (end_lo[None, :] - G_lo), 0.0))
+        chunk_decay = tl.exp(tl.minimum(end_hi + end_lo, 0.0))
+    elif GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         G_hi, G_lo, end_hi, end_lo = G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
         pairwise = tl.minimum((G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :]), 0.0)
-        decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], pairwise, float("-inf")))
-        from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))
-        to_end = tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))
-        chunk_decay = tl.exp(tl.minimum(end_hi + end_lo, 0.0))
+        decay = tl.exp(tl.where(causal, pairwise, float("-inf")))
+        from_start = ones * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
+        to_end = ones * tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))[:, None]
+        chunk_decay = tl.full([BK], 1.0, ACC) * tl.exp(tl.minimum(end_hi + end_lo, 0.0))
     else:
-        decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
-        from_start = tl.full([C], 1.0, ACC)
-        to_end = tl.full([C], 1.0, ACC)
-        chunk_decay = tl.full([], 1.0, ACC)
+        decay = tl.where(causal, 1.0, 0.0).to(ACC)
+        from_start = ones
+        to_end = ones
+        chunk_decay = tl.full([BK], 1.0, ACC)
     return decay, from_start, to_end, chunk_decay
+
+
+@triton.jit
+def _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
+    """Per-channel gates g [C, channels] of one chunk as the pairs (G_hi, G_lo) of their cumulative sums over the
+    chunk and (G_C_hi, G_C_lo) of their totals, in ACC (_delta's compensated scan, along the rows)."""
+    g = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
+                other=0.0).to(tl.float32)
+    G_hi, G_lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _two_sum)
+    end_hi, end_lo = tl.reduce((g, tl.zeros_like(g)), 0, _two_sum)
+    return G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
+
+
+@triton.jit
+def _slice_decay(g_ptr, token, valid, channels, K, C: tl.constexpr, ACC: tl.constexpr):
+    """exp(G_tc - G_jc) for t >= j (0 elsewhere) on a slice of key channels: [C, C, channels]."""
+    G_hi, G_lo, _end_hi, _end_lo = _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC)
+    rows = tl.arange(0, C)
+    pairwise = tl.minimum((G_hi[:, None, :] - G_hi[None, :, :]) + (G_lo[:, None, :] - G_lo[None, :, :]), 0.0)
+    return tl.exp(tl.where((rows[:, None] >= rows[None, :])[:, :, None], pairwise, float("-inf")))
+
+
+@triton.jit
+def _rows_of(x_ptr, token, valid, channels, K, ACC: tl.constexpr):
+    return tl.load(x_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
+                   other=0.0).to(ACC)
+
+
+@triton.jit
+def _channel_gram(a_ptr, b_ptr, g_ptr, token, valid, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
+    """sum_c a_tc b_jc exp(G_tc - G_jc) for t >= j (0 elsewhere), [C, C]: per-channel gates do not factor out of a
+    dot, so the sum runs BKC channels at a time on [C, C, BKC] tiles, every exponent <= 0."""
+    gram = tl.zeros([C, C], dtype=ACC)
+    for channel_start in range(0, K, BKC):
+        channels = channel_start + tl.arange(0, BKC)
+        decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
+        a = _rows_of(a_ptr, token, valid, channels, K, ACC)
+        b = _rows_of(b_ptr, token, valid, channels, K, ACC)
+        gram += tl.sum(a[:, None, :] * b[None, :, :] * decay, axis=2)
+    return gram
 
 
 @triton.jit
 def _local_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, T, H, K, V,
-    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LEVELS: tl.constexpr,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BV: tl.constexpr, LEVELS: tl.constexpr,
     EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
     k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & (keys < K)[None, :], other=0.0)
-    decay, from_start, _, _ = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+    decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
-    kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+    if CHANNEL:
+        kk = _channel_gram(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+    else:
+        kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", EMULATE_BF16).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
@@ -138,7 +199,7 @@ def _local_kernel(
         X = _dot(X, residual, X, ACC, PRECISION, EMULATE_BF16)
     tl.store(x_ptr + scratch_row[:, None] * C + rows[None, :], X)
     ut = X * beta[None, :]
-    w = _mm(ut * from_start[None, :], k, ACC, PRECISION, EMULATE_BF16)
+    w = _mm(ut, k.to(ACC) * from_start, ACC, PRECISION, EMULATE_BF16)
     tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], w, mask=(keys < K)[None, :])
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
@@ -156,7 +217,8 @@ def _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values):
 @triton.jit
 def _states_kernel(
     k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, T, H, K, V,
-    GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr,
     EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in ACC)."""
@@ -172,16 +234,17 @@ def _states_kernel(
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
         delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
-        _, _, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
+        _decay, _from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
+                                                                 ACC)
         k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & key_ok[None, :], other=0.0)
-        S = _dot(tl.trans(k.to(ACC) * to_end[:, None]), delta, S * chunk_decay, ACC, PRECISION, EMULATE_BF16)
+        S = _dot(tl.trans(k.to(ACC) * to_end), delta, S * chunk_decay[:, None], ACC, PRECISION, EMULATE_BF16)
 
 
 @triton.jit
 def _reverse_kernel(
     q_ptr, k_ptr, g_ptr, w_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V, scale,
-    GATED: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
     leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
@@ -200,14 +263,18 @@ def _reverse_kernel(
         k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
-        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
-        A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
+                                                               ACC)
+        if CHANNEL:
+            A = scale * _channel_gram(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        else:
+            A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
         d_delta = _mm(tl.trans(A), do, ACC, PRECISION, EMULATE_BF16)
-        d_delta = _dot(k.to(ACC) * to_end[:, None], dS, d_delta, ACC, PRECISION, EMULATE_BF16)
+        d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION, EMULATE_BF16)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-        qg = q.to(ACC) * (scale * from_start)[:, None]
-        dS = _dot(tl.trans(qg), do, dS * chunk_decay, ACC, PRECISION, EMULATE_BF16)
+        qg = q.to(ACC) * scale * from_start
+        dS = _dot(tl.trans(qg), do, dS * chunk_decay[:, None], ACC, PRECISION, EMULATE_BF16)
         dS = _dot(tl.trans(-w), d_delta, dS, ACC, PRECISION, EMULATE_BF16)
     if STORE_D_INITIAL:
         tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
@@ -216,9 +283,9 @@ def _reverse_kernel(
 @triton.jit
 def _gradients_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, states_ptr, d_states_ptr, d_delta_ptr, do_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, T, H, K, V, scale,
-    GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
     <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows."""
@@ -232,15 +299,20 @@ def _gradients_kernel(
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
     w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, ACC)
-    A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
+    if CHANNEL:
+        A = scale * _channel_gram(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        kk = _channel_gram(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+    else:
+        A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+        kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
 
     d_qg = tl.zeros([C, BK], dtype=ACC)
     minus_dw = tl.zeros([C, BK], dtype=ACC)
     d_kd = tl.zeros([C, BK], dtype=ACC)
     dA = tl.zeros([C, C], dtype=ACC)
     dT = tl.zeros([C, C], dtype=ACC)
-    state_pairing = tl.full([], 0.0, ACC)  # <S, dS'>
+    state_pairing = tl.zeros([BK], dtype=ACC)  # <S, dS'> per key channel
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
@@ -260,43 +332,85 @@ def _gradients_kernel(
         d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION, EMULATE_BF16)
         dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION, EMULATE_BF16)
         dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION, EMULATE_BF16)
-        state_pairing += tl.sum(tl.sum(S * dS, axis=1), axis=0)
+        state_pairing += tl.sum(S * dS, axis=1)
         dv = _mm(tl.trans(X), d_delta, ACC, PRECISION, EMULATE_BF16) * beta[:, None]  # T^T dDelta
         tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
 
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
+    qf = q.to(ACC)
     kf = k.to(ACC)
-    kg = kf * from_start[:, None]
     ut = X * beta[None, :]
-    dT = _dot(-minus_dw, tl.trans(kg), dT, ACC, PRECISION, EMULATE_BF16)
+    dT = _dot(-minus_dw, tl.trans(kf * from_start), dT, ACC, PRECISION, EMULATE_BF16)
     d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION, EMULATE_BF16)
     dbeta = tl.sum(dT * X, axis=0)
     dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, PRECISION, EMULATE_BF16), tl.trans(X), ACC, PRECISION,
-                    EMULATE_BF16)
+              EMULATE_BF16)
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
-    kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
     dbeta += tl.sum(dL * kk, axis=1)
-    dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
-    dP = scale * dA * decay  # the cotangent of Q K^T through A
-    dq = _mm(dP, kf, ACC, PRECISION, EMULATE_BF16) + (scale * from_start)[:, None] * d_qg
-    dk = _mm(dE, kf, ACC, PRECISION, EMULATE_BF16)
-    dk = _dot(tl.trans(dE), kf, dk, ACC, PRECISION, EMULATE_BF16)
-    dk = _dot(tl.trans(dP), q.to(ACC), dk, ACC, PRECISION, EMULATE_BF16)
-    dk += from_start[:, None] * d_kg + to_end[:, None] * d_kd
-    tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
-    tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-    if GATED:
-        through_L = beta[:, None] * dL * kk  # dL * L
-        through_A = dA * A
-        to_end_terms = to_end * tl.sum(d_kd * kf, axis=1)
-        dG = (tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1)
-              - tl.sum(through_A, axis=0) + scale * from_start * tl.sum(d_qg * q.to(ACC), axis=1)
-              + from_start * tl.sum(d_kg * kf, axis=1) - to_end_terms)
-        d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C
-        dG += tl.where(rows == C - 1, d_end, 0.0)  # rows past T carry g = 0: the tile's last row holds G_C
-        dg = tl.cumsum(dG, 0, reverse=True)
-        tl.store(dg_ptr + token, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+    # The row factors' parts: Qg = scale exp(G) Q, Kg = exp(G) K, Kd = exp(G_C - G) K, and G_C's (the last row's).
+    dq_rows = scale * from_start * d_qg
+    dk_rows = from_start * d_kg + to_end * d_kd
+    to_end_terms = to_end * kf * d_kd
+    dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
+    d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per key channel
+    dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: the last row is G_C
+    if CHANNEL:
+        _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, dq_rows, dk_rows, dG_rows,
+                           beta[:, None] * dL, scale * dA, token, valid, scratch_row, keys, K, C, BKC, ACC)
+    else:
+        dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
+        dP = scale * dA * decay  # the cotangent of Q K^T through A
+        dq = _dot(dP, kf, dq_rows, ACC, PRECISION, EMULATE_BF16)
+        dk = _dot(dE, kf, dk_rows, ACC, PRECISION, EMULATE_BF16)
+        dk = _dot(tl.trans(dE), kf, dk, ACC, PRECISION, EMULATE_BF16)
+        dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION, EMULATE_BF16)
+        tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
+        tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
+        if GATED:
+            through_L = beta[:, None] * dL * kk  # dL * L
+            through_A = dA * A
+            dG = (tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1)
+                  - tl.sum(through_A, axis=0) + tl.sum(dG_rows, axis=1))
+            tl.store(dg_ptr + token, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, dq_rows, dk_rows, dG_rows, d_kk, d_qk,
+                       token, valid, scratch_row, keys, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
+    """dq, dk and dg of a chunk with per-channel gates: the row factors' parts (whole [C, K] tiles) go through
+    this program's slice of ``parts`` (scratch), then BKC channels at a time get the parts through the pairwise
+    decays, with d_kk and d_qk the cotangents of the two grams (kk = sum_c k_tc k_jc exp(G_tc - G_jc), and q k's):
+
+        dk_t += sum_j d_kk_tj D_tj * k_j + sum_j d_kk_jt D_jt * k_j + sum_j d_qk_jt D_jt * q_j,
+        dq_t += sum_j d_qk_tj D_tj * k_j,   R_tj = (d_kk_tj k_t + d_qk_tj q_t) * k_j * D_tj,
+        dG_t += sum_j R_tj - sum_j R_jt,    dg = the reverse cumulative sum of dG over the chunk.
+    """
+    part = scratch_row[:, None] * (3 * K) + keys[None, :]
+    key_ok = (keys < K)[None, :]
+    tl.store(parts_ptr + part, dq_rows, mask=key_ok)
+    tl.store(parts_ptr + part + K, dk_rows, mask=key_ok)
+    tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok)
+    tl.debug_barrier()  # read back in slices, by other threads
+    for channel_start in range(0, K, BKC):
+        channels = channel_start + tl.arange(0, BKC)
+        channel_ok = (channels < K)[None, :]
+        sliced = scratch_row[:, None] * (3 * K) + channels[None, :]
+        decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
+        q = _rows_of(q_ptr, token, valid, channels, K, ACC)
+        k = _rows_of(k_ptr, token, valid, channels, K, ACC)
+        through_kk = d_kk[:, :, None] * decay
+        through_qk = d_qk[:, :, None] * decay
+        dq = tl.load(parts_ptr + sliced, mask=channel_ok, other=0.0) + tl.sum(through_qk * k[None, :, :], axis=1)
+        dk = (tl.load(parts_ptr + sliced + K, mask=channel_ok, other=0.0) + tl.sum(through_kk * k[None, :, :], axis=1)
+              + tl.sum(through_kk * k[:, None, :], axis=0) + tl.sum(through_qk * q[:, None, :], axis=0))
+        R = (through_kk * k[:, None, :] + through_qk * q[:, None, :]) * k[None, :, :]
+        dG = tl.load(parts_ptr + sliced + 2 * K, mask=channel_ok, other=0.0) + tl.sum(R, axis=1) - tl.sum(R, axis=0)
+        out = token[:, None] * K + channels[None, :]
+        in_slice = valid[:, None] & channel_ok
+        tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=in_slice)
+        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=in_slice)
+        tl.store(dg_ptr + out, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=in_slice)
 
 
 def chunkwise_backward(
@@ -305,11 +419,13 @@ def chunkwise_backward(
     **forward_options,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
     """Gradients of q, k, v, beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in
-    fp32, by the four launches of the module docstring. g None is DeltaNet. The chunk size is the forward's; its
-    other options (the state pass's precision and tiles) do not apply here."""
+    fp32, by the four launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K]
+    kda (per-channel gates). The chunk size is the forward's (kda's "auto" is 64 here: any chunk size gives the same
+    gradients); the forward's other options (the state pass's precision and tiles) do not apply here."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
+    C = 64 if chunk_size == "auto" else chunk_size
+    channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
@@ -324,8 +440,9 @@ def chunkwise_backward(
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g) if g is not None else None
     d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
+    parts = torch.empty((B * H * chunks * C, 3 * K), **acc) if channel else X  # _channel_gradients' scratch
     gate = g if g is not None else beta  # an unused pointer when ungated
-    common = dict(GATED=g is not None, C=C, BK=BK, EMULATE_BF16=interpreter_active(), PRECISION="tf32x3",
+    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, BKC=CHANNEL_SLICE, EMULATE_BF16=interpreter_active(), PRECISION="tf32x3",
                   ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
     _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV,
                                    LEVELS=(C // SUB).bit_length() - 1, **common)
@@ -338,7 +455,7 @@ def chunkwise_backward(
         HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
     _gradients_kernel[(chunks, B * H)](
         q, k, v, beta, gate, X, w, u, states, d_states, d_delta, do, dq, dk, dv, dbeta,
-        dg if dg is not None else dbeta, T, H, K, V, float(scale), BV=BV, **common)
+        dg if dg is not None else dbeta, parts, T, H, K, V, float(scale), BV=BV, **common)
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
     if dg is not None:
         grads["g"] = dg

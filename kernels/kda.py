@@ -107,8 +107,9 @@ Recurrent form (``_kda_recurrent_kernel``): one program per (B*H, V block),
 the literal recurrence token by token with the fp32 state in registers.
 OPTIONS: ``block_v`` (32), ``num_warps`` (4).
 
-Recurrent backward (``BACKWARD["recurrent"]``; the chunkwise form has none
-yet). Write step t as D_t = exp(g_t), the decayed state S'_t = D_t * S_{t-1}
+Recurrent backward (``BACKWARD["recurrent"]``; the chunkwise form's,
+``BACKWARD["chunkwise"]``, is kernels/_delta_chunk_backward.py's, shared with
+the delta rules). Write step t as D_t = exp(g_t), the decayed state S'_t = D_t * S_{t-1}
 (rows), the write u_t = beta_t (v_t - S'_t^T k_t), S_t = S'_t + k_t u_t^T.
 With dS_T the final state's cotangent (0 where no loss reads it), for
 t = T .. 1 the dual recurrence is
@@ -159,7 +160,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels import _state_pass
+from attnlab.kernels import _delta_chunk_backward, _state_pass
 from attnlab.kernels._numerics import dot_scratch, peak, scaled_dot, scaled_dot_within, span_sums, to_scratch
 from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u, value_block
 from attnlab.kernels._util import (
@@ -499,8 +500,11 @@ def chunkwise(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, scale: float,
     state: tuple[torch.Tensor] | None, return_state: bool,
     chunk_size: int | str = "auto", precision: str = "auto", block_v: int = 64, num_warps: int = 4,
-    num_stages: int | str = "auto", await_checks: Callable[[], None] = no_pending_checks,
+    num_stages: int | str = "auto", saved: dict[str, torch.Tensor] | None = None,
+    await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor] | None]:
+    """The four launches of the module docstring. Nothing goes into ``saved`` (gradients wanted): the backward
+    (kernels/_delta_chunk_backward.py) recomputes what it needs."""
     for name, value in (("chunk_size", chunk_size), ("precision", precision), ("block_v", block_v),
                         ("num_warps", num_warps), ("num_stages", num_stages)):
         _check_choice("chunkwise", name, value)
@@ -740,4 +744,10 @@ def recurrent_backward(
     return grads
 
 
-BACKWARD = {"recurrent": recurrent_backward}
+def chunkwise_backward(*, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       scale: float, state: tuple[torch.Tensor] | None, **rest) -> dict:
+    """The chunkwise form's gradients: the delta rules' UT dual with per-channel gates (kernels/_delta_chunk_backward.py)."""
+    return _delta_chunk_backward.chunkwise_backward(q=q, k=k, v=v, beta=beta, g=g, scale=scale, state=state, **rest)
+
+
+BACKWARD = {"chunkwise": chunkwise_backward, "recurrent": recurrent_backward}

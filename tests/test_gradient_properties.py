@@ -215,8 +215,7 @@ def test_a_target_is_differentiable_when_its_output_requires_grad(kernels: Any) 
     assert function_target(kernels.good, "gla", "good").differentiable
     assert not function_target(kernels.forward_only, "gla", "forward_only").differentiable
     assert own_kernel_target("gla", "chunkwise").differentiable  # declared by its module's BACKWARD
-    assert own_kernel_target("deltanet", "chunkwise").differentiable
-    assert not own_kernel_target("kda", "chunkwise").differentiable  # no backward yet (issue 25)
+    assert own_kernel_target("kda", "chunkwise").differentiable
     calls = []
 
     def counted(**x: Any) -> Any:

@@ -154,7 +154,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(args, message, tmp_path):
 
 # --- the backward pass (report --passes backward) ----------------------------------------------------------------
 
-BACKWARD_FORMULATIONS = ("gla", "kda")  # gla's kernels have a backward in both forms, kda's chunkwise has none
+BACKWARD_FORMULATIONS = ("gla", "kda")  # a gate per head and one per key channel; both forms of each have a backward
 
 
 def attnlab_forms(name: str, with_backward: bool) -> list[str]:
@@ -196,21 +196,23 @@ def test_backward_rows_measure_every_gradient_of_every_differentiable_implementa
         assert row["oracle"] == "float64-chunkwise-autograd" and row["dtype"] == "float32"
         assert row["floor"] == max(row["floor_round"], row["floor_cond"]) and 1e-9 < row["floor"] < 1e-6
         assert row["excess"] == pytest.approx(row["rel_err"] / row["floor"])
-        assert 0.3 <= row["excess"] <= 4.0, row  # fp32 accumulation: at the fp32 floor (measured 0.7 to 2.9)
+        # At the fp32 floor: fp32 accumulation measured 0.7 to 2.9; one rounding of an fp64 result (the delta rules'
+        # chunkwise backward on fp32 inputs) 0.2 to 0.5; a reference compared with itself would read 0.
+        assert 0.1 <= row["excess"] <= 4.0, row
         assert (row["accuracy_bound"], row["correctness_bound"]) == gradient_bounds("float32")
         assert row["verdict"] == "held"
     assert "chunkwise oracle" in report["backward"]["reference"]
 
 
-def test_kernels_without_a_backward_are_listed_once_not_failed(backward_report):
+def test_every_attnlab_kernel_is_measured_backward_and_none_listed_without_one(backward_report):
+    """Every form of attnlab's kernels trains, so none is listed as having no backward (the listing itself, for an
+    implementation whose output does not require grad, is tested in process below) and none failed."""
     out, result = backward_report
     report = json.loads((out / "report.json").read_text())
-    listed = [(e["formulation"], e["impl"]) for e in report["backward"]["no_backward"]]
-    assert listed == [(n, f"attnlab:{form}") for n in BACKWARD_FORMULATIONS for form in attnlab_forms(n, False)]
-    assert listed and not any((r["formulation"], r["impl"]) in listed for r in report["rows"])
-    assert "no backward" in result.stdout
+    assert all(attnlab_forms(n, False) == [] for n in BACKWARD_FORMULATIONS)
+    assert report["backward"]["no_backward"] == [] and "no backward" not in result.stdout
     index = (out / "index.md").read_text()
-    assert "- No backward (not differentiable, so not measured; not a failure): kda `attnlab:chunkwise`" in index
+    assert "No backward" not in index
     assert "failed" not in index.split("## Backward pass")[1].replace("*failed*", "")
 
 

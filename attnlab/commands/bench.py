@@ -122,16 +122,13 @@ def _timed_peer(f: Formulation, x: Inputs, backward: bool = False) -> tuple[floa
 
 
 PASS_LABELS = {"forward": "forward", "backward": "forward + backward"}
-NO_BACKWARD = "no backward"  # _timed_ours' answer for a kernel that does not train: a note of its row, not an error
 
 
 def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: bool) -> tuple[float, Any, str | None]:
     """(median ms, the forward's output, None) of attnlab's kernel (``backward``: forward and backward, no output),
-    or (nan, None, why: the error, or that the kernel has no backward)."""
+    or (nan, None, the error)."""
     if not backward:
         return _timed(lambda: ours(**inputs))
-    if not ours.differentiable:
-        return math.nan, None, NO_BACKWARD
     differentiable = {a.name for a in f.args if a.differentiable}
     grad_inputs = {n: _leaf(t) if n in differentiable else t for n, t in inputs.items()}
     leaves = [t for t in grad_inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -171,9 +168,7 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
                     "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
                     "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
                 }
-                if error is NO_BACKWARD:
-                    row["note"] = f"attnlab's {name} {chosen} kernel has no backward yet"
-                elif error:
+                if error:
                     row["error"] = error
                 if peer_error:
                     row["peer_error"] = peer_error
@@ -194,7 +189,7 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
         return f"{value:.{digits}f}" if value == value else otherwise
 
     for r in rows:
-        ours = cell(r["ours_ms"], 3, r.get("error") or r.get("note", "n/a"))
+        ours = cell(r["ours_ms"], 3, r.get("error") or "n/a")
         lines.append(f"| {r['formulation']} | {r.get('pass', 'forward')} | `{r['kernel']}` | {ours} | {r['peer'] or 'none'} | {cell(r['peer_ms'], 3, r.get('peer_error', 'n/a'))} | "
                      f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} |")
     return "\n".join(lines) + "\n"
