@@ -36,9 +36,9 @@ it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blue
 fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
 (_numerics.unit_lower_inverse) refined by one Newton step in fp64, X + X (I - (I + L) X), which squares its error.
 
-- ``_local_kernel`` (grid (chunks, B*H), parallel): X, W and U of every chunk, stored in fp32.
+- ``_local_kernel`` (grid (chunks, B*H), parallel): X, W and U of every chunk, stored in ACC.
 - ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk, recomputed from
-  W and U (the forward keeps no chunk states: fp32 [B, H, T/C, K, V], K times v's size; recomputing costs one
+  W and U (the forward keeps no chunk states: [B, H, T/C, K, V] in ACC, K/C times v's size; recomputing costs one
   sequential pass).
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
   cotangent leaving it; the last dS is the initial state's gradient.
@@ -57,13 +57,16 @@ import triton.language as tl
 from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate, _two_sum
 from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
 from attnlab.kernels._util import block_size, state_block
-from attnlab.runtime import interpreter_active
 
 # Diagonal blocks of X are inverted by substitution at this size, then merged (kernels/_delta.py's SUB).
 SUB = 16
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
+# At most this many V columns a step in the gradients kernel, beside its [C, K] sums; and one pipeline stage
+# everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB for the reverse pass
+# in fp64 at K = 128, 508 KB for the gradients kernel at K = 32).
+GRADIENTS_BV = 64
 # Key channels a step of the per-channel gates' pairwise sums ([C, C, CHANNEL_SLICE] tiles).
 CHANNEL_SLICE = 4
 
@@ -87,18 +90,24 @@ def _chunk_rows(C: tl.constexpr, T, H):
 
 
 @triton.jit
-def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b in ACC: fp64 products, or fp32 at PRECISION (_numerics.split_dot_into)."""
     if ACC == tl.float64:
         acc = tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
     else:
-        acc = split_dot_into(a, b, acc, PRECISION, EMULATE_BF16)
+        acc = split_dot_into(a, b, acc, PRECISION, False)  # "tf32x3": no bf16 parts to emulate
     return acc
 
 
 @triton.jit
-def _mm(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=ACC), ACC, PRECISION, EMULATE_BF16)
+def _mm(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=ACC), ACC, PRECISION)
+
+
+@triton.jit
+def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
+    """The scale as two fp32 parts (Triton passes a float argument as fp32): exact in fp64 to about 2^-48."""
+    return (tl.full([], 0.0, ACC) + scale_hi) + scale_lo
 
 
 @triton.jit
@@ -113,7 +122,8 @@ def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl
     causal = rows[:, None] >= rows[None, :]
     ones = tl.full([C, BK], 1.0, ACC)
     if CHANNEL:
-        G_hi, G_lo, end_hi, end_lo = _channel_gate_pairs(g_ptr, token, valid, keys, K, ACC)
+        G_hi, G_lo = _channel_gate_pairs(g_ptr, token, valid, keys, K, ACC)
+        end_hi, end_lo = _channel_gate_totals(g_ptr, token, valid, keys, K, ACC)
         decay = tl.where(causal, 1.0, 0.0).to(ACC)
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))
         to_end = tl.exp(tl.minimum((end_hi[None, :] - G_hi) + (end_lo[None, :] - G_lo), 0.0))
@@ -138,41 +148,52 @@ def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl
 @triton.jit
 def _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
     """Per-channel gates g [C, channels] of one chunk as the pairs (G_hi, G_lo) of their cumulative sums over the
-    chunk and (G_C_hi, G_C_lo) of their totals, in ACC (_delta's compensated scan, along the rows)."""
-    g = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
-                other=0.0).to(tl.float32)
+    chunk, in ACC (_delta's compensated scan, along the rows)."""
+    g = _rows_of(g_ptr, token, valid, channels, K).to(tl.float32)
     G_hi, G_lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _two_sum)
+    return G_hi.to(ACC), G_lo.to(ACC)
+
+
+@triton.jit
+def _channel_gate_totals(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
+    """The pair (G_C_hi, G_C_lo) of each channel's total gate over the chunk, in ACC."""
+    g = _rows_of(g_ptr, token, valid, channels, K).to(tl.float32)
     end_hi, end_lo = tl.reduce((g, tl.zeros_like(g)), 0, _two_sum)
-    return G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
+    return end_hi.to(ACC), end_lo.to(ACC)
 
 
 @triton.jit
 def _slice_decay(g_ptr, token, valid, channels, K, C: tl.constexpr, ACC: tl.constexpr):
     """exp(G_tc - G_jc) for t >= j (0 elsewhere) on a slice of key channels: [C, C, channels]."""
-    G_hi, G_lo, _end_hi, _end_lo = _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC)
+    G_hi, G_lo = _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC)
     rows = tl.arange(0, C)
     pairwise = tl.minimum((G_hi[:, None, :] - G_hi[None, :, :]) + (G_lo[:, None, :] - G_lo[None, :, :]), 0.0)
     return tl.exp(tl.where((rows[:, None] >= rows[None, :])[:, :, None], pairwise, float("-inf")))
 
 
 @triton.jit
-def _rows_of(x_ptr, token, valid, channels, K, ACC: tl.constexpr):
+def _rows_of(x_ptr, token, valid, channels, K):
+    """The chunk's rows of x [B, T, H, K] on ``channels`` (0 past T and past K), in x's dtype."""
     return tl.load(x_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
-                   other=0.0).to(ACC)
+                   other=0.0)
 
 
 @triton.jit
-def _channel_gram(a_ptr, b_ptr, g_ptr, token, valid, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
-    """sum_c a_tc b_jc exp(G_tc - G_jc) for t >= j (0 elsewhere), [C, C]: per-channel gates do not factor out of a
-    dot, so the sum runs BKC channels at a time on [C, C, BKC] tiles, every exponent <= 0."""
-    gram = tl.zeros([C, C], dtype=ACC)
+def _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
+    """(Q K^T * Gamma, K K^T * Gamma) for t >= j (0 elsewhere), [C, C] each, with per-channel gates:
+    sum_c a_tc b_jc exp(G_tc - G_jc), which does not factor into a dot, so the sums run BKC channels at a time on
+    [C, C, BKC] tiles, one decay tile for both, every exponent <= 0."""
+    qk = tl.zeros([C, C], dtype=ACC)
+    kk = tl.zeros([C, C], dtype=ACC)
     for channel_start in range(0, K, BKC):
         channels = channel_start + tl.arange(0, BKC)
         decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
-        a = _rows_of(a_ptr, token, valid, channels, K, ACC)
-        b = _rows_of(b_ptr, token, valid, channels, K, ACC)
-        gram += tl.sum(a[:, None, :] * b[None, :, :] * decay, axis=2)
-    return gram
+        q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
+        k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
+        k_decayed = k[None, :, :] * decay
+        qk += tl.sum(q[:, None, :] * k_decayed, axis=2)
+        kk += tl.sum(k[:, None, :] * k_decayed, axis=2)
+    return qk, kk
 
 
 @triton.jit
@@ -180,32 +201,32 @@ def _local_kernel(
     k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, LEVELS: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
-    k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & (keys < K)[None, :], other=0.0)
+    k = _rows_of(k_ptr, token, valid, keys, K)
     decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     if CHANNEL:
-        kk = _channel_gram(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        _kk_again, kk = _channel_grams(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
     else:
-        kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+        kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
-    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", EMULATE_BF16).to(ACC)
+    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
-        residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION, EMULATE_BF16)
-        X = _dot(X, residual, X, ACC, PRECISION, EMULATE_BF16)
+        residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION)
+        X = _dot(X, residual, X, ACC, PRECISION)
     tl.store(x_ptr + scratch_row[:, None] * C + rows[None, :], X)
     ut = X * beta[None, :]
-    w = _mm(ut, k.to(ACC) * from_start, ACC, PRECISION, EMULATE_BF16)
+    w = _mm(ut, k.to(ACC) * from_start, ACC, PRECISION)
     tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], w, mask=(keys < K)[None, :])
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION, EMULATE_BF16),
+        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION),
                  mask=value_ok[None, :])
 
 
@@ -218,8 +239,8 @@ def _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values):
 def _states_kernel(
     k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr,
-    EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    BV: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in ACC)."""
     _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
@@ -233,21 +254,23 @@ def _states_kernel(
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
-        delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
+        delta = u - _mm(w, S, ACC, PRECISION)
         _decay, _from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
                                                                  ACC)
-        k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=valid[:, None] & key_ok[None, :], other=0.0)
-        S = _dot(tl.trans(k.to(ACC) * to_end), delta, S * chunk_decay[:, None], ACC, PRECISION, EMULATE_BF16)
+        k = _rows_of(k_ptr, token, valid, keys, K)
+        S = _dot(tl.trans(k.to(ACC) * to_end), delta, S * chunk_decay[:, None], ACC, PRECISION)
 
 
 @triton.jit
 def _reverse_kernel(
-    q_ptr, k_ptr, g_ptr, w_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V, scale,
+    q_ptr, k_ptr, g_ptr, w_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
+    scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
     leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
+    scale = _scale_in(scale_hi, scale_lo, ACC)
     _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     if HAS_D_FINAL:
         dS = tl.load(d_final_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
@@ -258,24 +281,24 @@ def _reverse_kernel(
         chunk = chunks - 1 - i
         tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS, mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
-        in_keys = valid[:, None] & key_ok[None, :]
-        q = tl.load(q_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
-        k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+        q = _rows_of(q_ptr, token, valid, keys, K)
+        k = _rows_of(k_ptr, token, valid, keys, K)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
         decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
                                                                ACC)
         if CHANNEL:
-            A = scale * _channel_gram(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+            qk, _kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+            A = scale * qk
         else:
-            A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
-        d_delta = _mm(tl.trans(A), do, ACC, PRECISION, EMULATE_BF16)
-        d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION, EMULATE_BF16)
+            A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
+        d_delta = _mm(tl.trans(A), do, ACC, PRECISION)
+        d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         qg = q.to(ACC) * scale * from_start
-        dS = _dot(tl.trans(qg), do, dS * chunk_decay[:, None], ACC, PRECISION, EMULATE_BF16)
-        dS = _dot(tl.trans(-w), d_delta, dS, ACC, PRECISION, EMULATE_BF16)
+        dS = _dot(tl.trans(qg), do, dS * chunk_decay[:, None], ACC, PRECISION)
+        dS = _dot(tl.trans(-w), d_delta, dS, ACC, PRECISION)
     if STORE_D_INITIAL:
         tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
 
@@ -283,29 +306,30 @@ def _reverse_kernel(
 @triton.jit
 def _gradients_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, states_ptr, d_states_ptr, d_delta_ptr, do_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale,
+    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, EMULATE_BF16: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
     <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows."""
+    scale = _scale_in(scale_hi, scale_lo, ACC)
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     chunks = tl.num_programs(0)
     keys = tl.arange(0, BK)
     key_ok = keys < K
     in_keys = valid[:, None] & key_ok[None, :]
-    q = tl.load(q_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
-    k = tl.load(k_ptr + token[:, None] * K + keys[None, :], mask=in_keys, other=0.0)
+    q = _rows_of(q_ptr, token, valid, keys, K)
+    k = _rows_of(k_ptr, token, valid, keys, K)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
     w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
     decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     if CHANNEL:
-        A = scale * _channel_gram(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
-        kk = _channel_gram(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        qk, kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        A = scale * qk
     else:
-        A = scale * _mm(q, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
-        kk = _mm(k, tl.trans(k), ACC, PRECISION, EMULATE_BF16) * decay
+        A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
+        kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
 
     d_qg = tl.zeros([C, BK], dtype=ACC)
     minus_dw = tl.zeros([C, BK], dtype=ACC)
@@ -326,25 +350,24 @@ def _gradients_kernel(
         d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0).to(ACC)
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-        delta = u - _mm(w, S, ACC, PRECISION, EMULATE_BF16)
-        d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION, EMULATE_BF16)
-        minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION, EMULATE_BF16)
-        d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION, EMULATE_BF16)
-        dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION, EMULATE_BF16)
-        dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION, EMULATE_BF16)
+        delta = u - _mm(w, S, ACC, PRECISION)
+        d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION)
+        minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION)
+        d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION)
+        dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION)
+        dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION)
         state_pairing += tl.sum(S * dS, axis=1)
-        dv = _mm(tl.trans(X), d_delta, ACC, PRECISION, EMULATE_BF16) * beta[:, None]  # T^T dDelta
+        dv = _mm(tl.trans(X), d_delta, ACC, PRECISION) * beta[:, None]  # T^T dDelta
         tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
 
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
     qf = q.to(ACC)
     kf = k.to(ACC)
     ut = X * beta[None, :]
-    dT = _dot(-minus_dw, tl.trans(kf * from_start), dT, ACC, PRECISION, EMULATE_BF16)
-    d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION, EMULATE_BF16)
+    dT = _dot(-minus_dw, tl.trans(kf * from_start), dT, ACC, PRECISION)
+    d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
-    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, PRECISION, EMULATE_BF16), tl.trans(X), ACC, PRECISION,
-              EMULATE_BF16)
+    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, PRECISION), tl.trans(X), ACC, PRECISION)
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
     dbeta += tl.sum(dL * kk, axis=1)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
@@ -361,10 +384,9 @@ def _gradients_kernel(
     else:
         dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
         dP = scale * dA * decay  # the cotangent of Q K^T through A
-        dq = _dot(dP, kf, dq_rows, ACC, PRECISION, EMULATE_BF16)
-        dk = _dot(dE, kf, dk_rows, ACC, PRECISION, EMULATE_BF16)
-        dk = _dot(tl.trans(dE), kf, dk, ACC, PRECISION, EMULATE_BF16)
-        dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION, EMULATE_BF16)
+        dq = _dot(dP, kf, dq_rows, ACC, PRECISION)
+        dk = _dot(dE + tl.trans(dE), kf, dk_rows, ACC, PRECISION)  # E = K K^T is symmetric
+        dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION)
         tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
         tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
         if GATED:
@@ -397,8 +419,8 @@ def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, d
         channel_ok = (channels < K)[None, :]
         sliced = scratch_row[:, None] * (3 * K) + channels[None, :]
         decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
-        q = _rows_of(q_ptr, token, valid, channels, K, ACC)
-        k = _rows_of(k_ptr, token, valid, channels, K, ACC)
+        q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
+        k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
         through_kk = d_kk[:, :, None] * decay
         through_qk = d_qk[:, :, None] * decay
         dq = tl.load(parts_ptr + sliced, mask=channel_ok, other=0.0) + tl.sum(through_qk * k[None, :, :], axis=1)
@@ -413,22 +435,31 @@ def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, d
         tl.store(dg_ptr + out, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=in_slice)
 
 
+def tiles(K: int, V: int) -> tuple[int, int, int, int]:
+    """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V.
+
+    The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
+    where the gradients kernel's three [C, K] sums at C = 64 need more than 255 registers a thread at 4 warps
+    (ptxas, sm_90a), and its V steps shrink to 32 columns."""
+    BK = block_size(K)
+    BV = min(block_size(V), max(16, STATE_TILE // BK))
+    wide = BK > 128
+    return (32 if wide else 64), BK, BV, min(BV, 32 if wide else GRADIENTS_BV)
+
+
 def chunkwise_backward(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, scale: float,
-    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None, chunk_size: int = 64,
-    **forward_options,
+    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None, **forward_options,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
     """Gradients of q, k, v, beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in
     fp32, by the four launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K]
-    kda (per-channel gates). The chunk size is the forward's (kda's "auto" is 64 here: any chunk size gives the same
-    gradients); the forward's other options (the state pass's precision and tiles) do not apply here."""
+    kda (per-channel gates). The forward's options (its chunk size, the state pass's precision and tiles) do not apply:
+    the backward takes its own tiles (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = 64 if chunk_size == "auto" else chunk_size
+    C, BK, BV, gradients_BV = tiles(K, V)
     channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
-    BK = block_size(K)
-    BV = min(block_size(V), max(16, STATE_TILE // BK))
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     X = torch.empty((B * H * chunks * C, C), **acc)
@@ -442,20 +473,23 @@ def chunkwise_backward(
     d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
     parts = torch.empty((B * H * chunks * C, 3 * K), **acc) if channel else X  # _channel_gradients' scratch
     gate = g if g is not None else beta  # an unused pointer when ungated
-    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, BKC=CHANNEL_SLICE, EMULATE_BF16=interpreter_active(), PRECISION="tf32x3",
+    scale_hi = float(torch.tensor(scale, dtype=torch.float32))
+    scale_lo = float(scale) - scale_hi
+    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, PRECISION="tf32x3", num_stages=1,
                   ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
-    _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV,
+    _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV, BKC=CHANNEL_SLICE,
                                    LEVELS=(C // SUB).bit_length() - 1, **common)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
         k, gate, w, u, state[0] if state is not None else w, states, T, H, K, V,
         HAS_INITIAL=state is not None, BV=BV, **common)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, gate, w, do, d_state[0] if d_state is not None else w, d_states, d_delta,
-        d_initial if d_initial is not None else w, T, H, K, V, float(scale),
-        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
+        d_initial if d_initial is not None else w, T, H, K, V, scale_hi, scale_lo,
+        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, BKC=CHANNEL_SLICE, **common)
     _gradients_kernel[(chunks, B * H)](
         q, k, v, beta, gate, X, w, u, states, d_states, d_delta, do, dq, dk, dv, dbeta,
-        dg if dg is not None else dbeta, parts, T, H, K, V, float(scale), BV=BV, **common)
+        dg if dg is not None else dbeta, parts, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV, BKC=CHANNEL_SLICE,
+        **common)
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
     if dg is not None:
         grads["g"] = dg

@@ -67,9 +67,9 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any
 
 from attnlab.commands import usage_error
