@@ -236,18 +236,25 @@ def _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values):
 
 
 @triton.jit
+def _state_tile(ptr, offsets, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ACC: tl.constexpr):
+    """This program's [BK, BV] block of a given fp32 state (the initial state, the final state's cotangent) in ACC,
+    or zeros where none is given."""
+    if PRESENT:
+        tile = tl.load(ptr + offsets, mask=mask, other=0.0).to(ACC)
+    else:
+        tile = tl.zeros([BK, BV], dtype=ACC)
+    return tile
+
+
+@triton.jit
 def _states_kernel(
     k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in ACC)."""
     _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
-    if HAS_INITIAL:
-        S = tl.load(s0_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
-    else:
-        S = tl.zeros([BK, BV], dtype=ACC)
+    S = _state_tile(s0_ptr, S_offsets, S_mask, HAS_INITIAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for chunk in range(0, chunks):
         tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S, mask=S_mask)
@@ -272,10 +279,7 @@ def _reverse_kernel(
     leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
     scale = _scale_in(scale_hi, scale_lo, ACC)
     _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
-    if HAS_D_FINAL:
-        dS = tl.load(d_final_ptr + S_offsets, mask=S_mask, other=0.0).to(ACC)
-    else:
-        dS = tl.zeros([BK, BV], dtype=ACC)
+    dS = _state_tile(d_final_ptr, S_offsets, S_mask, HAS_D_FINAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for i in range(0, chunks):
         chunk = chunks - 1 - i
