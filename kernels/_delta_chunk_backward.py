@@ -439,18 +439,16 @@ def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, d
         tl.store(dg_ptr + out, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=in_slice)
 
 
-def tiles(K: int, V: int, T: int) -> tuple[int, int, int, int]:
-    """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V and
-    length T.
+def tiles(K: int, V: int) -> tuple[int, int, int, int]:
+    """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V.
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
     where the gradients kernel's three [C, K] sums at C = 64 need more than 255 registers a thread at 4 warps
-    (ptxas, sm_90a), and its V steps shrink to 32 columns; no longer than T needs (at least 16, a dot's minimum),
-    so that short sequences do not pay for a padded [C, C] algebra."""
+    (ptxas, sm_90a), and its V steps shrink to 32 columns."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
     wide = BK > 128
-    return min(32 if wide else 64, block_size(T)), BK, BV, min(BV, 32 if wide else GRADIENTS_BV)
+    return (32 if wide else 64), BK, BV, min(BV, 32 if wide else GRADIENTS_BV)
 
 
 def chunkwise_backward(
@@ -463,7 +461,7 @@ def chunkwise_backward(
     the backward takes its own tiles (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BK, BV, gradients_BV = tiles(K, V, T)
+    C, BK, BV, gradients_BV = tiles(K, V)
     channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64

@@ -62,7 +62,7 @@ COMPILE = textwrap.dedent("""
                     compile_one(name, inputs, gates, 16, 16, 16)
     else:
         inputs, K = sys.argv[2], int(sys.argv[3])
-        C, BK, _, gradients_BV = backward.tiles(K, K, 4096)
+        C, BK, _, gradients_BV = backward.tiles(K, K)
         compile_one("gradients", inputs, "channel", C, BK, gradients_BV)
 """)
 
