@@ -54,12 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._delta import _chunk_cumulative_gate, _chunk_total_gate, _two_sum
+from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate, _two_sum
 from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
 from attnlab.kernels._util import block_size, state_block
 
-# Diagonal blocks of X are inverted by substitution at this size, then merged (kernels/_delta.py's SUB).
-SUB = 16
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
@@ -482,7 +480,7 @@ def chunkwise_backward(
     common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, PRECISION="tf32x3", num_stages=1,
                   ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
     _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV, BKC=CHANNEL_SLICE,
-                                   LEVELS=(C // SUB).bit_length() - 1, **common)
+                                   LEVELS=(C // SUB.value).bit_length() - 1, **common)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
         k, gate, w, u, state[0] if state is not None else w, states, T, H, K, V,
         HAS_INITIAL=state is not None, BV=BV, **common)
