@@ -55,12 +55,14 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate, _two_sum
-from attnlab.kernels._numerics import split_dot, split_dot_into, unit_lower_inverse
+from attnlab.kernels._numerics import dot_precision, scaled_dot, split_dot_into, unit_lower_inverse
 from attnlab.kernels._util import block_size, state_block
 
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
+# The gradients kernel's five accumulators ([C, K] x 3, [C, C] x 2 in fp32) need twice the threads to stay in registers.
+GRADIENTS_NUM_WARPS = 8
 # At most this many V columns a step in the gradients kernel, beside its [C, K] sums; and one pipeline stage
 # everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB for the reverse pass
 # in fp64 at K = 128, 508 KB for the gradients kernel at K = 32).
@@ -89,9 +91,13 @@ def _chunk_rows(C: tl.constexpr, T, H):
 
 @triton.jit
 def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """acc + a @ b in ACC: fp64 products, or fp32 at PRECISION (_numerics.split_dot_into)."""
+    """acc + a @ b in ACC: fp64 products, or fp32 at PRECISION: "fp16" (_numerics.scaled_dot, each fp32 operand
+    scaled by a power of two and rounded to fp16) or "tf32x3" (_numerics.split_dot_into)."""
     if ACC == tl.float64:
         acc = tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
+    elif (PRECISION == "fp16" or PRECISION == "fp16_emulated") and not (
+            tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32)):
+        acc += scaled_dot(a.to(tl.float32), b.to(tl.float32), PRECISION)
     else:
         acc = split_dot_into(a, b, acc, PRECISION, False)  # "tf32x3": no bf16 parts to emulate
     return acc
@@ -112,13 +118,12 @@ def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
 def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr,
                   BK: tl.constexpr, ACC: tl.constexpr):
     """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC: [C, C], [C, BK], [C, BK] and [BK], the
-    row factors per key channel (one gate per head: the same in every channel; ungated M, 1, 1, 1). Per-channel
+    row factors per key channel (one gate per head: [C, 1] columns, the same in every channel; ungated M, 1, 1, 1). Per-channel
     gates (CHANNEL) leave Gamma to _channel_gram and give M. G comes as an fp32 pair (kernels/_delta.py's
     compensated scan, on [C] or [C, BK] tiles), each difference taken part by part, so that it is accurate to its
     own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
-    ones = tl.full([C, BK], 1.0, ACC)
     if CHANNEL:
         G_hi, G_lo = _channel_gate_pairs(g_ptr, token, valid, keys, K, ACC)
         end_hi, end_lo = _channel_gate_totals(g_ptr, token, valid, keys, K, ACC)
@@ -132,13 +137,13 @@ def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl
         G_hi, G_lo, end_hi, end_lo = G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
         pairwise = tl.minimum((G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :]), 0.0)
         decay = tl.exp(tl.where(causal, pairwise, float("-inf")))
-        from_start = ones * tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
-        to_end = ones * tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))[:, None]
+        from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
+        to_end = tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))[:, None]
         chunk_decay = tl.full([BK], 1.0, ACC) * tl.exp(tl.minimum(end_hi + end_lo, 0.0))
     else:
         decay = tl.where(causal, 1.0, 0.0).to(ACC)
-        from_start = ones
-        to_end = ones
+        from_start = tl.full([C, 1], 1.0, ACC)
+        to_end = tl.full([C, 1], 1.0, ACC)
         chunk_decay = tl.full([BK], 1.0, ACC)
     return decay, from_start, to_end, chunk_decay
 
@@ -196,27 +201,33 @@ def _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C: tl.constexpr, BKC: t
 
 @triton.jit
 def _local_kernel(
-    k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, T, H, K, V,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, LEVELS: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One chunk of one head: X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
+    """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M, X = (I + L)^-1,
+    W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
+    q = _rows_of(q_ptr, token, valid, keys, K)
     k = _rows_of(k_ptr, token, valid, keys, K)
     decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     if CHANNEL:
-        _kk_again, kk = _channel_grams(k_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
+        qk, kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
     else:
+        qk = _mm(q, tl.trans(k), ACC, PRECISION) * decay
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
+    gram_offsets = scratch_row[:, None] * C + rows[None, :]
+    tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * qk)
+    tl.store(kk_ptr + gram_offsets, kk)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
         residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION)
         X = _dot(X, residual, X, ACC, PRECISION)
-    tl.store(x_ptr + scratch_row[:, None] * C + rows[None, :], X)
+    tl.store(x_ptr + gram_offsets, X)
     ut = X * beta[None, :]
     w = _mm(ut, k.to(ACC) * from_start, ACC, PRECISION)
     tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], w, mask=(keys < K)[None, :])
@@ -246,11 +257,12 @@ def _state_tile(ptr, offsets, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV:
 
 @triton.jit
 def _states_kernel(
-    k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, T, H, K, V,
+    k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """The state entering every chunk, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in ACC)."""
+    """The state entering every chunk and its Delta, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in
+    ACC)."""
     _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     S = _state_tile(s0_ptr, S_offsets, S_mask, HAS_INITIAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
@@ -258,8 +270,10 @@ def _states_kernel(
         tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S, mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-        u = tl.load(u_ptr + scratch_row[:, None] * V + values[None, :], mask=value_ok[None, :], other=0.0)
+        scratch = scratch_row[:, None] * V + values[None, :]
+        u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
         delta = u - _mm(w, S, ACC, PRECISION)
+        tl.store(delta_ptr + scratch, delta, mask=value_ok[None, :])
         _decay, _from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
                                                                  ACC)
         k = _rows_of(k_ptr, token, valid, keys, K)
@@ -268,10 +282,10 @@ def _states_kernel(
 
 @triton.jit
 def _reverse_kernel(
-    q_ptr, k_ptr, g_ptr, w_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
+    q_ptr, k_ptr, g_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
     scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
     leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
@@ -287,13 +301,9 @@ def _reverse_kernel(
         k = _rows_of(k_ptr, token, valid, keys, K)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
-        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
-                                                               ACC)
-        if CHANNEL:
-            qk, _kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
-            A = scale * qk
-        else:
-            A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
+        _decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
+                                                                ACC)
+        A = tl.load(a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
         d_delta = _mm(tl.trans(A), do, ACC, PRECISION)
         d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
@@ -307,31 +317,23 @@ def _reverse_kernel(
 
 @triton.jit
 def _gradients_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, states_ptr, d_states_ptr, d_delta_ptr, do_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale_hi, scale_lo,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr,
+    do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
-    <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows."""
+    <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows. The loop over V comes
+    first, with only X and beta beside its five accumulators (the rest is loaded after it: fewer live registers)."""
     scale = _scale_in(scale_hi, scale_lo, ACC)
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     chunks = tl.num_programs(0)
     keys = tl.arange(0, BK)
     key_ok = keys < K
     in_keys = valid[:, None] & key_ok[None, :]
-    q = _rows_of(q_ptr, token, valid, keys, K)
-    k = _rows_of(k_ptr, token, valid, keys, K)
+    gram_offsets = scratch_row[:, None] * C + rows[None, :]
+    X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
-    X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
-    w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
-    if CHANNEL:
-        qk, kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
-        A = scale * qk
-    else:
-        A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
-        kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
 
     d_qg = tl.zeros([C, BK], dtype=ACC)
     minus_dw = tl.zeros([C, BK], dtype=ACC)
@@ -348,11 +350,10 @@ def _gradients_kernel(
         dS = tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0)
         in_values = valid[:, None] & value_ok[None, :]
         scratch = scratch_row[:, None] * V + values[None, :]
-        u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
+        delta = tl.load(delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
         d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
-        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0).to(ACC)
+        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-        delta = u - _mm(w, S, ACC, PRECISION)
         d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION)
         minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION)
         d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION)
@@ -362,6 +363,11 @@ def _gradients_kernel(
         dv = _mm(tl.trans(X), d_delta, ACC, PRECISION) * beta[:, None]  # T^T dDelta
         tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
 
+    q = _rows_of(q_ptr, token, valid, keys, K)
+    k = _rows_of(k_ptr, token, valid, keys, K)
+    A = tl.load(a_ptr + gram_offsets)
+    kk = tl.load(kk_ptr + gram_offsets)
+    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
     qf = q.to(ACC)
     kf = k.to(ACC)
@@ -369,7 +375,8 @@ def _gradients_kernel(
     dT = _dot(-minus_dw, tl.trans(kf * from_start), dT, ACC, PRECISION)
     d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
-    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, PRECISION), tl.trans(X), ACC, PRECISION)
+    # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
+    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
     dbeta += tl.sum(dL * kk, axis=1)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
@@ -437,6 +444,13 @@ def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, d
         tl.store(dg_ptr + out, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=in_slice)
 
 
+def products_precision(dtype: torch.dtype) -> str:
+    """PRECISION of the sequential passes' and the gradients kernel's dots for inputs of ``dtype`` (the module
+    docstring): "fp16" for bf16 inputs, "tf32x3" for fp16 (whose own floor "fp16" would reach), fp32 inputs
+    fp64 whatever it says; the interpreter's emulation of "fp16" under it (_numerics.dot_precision)."""
+    return dot_precision("fp16" if dtype == torch.bfloat16 else "tf32x3", dtype)
+
+
 def tiles(K: int, V: int) -> tuple[int, int, int, int]:
     """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V.
 
@@ -465,8 +479,10 @@ def chunkwise_backward(
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     X = torch.empty((B * H * chunks * C, C), **acc)
+    A, kk = torch.empty_like(X), torch.empty_like(X)
     w = torch.empty((B * H * chunks * C, K), **acc)
     u = torch.empty((B * H * chunks * C, V), **acc)
+    delta = torch.empty_like(u)
     states = torch.empty((B * H, chunks, K, V), **acc)
     d_states = torch.empty_like(states)
     d_delta = torch.empty_like(u)
@@ -477,21 +493,23 @@ def chunkwise_backward(
     gate = g if g is not None else beta  # an unused pointer when ungated
     scale_hi = float(torch.tensor(scale, dtype=torch.float32))
     scale_lo = float(scale) - scale_hi
-    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, PRECISION="tf32x3", num_stages=1,
+    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, num_stages=1,
                   ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
-    _local_kernel[(chunks, B * H)](k, v, beta, gate, X, w, u, T, H, K, V, BV=BV, BKC=CHANNEL_SLICE,
-                                   LEVELS=(C // SUB.value).bit_length() - 1, **common)
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, T, H, K, V, scale_hi, scale_lo, BV=BV,
+                                   BKC=CHANNEL_SLICE,
+                                   LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3", **common)
+    common["PRECISION"] = products_precision(q.dtype)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        k, gate, w, u, state[0] if state is not None else w, states, T, H, K, V,
+        k, gate, w, u, state[0] if state is not None else w, states, delta, T, H, K, V,
         HAS_INITIAL=state is not None, BV=BV, **common)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, gate, w, do, d_state[0] if d_state is not None else w, d_states, d_delta,
+        q, k, gate, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
         d_initial if d_initial is not None else w, T, H, K, V, scale_hi, scale_lo,
-        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, BKC=CHANNEL_SLICE, **common)
+        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
     _gradients_kernel[(chunks, B * H)](
-        q, k, v, beta, gate, X, w, u, states, d_states, d_delta, do, dq, dk, dv, dbeta,
+        q, k, v, beta, gate, X, A, kk, states, d_states, delta, d_delta, do, dq, dk, dv, dbeta,
         dg if dg is not None else dbeta, parts, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV, BKC=CHANNEL_SLICE,
-        **common)
+        **common | dict(num_warps=GRADIENTS_NUM_WARPS))
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
     if dg is not None:
         grads["g"] = dg

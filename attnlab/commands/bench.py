@@ -105,16 +105,22 @@ def forward_backward(call: Callable[[], Any], leaves: list[torch.Tensor]) -> Cal
     return step
 
 
+def peer_step(f: Formulation | str, x: Inputs, backward: bool = False) -> Callable[[], Any]:
+    """The bench peer's call on ``x`` (``backward``: its training step, :func:`forward_backward`, every floating
+    input a leaf), bound now. Raises what the peer raises (its module missing, its convention refusing)."""
+    call = peer_call(f, x)
+    if not backward:
+        return call
+    call = replace(call, args=tuple(map(_leaf, call.args)), kwargs={k: _leaf(v) for k, v in call.kwargs.items()})
+    leaves = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return forward_backward(call, leaves)
+
+
 def _timed_peer(f: Formulation, x: Inputs, backward: bool = False) -> tuple[float, str | None]:
     """(median ms, None) of the bench peer's call (``backward``: its forward and backward), bound before the
     timing, or (nan, the error)."""
     try:
-        call = peer_call(f, x)
-        if backward:
-            call = replace(call, args=tuple(map(_leaf, call.args)),
-                           kwargs={k: _leaf(v) for k, v in call.kwargs.items()})
-            leaves = [t for t in (*call.args, *call.kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
-            call = forward_backward(call, leaves)
+        call = peer_step(f, x, backward)
     except Exception as error:  # the peer's module is missing, its convention refuses the inputs, no backward
         return math.nan, _error_text(error)
     ms, _, error = _timed(call)

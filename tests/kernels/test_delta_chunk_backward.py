@@ -21,19 +21,23 @@ SHARED_MEMORY_PER_BLOCK = 232448  # sm_90's opt-in maximum (227 KB)
 
 COMPILE = textwrap.dedent("""
     import sys
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from attnlab.kernels import _delta_chunk_backward as backward
 
     KERNELS = {
-        "local": (backward._local_kernel, "k v beta g", "x w u", dict(LEVELS=0)),
-        "states": (backward._states_kernel, "k g", "w u s0 states", dict(HAS_INITIAL=True)),
-        "reverse": (backward._reverse_kernel, "q k g do", "w d_final d_states d_delta d_initial",
+        "local": (backward._local_kernel, "q k v beta g", "x w u a kk", dict(LEVELS=0)),
+        "states": (backward._states_kernel, "k g", "w u s0 states delta", dict(HAS_INITIAL=True)),
+        "reverse": (backward._reverse_kernel, "q k g do", "w a d_final d_states d_delta d_initial",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
         "gradients": (backward._gradients_kernel, "q k v beta g do dq dk dv dbeta dg",
-                      "x w u states d_states d_delta parts", {}),
+                      "x a kk states d_states delta d_delta parts", {}),
     }
+
+    DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"gradients": backward.GRADIENTS_NUM_WARPS}
 
     def compile_one(name, inputs, gates, C, BK, BV):
         kernel, input_names, scratch_names, constexprs = KERNELS[name]
@@ -43,14 +47,14 @@ COMPILE = textwrap.dedent("""
         types |= {n: "i32" for n in ("T", "H", "K", "V")} | {"scale_hi": "fp32", "scale_lo": "fp32"}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         options = dict(constexprs, GATED=gates != "ungated", CHANNEL=gates == "channel", C=C, BK=BK, BV=BV,
-                       PRECISION="tf32x3", ACC=acc)
+                       PRECISION="tf32x3" if name == "local" else backward.products_precision(DTYPES[inputs]), ACC=acc)
         if "BKC" in kernel.arg_names:
             options["BKC"] = backward.CHANNEL_SLICE
         what = f"{name} {inputs} {gates} C={C} BK={BK} BV={BV}"
         try:
             source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=options)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options=dict(num_warps=backward.NUM_WARPS, num_stages=1))
+                                      options=dict(num_warps=WARPS[name], num_stages=1))
             print("compiled", what, "shared", compiled.metadata.shared, flush=True)
         except Exception as error:
             print("FAILED", what, type(error).__name__, str(error).strip().splitlines()[-1][:300], flush=True)

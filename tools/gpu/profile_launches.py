@@ -8,8 +8,8 @@ options given (e.g. "chunk_size=8,block_c=128;num_warps=8"), and the peer, each 
 few calls after a warm-up, on the bench's inputs (the peer's ``our_options`` included); prints, per
 implementation, every GPU kernel it launched with its mean time per call, so that one sees which pass of a
 multi-launch kernel costs what. With --backward: attnlab's kernel forward and backward together
-(``attnlab.commands.bench.forward_backward``, the bench's training step), at its defaults and at each option set, without the peer
-(how gla's backward chunk was chosen).
+(``attnlab.commands.bench.forward_backward``, the bench's training step), at its defaults and at each option set,
+and the peer's (how gla's backward chunk was chosen).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import attnlab
-from attnlab.commands.bench import forward_backward, peer_call, peer_inputs
+from attnlab.commands.bench import forward_backward, peer_inputs, peer_step
 from attnlab.kernel import speed_options
 
 CALLS = 5
@@ -78,9 +78,10 @@ def profile_formulation(name: str, form: str, option_sets: list[dict[str, object
             continue
         _print_times(f"{name} {form} {'forward + backward' if backward else 'forward'} {label} ({ours!r})", times)
     peer = f.bench_peer
-    if peer and with_peer and not backward:
+    if peer and with_peer:
         try:
-            _print_times(f"{name} peer {peer.label}", kernel_times(peer_call(name, x)))
+            _print_times(f"{name} peer {peer.label}{' forward + backward' if backward else ''}",
+                         kernel_times(peer_step(name, x, backward)))
         except Exception as error:
             print(f"{name} peer: {type(error).__name__}: {str(error)[:200]}", flush=True)
     del x, inputs
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("names", nargs="?", default=",".join(attnlab.names()))
     parser.add_argument("--options", default="", help="';'-separated kernel option sets, each OPT=V,...")
     parser.add_argument("--form", default="chunkwise", choices=("chunkwise", "recurrent"))
-    parser.add_argument("--backward", action="store_true", help="forward + backward, attnlab's kernel only")
+    parser.add_argument("--backward", action="store_true", help="forward + backward")
     parser.add_argument("--no-peer", action="store_true")
     args = parser.parse_args()
     for name in args.names.split(","):
