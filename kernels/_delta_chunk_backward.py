@@ -55,7 +55,9 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate, _two_sum
-from attnlab.kernels._numerics import dot_precision, scaled_dot, split_dot_into, unit_lower_inverse
+from attnlab.kernels._numerics import (
+    dot_precision, native_gates, scaled_dot, span_sums, split_dot_into, unit_lower_inverse,
+)
 from attnlab.kernels._util import block_size, state_block
 
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
@@ -67,8 +69,8 @@ GRADIENTS_NUM_WARPS = 8
 # everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB for the reverse pass
 # in fp64 at K = 128, 508 KB for the gradients kernel at K = 32).
 GRADIENTS_BV = 64
-# Key channels a step of the per-channel gates' pairwise sums ([C, C, CHANNEL_SLICE] tiles).
-CHANNEL_SLICE = 4
+# Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
+CHANNEL_SLICE = 64
 
 
 @triton.jit
@@ -166,15 +168,6 @@ def _channel_gate_totals(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
 
 
 @triton.jit
-def _slice_decay(g_ptr, token, valid, channels, K, C: tl.constexpr, ACC: tl.constexpr):
-    """exp(G_tc - G_jc) for t >= j (0 elsewhere) on a slice of key channels: [C, C, channels]."""
-    G_hi, G_lo = _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC)
-    rows = tl.arange(0, C)
-    pairwise = tl.minimum((G_hi[:, None, :] - G_hi[None, :, :]) + (G_lo[:, None, :] - G_lo[None, :, :]), 0.0)
-    return tl.exp(tl.where((rows[:, None] >= rows[None, :])[:, :, None], pairwise, float("-inf")))
-
-
-@triton.jit
 def _rows_of(x_ptr, token, valid, channels, K):
     """The chunk's rows of x [B, T, H, K] on ``channels`` (0 past T and past K), in x's dtype."""
     return tl.load(x_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
@@ -182,46 +175,136 @@ def _rows_of(x_ptr, token, valid, channels, K):
 
 
 @triton.jit
-def _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
-    """(Q K^T * Gamma, K K^T * Gamma) for t >= j (0 elsewhere), [C, C] each, with per-channel gates:
-    sum_c a_tc b_jc exp(G_tc - G_jc), which does not factor into a dot, so the sums run BKC channels at a time on
-    [C, C, BKC] tiles, one decay tile for both, every exponent <= 0."""
-    qk = tl.zeros([C, C], dtype=ACC)
-    kk = tl.zeros([C, C], dtype=ACC)
-    for channel_start in range(0, K, BKC):
-        channels = channel_start + tl.arange(0, BKC)
-        decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
-        q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
-        k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
-        k_decayed = k[None, :, :] * decay
-        qk += tl.sum(q[:, None, :] * k_decayed, axis=2)
-        kk += tl.sum(k[:, None, :] * k_decayed, axis=2)
-    return qk, kk
+def _span_exponents(span, g, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
+    """span @ g in ACC for a 0/1 matrix span: each row the direct sum of the log gates it spans, same-signed terms
+    (_numerics.span_sums; fp64 sums in the fp64 arithmetic)."""
+    if ACC == tl.float64:
+        return tl.dot(span.to(tl.float64), g.to(tl.float64), out_dtype=tl.float64)
+    else:
+        return span_sums(span, g, NATIVE_GATES).to(ACC)
+
+
+@triton.jit
+def _block_rows(bh, chunk, block, C: tl.constexpr, T, H):
+    """Rows ``block``*SUB .. +SUB-1 of a chunk: their validity, tokens and scratch rows."""
+    local = tl.arange(0, SUB)
+    pos = chunk * C + block * SUB + local
+    token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
+    return pos < T, token, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C + block * SUB + local
+
+
+@triton.jit
+def _anchor_factors(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constexpr, T, H, ACC: tl.constexpr,
+                    NATIVE_GATES: tl.constexpr):
+    """Per-channel decays of the block pair (later > earlier) through the anchor a, the later block's first row:
+    exp(G_t - G_a) for its rows t and exp(G_a - G_j) for the earlier block's rows j, [SUB, channels] each; both
+    exponents <= 0 (j < a <= t), each a direct sum of the steps it spans: (a, t], and (j, end of the earlier
+    block] plus the steps after it up to a."""
+    local = tl.arange(0, SUB)
+    channel_ok = (channels < K)[None, :]
+    valid, token, _ = _block_rows(bh, chunk, later, C, T, H)
+    g_later = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & channel_ok, other=0.0)
+    valid, token, _ = _block_rows(bh, chunk, earlier, C, T, H)
+    g_earlier = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & channel_ok, other=0.0)
+    rows = tl.arange(0, C)
+    between = (rows >= (earlier + 1) * SUB) & (rows <= later * SUB)
+    valid, token, _scratch = _chunk_of(chunk, bh, tl.num_programs(0), C, T, H)
+    g_between = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=(between & valid)[:, None] & channel_ok,
+                        other=0.0)
+    after = tl.sum(g_between.to(ACC), axis=0)
+    to_t = tl.exp(_span_exponents((local[None, :] > 0) & (local[None, :] <= local[:, None]), g_later, ACC,
+                                  NATIVE_GATES))
+    from_j = tl.exp(_span_exponents(local[:, None] < local[None, :], g_earlier, ACC, NATIVE_GATES) + after[None, :])
+    return to_t, from_j
+
+
+@triton.jit
+def _level_factors(g_block, level, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
+    """Pairs inside one block, by halving (kernels/kda.py's A rows): at ``level`` each group of 2h rows (h = SUB/2,
+    SUB/4, ..) pairs its later half (t >= a, the later half's first row) with its earlier half (j < a). Returns
+    (the later rows' mask, exp(G_t - G_a) on later rows and exp(G_a - G_j) on earlier ones [SUB, channels], the
+    pairs' mask [SUB, SUB])."""
+    local = tl.arange(0, SUB)
+    half = SUB >> (level + 1)
+    anchor = (local // (2 * half)) * (2 * half) + half
+    later = local >= anchor
+    span = tl.where(later[:, None], (anchor[:, None] < local[None, :]) & (local[None, :] <= local[:, None]),
+                    (local[:, None] < local[None, :]) & (local[None, :] <= anchor[:, None]))
+    factor = tl.exp(_span_exponents(span, g_block, ACC, NATIVE_GATES))
+    pair = ((local[:, None] // (2 * half)) == (local[None, :] // (2 * half))) & later[:, None]
+    return later, factor, pair
+
+
+@triton.jit
+def _channel_grams_kernel(
+    q_ptr, k_ptr, g_ptr, a_ptr, kk_ptr, T, H, K, scale_hi, scale_lo,
+    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    NATIVE_GATES: tl.constexpr,
+):
+    """One chunk of one head with per-channel gates: A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (0 above
+    the diagonal), sum_c a_tc b_jc exp(G_tc - G_jc), which does not factor into one dot: block by block of SUB rows,
+    through anchors (_anchor_factors left of the diagonal block, _level_factors inside it), one dot per block pair
+    and channel slice, every exponent <= 0."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    scale = _scale_in(scale_hi, scale_lo, ACC)
+    local = tl.arange(0, SUB)
+    for I in range(0, C // SUB):
+        valid_I, token_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
+        out = scratch_I[:, None] * C
+        for J in range(0, I):
+            valid_J, token_J, _ = _block_rows(bh, chunk, J, C, T, H)
+            qk = tl.zeros([SUB, SUB], dtype=ACC)
+            kk = tl.zeros([SUB, SUB], dtype=ACC)
+            for channel_start in range(0, BK, BKC):
+                channels = channel_start + tl.arange(0, BKC)
+                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, J, channels, K, C, T, H, ACC, NATIVE_GATES)
+                keys = tl.trans(_rows_of(k_ptr, token_J, valid_J, channels, K).to(ACC) * from_j)
+                qk = _dot(_rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, keys, qk, ACC, PRECISION)
+                kk = _dot(_rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, keys, kk, ACC, PRECISION)
+            tl.store(a_ptr + out + (local + J * SUB)[None, :], scale * qk)
+            tl.store(kk_ptr + out + (local + J * SUB)[None, :], kk)
+        qk = tl.zeros([SUB, SUB], dtype=ACC)
+        kk = tl.zeros([SUB, SUB], dtype=ACC)
+        for channel_start in range(0, BK, BKC):
+            channels = channel_start + tl.arange(0, BKC)
+            g = _rows_of(g_ptr, token_I, valid_I, channels, K)
+            q = _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC)
+            k = _rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC)
+            qk += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
+            for level in tl.static_range(4):  # SUB = 16 = 2^4
+                later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
+                keys = tl.trans(tl.where(later[:, None], 0.0, k * factor))
+                qk += tl.where(pair, _mm(tl.where(later[:, None], q * factor, 0.0), keys, ACC, PRECISION), 0.0)
+                kk += tl.where(pair, _mm(tl.where(later[:, None], k * factor, 0.0), keys, ACC, PRECISION), 0.0)
+        tl.store(a_ptr + out + (local + I * SUB)[None, :], scale * qk)
+        tl.store(kk_ptr + out + (local + I * SUB)[None, :], kk)
+        for J in range(I + 1, C // SUB):
+            tl.store(a_ptr + out + (local + J * SUB)[None, :], tl.zeros([SUB, SUB], dtype=ACC))
+            tl.store(kk_ptr + out + (local + J * SUB)[None, :], tl.zeros([SUB, SUB], dtype=ACC))
 
 
 @triton.jit
 def _local_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, T, H, K, V, scale_hi, scale_lo,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, LEVELS: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M, X = (I + L)^-1,
-    W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
+    """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
+    given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
     q = _rows_of(q_ptr, token, valid, keys, K)
     k = _rows_of(k_ptr, token, valid, keys, K)
     decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
-    if CHANNEL:
-        qk, kk = _channel_grams(q_ptr, k_ptr, g_ptr, token, valid, K, C, BKC, ACC)
-    else:
-        qk = _mm(q, tl.trans(k), ACC, PRECISION) * decay
-        kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
-    tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * qk)
-    tl.store(kk_ptr + gram_offsets, kk)
+    if CHANNEL:
+        kk = tl.load(kk_ptr + gram_offsets)
+    else:
+        kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
+        tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * _mm(q, tl.trans(k), ACC, PRECISION) * decay)
+        tl.store(kk_ptr + gram_offsets, kk)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
@@ -318,9 +401,9 @@ def _reverse_kernel(
 @triton.jit
 def _gradients_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr,
-    do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, T, H, K, V, scale_hi, scale_lo,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr, T, H, K, V, scale_hi, scale_lo,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
     <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows. The loop over V comes
@@ -388,8 +471,13 @@ def _gradients_kernel(
     d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per key channel
     dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: the last row is G_C
     if CHANNEL:
-        _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, dq_rows, dk_rows, dG_rows,
-                           beta[:, None] * dL, scale * dA, token, valid, scratch_row, keys, K, C, BKC, ACC)
+        # The grams' cotangents and the row factors' parts go to _channel_cotangents_kernel.
+        part = scratch_row[:, None] * (3 * K) + keys[None, :]
+        tl.store(parts_ptr + part, dq_rows, mask=key_ok[None, :])
+        tl.store(parts_ptr + part + K, dk_rows, mask=key_ok[None, :])
+        tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok[None, :])
+        tl.store(d_kk_ptr + gram_offsets, beta[:, None] * dL)
+        tl.store(d_a_ptr + gram_offsets, scale * dA)
     else:
         dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
         dP = scale * dA * decay  # the cotangent of Q K^T through A
@@ -407,41 +495,80 @@ def _gradients_kernel(
 
 
 @triton.jit
-def _channel_gradients(q_ptr, k_ptr, g_ptr, dq_ptr, dk_ptr, dg_ptr, parts_ptr, dq_rows, dk_rows, dG_rows, d_kk, d_qk,
-                       token, valid, scratch_row, keys, K, C: tl.constexpr, BKC: tl.constexpr, ACC: tl.constexpr):
-    """dq, dk and dg of a chunk with per-channel gates: the row factors' parts (whole [C, K] tiles) go through
-    this program's slice of ``parts`` (scratch), then BKC channels at a time get the parts through the pairwise
-    decays, with d_kk and d_qk the cotangents of the two grams (kk = sum_c k_tc k_jc exp(G_tc - G_jc), and q k's):
+def _channel_cotangents_kernel(
+    q_ptr, k_ptr, g_ptr, parts_ptr, d_kk_ptr, d_a_ptr, dq_ptr, dk_ptr, dg_ptr, T, H, K,
+    C: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
+):
+    """dq, dk and dg of one chunk of one head with per-channel gates, from the row factors' parts (``parts``) and
+    the cotangents of the two grams, d_kk (of K K^T * Gamma, strictly lower) and d_qk (of Q K^T * Gamma, with
+    the scale), D_tjc = exp(G_tc - G_jc):
 
-        dk_t += sum_j d_kk_tj D_tj * k_j + sum_j d_kk_jt D_jt * k_j + sum_j d_qk_jt D_jt * q_j,
-        dq_t += sum_j d_qk_tj D_tj * k_j,   R_tj = (d_kk_tj k_t + d_qk_tj q_t) * k_j * D_tj,
-        dG_t += sum_j R_tj - sum_j R_jt,    dg = the reverse cumulative sum of dG over the chunk.
-    """
-    part = scratch_row[:, None] * (3 * K) + keys[None, :]
-    key_ok = (keys < K)[None, :]
-    tl.store(parts_ptr + part, dq_rows, mask=key_ok)
-    tl.store(parts_ptr + part + K, dk_rows, mask=key_ok)
-    tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok)
-    tl.debug_barrier()  # read back in slices, by other threads
+        dq_t += P1_t = sum_j d_qk_tj D_tj * k_j,      dk_t += P2_t + P3_t + P4_t, with
+        P2_t = sum_j d_kk_tj D_tj * k_j,   P3_t = sum_i d_kk_it D_it * k_i,   P4_t = sum_i d_qk_it D_it * q_i,
+        dG_t += q_t * P1_t + k_t * P2_t - k_t * (P3_t + P4_t),   dg = the reverse cumulative sum of dG.
+
+    Block by block of SUB rows, last first (the reverse sum carries into earlier blocks), through the grams'
+    anchors (_anchor_factors, _level_factors): every term a dot of a [SUB, SUB] cotangent block with decayed rows,
+    every exponent <= 0."""
+    chunk = tl.program_id(0)
+    bh = tl.program_id(1)
+    NB: tl.constexpr = C // SUB
+    local = tl.arange(0, SUB)
     for channel_start in range(0, K, BKC):
         channels = channel_start + tl.arange(0, BKC)
         channel_ok = (channels < K)[None, :]
-        sliced = scratch_row[:, None] * (3 * K) + channels[None, :]
-        decay = _slice_decay(g_ptr, token, valid, channels, K, C, ACC)
-        q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
-        k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
-        through_kk = d_kk[:, :, None] * decay
-        through_qk = d_qk[:, :, None] * decay
-        dq = tl.load(parts_ptr + sliced, mask=channel_ok, other=0.0) + tl.sum(through_qk * k[None, :, :], axis=1)
-        dk = (tl.load(parts_ptr + sliced + K, mask=channel_ok, other=0.0) + tl.sum(through_kk * k[None, :, :], axis=1)
-              + tl.sum(through_kk * k[:, None, :], axis=0) + tl.sum(through_qk * q[:, None, :], axis=0))
-        R = (through_kk * k[:, None, :] + through_qk * q[:, None, :]) * k[None, :, :]
-        dG = tl.load(parts_ptr + sliced + 2 * K, mask=channel_ok, other=0.0) + tl.sum(R, axis=1) - tl.sum(R, axis=0)
-        out = token[:, None] * K + channels[None, :]
-        in_slice = valid[:, None] & channel_ok
-        tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=in_slice)
-        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=in_slice)
-        tl.store(dg_ptr + out, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=in_slice)
+        later_sum = tl.zeros([BKC], dtype=ACC)  # dG summed over the blocks after this one
+        for i in range(0, NB):
+            B = NB - 1 - i
+            valid, token, scratch = _block_rows(bh, chunk, B, C, T, H)
+            q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
+            k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
+            g = _rows_of(g_ptr, token, valid, channels, K)
+            grams = scratch[:, None] * C + (local + B * SUB)[None, :]
+            d_qk = tl.load(d_a_ptr + grams)
+            d_kk = tl.load(d_kk_ptr + grams)
+            same = tl.sum(tl.where(local[:, None] == local[None, :], d_qk, 0.0), axis=1)[:, None]  # t = j
+            P1 = same * k
+            P2 = tl.zeros([SUB, BKC], dtype=ACC)
+            P3 = tl.zeros([SUB, BKC], dtype=ACC)
+            P4 = same * q
+            for level in tl.static_range(4):  # SUB = 16 = 2^4
+                later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
+                pair_qk = tl.where(pair, d_qk, 0.0)
+                pair_kk = tl.where(pair, d_kk, 0.0)
+                earlier_k = tl.where(later[:, None], 0.0, k * factor)
+                to_later = tl.where(later[:, None], factor, 0.0)
+                P1 += to_later * _mm(pair_qk, earlier_k, ACC, PRECISION)
+                P2 += to_later * _mm(pair_kk, earlier_k, ACC, PRECISION)
+                from_earlier = tl.where(later[:, None], 0.0, factor)
+                P3 += from_earlier * _mm(tl.trans(pair_kk), tl.where(later[:, None], k * factor, 0.0), ACC, PRECISION)
+                P4 += from_earlier * _mm(tl.trans(pair_qk), tl.where(later[:, None], q * factor, 0.0), ACC, PRECISION)
+            for J in range(0, B):  # key blocks before this one: P1, P2
+                valid_J, token_J, _ = _block_rows(bh, chunk, J, C, T, H)
+                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, B, J, channels, K, C, T, H, ACC, NATIVE_GATES)
+                k_J = _rows_of(k_ptr, token_J, valid_J, channels, K).to(ACC) * from_j
+                blocks = scratch[:, None] * C + (local + J * SUB)[None, :]
+                P1 += to_t * _mm(tl.load(d_a_ptr + blocks), k_J, ACC, PRECISION)
+                P2 += to_t * _mm(tl.load(d_kk_ptr + blocks), k_J, ACC, PRECISION)
+            for I in range(B + 1, NB):  # query blocks after this one: P3, P4
+                valid_I, token_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
+                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, B, channels, K, C, T, H, ACC, NATIVE_GATES)
+                blocks = scratch_I[:, None] * C + (local + B * SUB)[None, :]
+                P3 += from_j * _mm(tl.trans(tl.load(d_kk_ptr + blocks)),
+                                   _rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, ACC, PRECISION)
+                P4 += from_j * _mm(tl.trans(tl.load(d_a_ptr + blocks)),
+                                   _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, ACC, PRECISION)
+            part = scratch[:, None] * (3 * K) + channels[None, :]
+            dq = tl.load(parts_ptr + part, mask=channel_ok, other=0.0) + P1
+            dk = tl.load(parts_ptr + part + K, mask=channel_ok, other=0.0) + P2 + P3 + P4
+            dG = tl.load(parts_ptr + part + 2 * K, mask=channel_ok, other=0.0) + q * P1 + k * (P2 - P3 - P4)
+            dg = tl.cumsum(dG, 0, reverse=True) + later_sum[None, :]
+            later_sum += tl.sum(dG, axis=0)
+            out = token[:, None] * K + channels[None, :]
+            in_block = valid[:, None] & channel_ok
+            tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=in_block)
+            tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=in_block)
+            tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=in_block)
 
 
 def products_precision(dtype: torch.dtype) -> str:
@@ -489,14 +616,21 @@ def chunkwise_backward(
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g) if g is not None else None
     d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
-    parts = torch.empty((B * H * chunks * C, 3 * K), **acc) if channel else X  # _channel_gradients' scratch
     gate = g if g is not None else beta  # an unused pointer when ungated
     scale_hi = float(torch.tensor(scale, dtype=torch.float32))
     scale_lo = float(scale) - scale_hi
-    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, num_stages=1,
-                  ACC=tl.float64 if fp64 else tl.float32, num_warps=NUM_WARPS)
+    ACC = tl.float64 if fp64 else tl.float32
+    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, num_stages=1, ACC=ACC, num_warps=NUM_WARPS)
+    if channel:
+        parts = torch.empty((B * H * chunks * C, 3 * K), **acc)  # the row factors' parts of dq, dk, dG
+        d_kk, d_a = torch.empty_like(X), torch.empty_like(X)
+        channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
+                             num_warps=NUM_WARPS, num_stages=1)
+        _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
+                                               PRECISION="tf32x3", **channel_slice)
+    else:
+        parts, d_kk, d_a = X, X, X  # unused pointers
     _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, T, H, K, V, scale_hi, scale_lo, BV=BV,
-                                   BKC=CHANNEL_SLICE,
                                    LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3", **common)
     common["PRECISION"] = products_precision(q.dtype)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
@@ -508,8 +642,11 @@ def chunkwise_backward(
         HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
     _gradients_kernel[(chunks, B * H)](
         q, k, v, beta, gate, X, A, kk, states, d_states, delta, d_delta, do, dq, dk, dv, dbeta,
-        dg if dg is not None else dbeta, parts, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV, BKC=CHANNEL_SLICE,
+        dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV,
         **common | dict(num_warps=GRADIENTS_NUM_WARPS))
+    if channel:
+        _channel_cotangents_kernel[(chunks, B * H)](q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C,
+                                                    PRECISION=common["PRECISION"], **channel_slice)
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
     if dg is not None:
         grads["g"] = dg

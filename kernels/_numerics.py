@@ -295,6 +295,12 @@ def input_split_config(dtype: torch.dtype, precision: str) -> tuple[str | None, 
 # ------------------------------------------------------------------------------------------------ gate sums
 
 
+def native_gates(dtype: torch.dtype) -> bool:
+    """span_sums' NATIVE for gates of ``dtype``: their own 16-bit tensor-core dot on the GPU (the interpreter's
+    16-bit dots are wrong)."""
+    return dtype in (torch.float16, torch.bfloat16) and not interpreter_active()
+
+
 @triton.jit
 def span_sums(span, g, NATIVE: tl.constexpr):
     """span @ g in fp32 for a 0/1 matrix span [M, N] and log gates g [N, C]: row m gets the direct sum of the

@@ -161,12 +161,13 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels import _delta_chunk_backward, _state_pass
-from attnlab.kernels._numerics import dot_scratch, peak, scaled_dot, scaled_dot_within, span_sums, to_scratch
+from attnlab.kernels._numerics import (
+    dot_scratch, native_gates, peak, scaled_dot, scaled_dot_within, span_sums, to_scratch,
+)
 from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u, value_block
 from attnlab.kernels._util import (
     Launch, block_size, launch_after_checks, no_pending_checks, state_block, zero_state,
 )
-from attnlab.runtime import interpreter_active
 
 SUB_CHUNK = 16
 # Launch shapes of the parallel kernels, each the fastest measured at the bench shape (reports/bench.md). The A rows
@@ -194,11 +195,6 @@ def _check_choice(form: str, name: str, value: object) -> None:
     choices = OPTIONS[form][name][1]
     if value not in choices:
         raise ValueError(f"kda {form}: {name} must be one of {', '.join(map(repr, choices))}; got {value!r}")
-
-
-def _native_gates(dtype: torch.dtype) -> bool:
-    """Whether span_sums multiplies the gates in their own 16-bit dtype on the tensor cores (on the GPU)."""
-    return dtype in (torch.float16, torch.bfloat16) and not interpreter_active()
 
 
 # ---------------------------------------------------------------------------
@@ -466,7 +462,7 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     C = operands.aqk.shape[1]
     num_chunks = triton.cdiv(T, C)
     BK = block_size(K)
-    common = dict(PRECISION=dot_precision, NATIVE_GATES=_native_gates(q.dtype))
+    common = dict(PRECISION=dot_precision, NATIVE_GATES=native_gates(q.dtype))
     return [
         Launch(
             _kda_a_rows_kernel, (num_chunks * (C // SUB_CHUNK), B * H),

@@ -2,7 +2,7 @@
 
 Its gradients are tested under the interpreter with every other backward (tests/test_kernel_gradients.py), but the
 interpreter runs code the compiler rejects (a name carried through a loop at another type, an early return from a
-constexpr branch) and knows no register or shared-memory limit. So each of the four kernels is compiled for Hopper
+constexpr branch) and knows no register or shared-memory limit. So each of the six kernels is compiled for Hopper
 here, in both of its arithmetics (fp32 for 16-bit inputs, fp64 for fp32 inputs), ungated, with a gate per head and
 with one per key channel (kda), at the smallest tiles (quick); and the gradients kernel, the largest, at the tiles
 the launcher takes (``tiles``) for the widest head dims (K = V = 256) in its widest arithmetic (fp64, for fp32
@@ -33,8 +33,11 @@ COMPILE = textwrap.dedent("""
         "reverse": (backward._reverse_kernel, "q k g do", "w a d_final d_states d_delta d_initial",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
         "gradients": (backward._gradients_kernel, "q k v beta g do dq dk dv dbeta dg",
-                      "x a kk states d_states delta d_delta parts", {}),
+                      "x a kk states d_states delta d_delta parts d_kk d_a", {}),
+        "channel_grams": (backward._channel_grams_kernel, "q k g", "a kk", {}),
+        "channel_cotangents": (backward._channel_cotangents_kernel, "q k g dq dk dg", "parts d_kk d_a", {}),
     }
+    CHANNEL_ONLY = ("channel_grams", "channel_cotangents")
 
     DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
     WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"gradients": backward.GRADIENTS_NUM_WARPS}
@@ -47,9 +50,10 @@ COMPILE = textwrap.dedent("""
         types |= {n: "i32" for n in ("T", "H", "K", "V")} | {"scale_hi": "fp32", "scale_lo": "fp32"}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         options = dict(constexprs, GATED=gates != "ungated", CHANNEL=gates == "channel", C=C, BK=BK, BV=BV,
-                       PRECISION="tf32x3" if name == "local" else backward.products_precision(DTYPES[inputs]), ACC=acc)
-        if "BKC" in kernel.arg_names:
-            options["BKC"] = backward.CHANNEL_SLICE
+                       BKC=min(BK, backward.CHANNEL_SLICE), NATIVE_GATES=inputs != "fp32", ACC=acc,
+                       PRECISION="tf32x3" if name in ("local", "channel_grams")
+                       else backward.products_precision(DTYPES[inputs]))
+        options = {n: value for n, value in options.items() if n in kernel.arg_names}
         what = f"{name} {inputs} {gates} C={C} BK={BK} BV={BV}"
         try:
             source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=options)
@@ -62,7 +66,7 @@ COMPILE = textwrap.dedent("""
     if sys.argv[1] == "smallest":
         for name in KERNELS:
             for inputs in ("bf16", "fp32"):
-                for gates in ("ungated", "head", "channel"):
+                for gates in ("channel",) if name in CHANNEL_ONLY else ("ungated", "head", "channel"):
                     compile_one(name, inputs, gates, 16, 16, 16)
     else:
         inputs, K = sys.argv[2], int(sys.argv[3])
@@ -80,7 +84,7 @@ def compiled(*args: str) -> list[str]:
 
 def test_every_kernel_compiles_for_hopper_in_every_arithmetic_and_gate_mode() -> None:
     lines = compiled("smallest")
-    assert len(lines) == 24 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert len(lines) == 28 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
 
 
 def test_the_gradients_kernel_fits_hopper_at_the_launchers_tiles() -> None:
