@@ -71,6 +71,8 @@ GRADIENTS_NUM_WARPS = 8
 GRADIENTS_BV = 64
 # Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
 CHANNEL_SLICE = 64
+# Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
+CHANNEL_NUM_WARPS = 1
 
 
 @triton.jit
@@ -147,6 +149,27 @@ def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl
         from_start = tl.full([C, 1], 1.0, ACC)
         to_end = tl.full([C, 1], 1.0, ACC)
         chunk_decay = tl.full([BK], 1.0, ACC)
+    return decay, from_start, to_end, chunk_decay
+
+
+@triton.jit
+def _stored_gate_factors(g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K,
+                         GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                         ACC: tl.constexpr):
+    """_gate_factors for the kernels after the local one: per-channel gates' row factors as it stored them in
+    ``factors`` ([rows, 2K]: exp(G_t), exp(G_C - G_t)) and ``decays`` ([chunks, K]: exp(G_C)), whose scans every
+    sequential step would otherwise repeat; a gate per head or none, computed (a few [C] vectors)."""
+    if CHANNEL:
+        rows = tl.arange(0, C)
+        key_ok = (keys < K)[None, :]
+        offsets = scratch_row[:, None] * (2 * K) + keys[None, :]
+        decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
+        from_start = tl.load(factors_ptr + offsets, mask=key_ok, other=0.0)
+        to_end = tl.load(factors_ptr + offsets + K, mask=key_ok, other=0.0)
+        chunk_decay = tl.load(decays_ptr + chunk_row * K + keys, mask=keys < K, other=0.0)
+    else:
+        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
+                                                               ACC)
     return decay, from_start, to_end, chunk_decay
 
 
@@ -286,21 +309,27 @@ def _channel_grams_kernel(
 
 @triton.jit
 def _local_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, T, H, K, V, scale_hi, scale_lo,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr, T, H, K, V,
+    scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
-    given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC."""
+    given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
+    gates' row factors for the kernels after it (_stored_gate_factors)."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
     q = _rows_of(q_ptr, token, valid, keys, K)
     k = _rows_of(k_ptr, token, valid, keys, K)
-    decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
+    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     if CHANNEL:
         kk = tl.load(kk_ptr + gram_offsets)
+        factors = scratch_row[:, None] * (2 * K) + keys[None, :]
+        tl.store(factors_ptr + factors, from_start, mask=(keys < K)[None, :])
+        tl.store(factors_ptr + factors + K, to_end, mask=(keys < K)[None, :])
+        tl.store(decays_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + keys, chunk_decay, mask=keys < K)
     else:
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
         tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * _mm(q, tl.trans(k), ACC, PRECISION) * decay)
@@ -340,7 +369,7 @@ def _state_tile(ptr, offsets, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV:
 
 @triton.jit
 def _states_kernel(
-    k_ptr, g_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, T, H, K, V,
+    k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -357,15 +386,16 @@ def _states_kernel(
         u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
         delta = u - _mm(w, S, ACC, PRECISION)
         tl.store(delta_ptr + scratch, delta, mask=value_ok[None, :])
-        _decay, _from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
-                                                                 ACC)
+        _decay, _from_start, to_end, chunk_decay = _stored_gate_factors(
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K,
+            GATED, CHANNEL, C, BK, ACC)
         k = _rows_of(k_ptr, token, valid, keys, K)
         S = _dot(tl.trans(k.to(ACC) * to_end), delta, S * chunk_decay[:, None], ACC, PRECISION)
 
 
 @triton.jit
 def _reverse_kernel(
-    q_ptr, k_ptr, g_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
+    q_ptr, k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
     scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -384,8 +414,9 @@ def _reverse_kernel(
         k = _rows_of(k_ptr, token, valid, keys, K)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
-        _decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
-                                                                ACC)
+        _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K,
+            GATED, CHANNEL, C, BK, ACC)
         A = tl.load(a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
         d_delta = _mm(tl.trans(A), do, ACC, PRECISION)
         d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION)
@@ -400,7 +431,7 @@ def _reverse_kernel(
 
 @triton.jit
 def _gradients_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr,
     do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
@@ -450,7 +481,9 @@ def _gradients_kernel(
     k = _rows_of(k_ptr, token, valid, keys, K)
     A = tl.load(a_ptr + gram_offsets)
     kk = tl.load(kk_ptr + gram_offsets)
-    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
+    decay, from_start, to_end, chunk_decay = _stored_gate_factors(
+        g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K, GATED,
+        CHANNEL, C, BK, ACC)
     dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
     qf = q.to(ACC)
     kf = k.to(ACC)
@@ -624,24 +657,26 @@ def chunkwise_backward(
     if channel:
         parts = torch.empty((B * H * chunks * C, 3 * K), **acc)  # the row factors' parts of dq, dk, dG
         d_kk, d_a = torch.empty_like(X), torch.empty_like(X)
+        factors = torch.empty((B * H * chunks * C, 2 * K), **acc)  # exp(G_t), exp(G_C - G_t)
+        decays = torch.empty((B * H * chunks, K), **acc)  # exp(G_C)
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
-                             num_warps=NUM_WARPS, num_stages=1)
+                             num_warps=CHANNEL_NUM_WARPS, num_stages=1)
         _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
                                                PRECISION="tf32x3", **channel_slice)
     else:
-        parts, d_kk, d_a = X, X, X  # unused pointers
-    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, T, H, K, V, scale_hi, scale_lo, BV=BV,
+        parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, T, H, K, V, scale_hi, scale_lo, BV=BV,
                                    LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3", **common)
     common["PRECISION"] = products_precision(q.dtype)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        k, gate, w, u, state[0] if state is not None else w, states, delta, T, H, K, V,
+        k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, T, H, K, V,
         HAS_INITIAL=state is not None, BV=BV, **common)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, gate, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
+        q, k, gate, factors, decays, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
         d_initial if d_initial is not None else w, T, H, K, V, scale_hi, scale_lo,
         HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
     _gradients_kernel[(chunks, B * H)](
-        q, k, v, beta, gate, X, A, kk, states, d_states, delta, d_delta, do, dq, dk, dv, dbeta,
+        q, k, v, beta, gate, factors, decays, X, A, kk, states, d_states, delta, d_delta, do, dq, dk, dv, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV,
         **common | dict(num_warps=GRADIENTS_NUM_WARPS))
     if channel:

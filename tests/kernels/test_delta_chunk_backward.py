@@ -28,12 +28,12 @@ COMPILE = textwrap.dedent("""
     from attnlab.kernels import _delta_chunk_backward as backward
 
     KERNELS = {
-        "local": (backward._local_kernel, "q k v beta g", "x w u a kk", dict(LEVELS=0)),
-        "states": (backward._states_kernel, "k g", "w u s0 states delta", dict(HAS_INITIAL=True)),
-        "reverse": (backward._reverse_kernel, "q k g do", "w a d_final d_states d_delta d_initial",
+        "local": (backward._local_kernel, "q k v beta g", "x w u a kk factors decays", dict(LEVELS=0)),
+        "states": (backward._states_kernel, "k g", "factors decays w u s0 states delta", dict(HAS_INITIAL=True)),
+        "reverse": (backward._reverse_kernel, "q k g do", "factors decays w a d_final d_states d_delta d_initial",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
         "gradients": (backward._gradients_kernel, "q k v beta g do dq dk dv dbeta dg",
-                      "x a kk states d_states delta d_delta parts d_kk d_a", {}),
+                      "factors decays x a kk states d_states delta d_delta parts d_kk d_a", {}),
         "channel_grams": (backward._channel_grams_kernel, "q k g", "a kk", {}),
         "channel_cotangents": (backward._channel_cotangents_kernel, "q k g dq dk dg", "parts d_kk d_a", {}),
     }
@@ -41,6 +41,7 @@ COMPILE = textwrap.dedent("""
 
     DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
     WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"gradients": backward.GRADIENTS_NUM_WARPS}
+    WARPS |= dict.fromkeys(CHANNEL_ONLY, backward.CHANNEL_NUM_WARPS)
 
     def compile_one(name, inputs, gates, C, BK, BV):
         kernel, input_names, scratch_names, constexprs = KERNELS[name]
