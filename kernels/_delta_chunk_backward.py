@@ -70,7 +70,7 @@ GRADIENTS_NUM_WARPS = 8
 # in fp64 at K = 128, 508 KB for the gradients kernel at K = 32).
 GRADIENTS_BV = 64
 # Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
-CHANNEL_SLICE = 64
+CHANNEL_SLICE = 32
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
 CHANNEL_NUM_WARPS = 1
 
