@@ -25,25 +25,41 @@ and, gated, the log gates' cotangent dG_t collects d/dG_t of every factor above:
 (row sums minus column sums of dL * L and dA * A), the row factors (dQg * Qg, dKg * Kg, minus dKd * Kd, whose sum
 also goes to G_C) and exp(G_C) <S, dS'>; G_C is the last row's G, and dg = the reverse cumulative sum of dG over the
 chunk (per key channel for kda). Every term is a product of factors exp(<= 0): no exponent is positive, none cancels
-across chunks. A gate per head factors out of every channel sum, so the grams above are dots times Gamma; per-channel
-gates do not, and kda's grams and their cotangents' pairwise terms run CHANNEL_SLICE key channels at a time on
-[C, C, CHANNEL_SLICE] tiles (_channel_gram, _channel_gradients).
+across chunks. A gate per head factors out of every channel sum, so the grams above are dots times Gamma. Per-channel
+gates do not: kda's grams (and, in reverse, their cotangents' pairwise terms) go block by block of SUB = 16 rows,
+each pair of blocks I > J through the anchor a = I's first row, sum_c (a_tc exp(G_tc - G_ac)) (b_jc exp(G_ac - G_jc)),
+both exponents <= 0 (j < a <= t), one dot per pair and CHANNEL_SLICE key channels; inside a block by halving (the
+later half of each group of 2h rows against its earlier half, through the later half's first row; h = 8, 4, 2, 1),
+as kernels/kda.py's forward forms its A rows. Every exponent is a direct sum of the gates it spans (span_sums).
 
-Four launches. The arithmetic is fp32 (ACC) for 16-bit inputs, every dot at "tf32x3" (TF32 hi/lo pairs, about
-2^-22, far below their floors), nothing rounded to 16 bits before the gradients are written; for fp32 inputs it is
-fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X), and evaluated in fp32
-it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these equations rounded to
-fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
-(_numerics.unit_lower_inverse) refined by one Newton step in fp64, X + X (I - (I + L) X), which squares its error.
+The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written. The
+inverse, W, U and kda's grams (what T's conditioning amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22),
+as do dL's two factors of X; the other products (the sequential passes, the sums over V, the cotangent products)
+use PRECISION: for bf16 inputs "fp16", each fp32 operand scaled by a power of two and rounded to fp16 (2^-11
+relative, 4x below bf16's floor; one tensor-core product instead of tf32x3's three TF32 ones: reports/bench.md
+has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor). For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ...,
+dL's two factors of X), and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the
+float64 blueprint of these equations rounded to fp32 does the same), where the recurrent backward sits at 1. X comes
+from the fp32 inverse (_numerics.unit_lower_inverse), refined for fp64 by one Newton step, X + X (I - (I + L) X),
+which squares its error.
 
-- ``_local_kernel`` (grid (chunks, B*H), parallel): X, W and U of every chunk, stored in ACC.
-- ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk, recomputed from
-  W and U (the forward keeps no chunk states: [B, H, T/C, K, V] in ACC, K/C times v's size; recomputing costs one
-  sequential pass).
+Four launches, six with per-channel gates:
+
+- ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
+- ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
+  ACC; kda's row factors exp(G), exp(G_C - G) and exp(G_C), which every later kernel reads instead of repeating
+  their scans.
+- ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk and its Delta,
+  recomputed from W and U (the forward keeps no chunk states: [B, H, T/C, K, V] in ACC, K/C times v's size;
+  recomputing costs one sequential pass).
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
   cotangent leaving it; the last dS is the initial state's gradient.
 - ``_gradients_kernel`` (grid (chunks, B*H), parallel): the sums over V above (each program walks its chunk's V
-  blocks), then the chunk's dq, dk, dv, dbeta and dg, written once each in the input dtype.
+  blocks, its five accumulators its only large live tiles), then the chunk's dv and dbeta and, with a gate per
+  head or none, dq, dk and dg, written once each in the input dtype; kda's go to scratch as the row factors' parts
+  and the grams' cotangents.
+- ``_channel_cotangents_kernel`` (kda only; grid (chunks, B*H)): dq, dk and dg from those, by anchors, the blocks
+  last first (dg's reverse sum carries into earlier blocks).
 
 S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
 """
