@@ -37,11 +37,12 @@ inverse, W, U and kda's grams (what T's conditioning amplifies) use "tf32x3" dot
 as do dL's two factors of X; the other products (the sequential passes, the sums over V, the cotangent products)
 use PRECISION: for bf16 inputs "fp16", each fp32 operand scaled by a power of two and rounded to fp16 (2^-11
 relative, 4x below bf16's floor; one tensor-core product instead of tf32x3's three TF32 ones: reports/bench.md
-has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor). For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ...,
-dL's two factors of X), and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the
-float64 blueprint of these equations rounded to fp32 does the same), where the recurrent backward sits at 1. X comes
-from the fp32 inverse (_numerics.unit_lower_inverse), refined for fp64 by one Newton step, X + X (I - (I + L) X),
-which squares its error.
+has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
+
+For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X),
+and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these
+equations rounded to fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
+(_numerics.unit_lower_inverse), refined for fp64 by one Newton step, X + X (I - (I + L) X), which squares its error.
 
 Four launches, six with per-channel gates:
 
@@ -138,10 +139,10 @@ def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
 def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr,
                   BK: tl.constexpr, ACC: tl.constexpr):
     """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC: [C, C], [C, BK], [C, BK] and [BK], the
-    row factors per key channel (one gate per head: [C, 1] columns, the same in every channel; ungated M, 1, 1, 1). Per-channel
-    gates (CHANNEL) leave Gamma to _channel_gram and give M. G comes as an fp32 pair (kernels/_delta.py's
-    compensated scan, on [C] or [C, BK] tiles), each difference taken part by part, so that it is accurate to its
-    own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
+    row factors per key channel (one gate per head: [C, 1] columns, the same in every channel; ungated M, 1, 1,
+    1). Per-channel gates (CHANNEL) leave Gamma to _channel_grams_kernel and give M. G comes as an fp32 pair
+    (kernels/_delta.py's compensated scan, on [C] or [C, BK] tiles), each difference taken part by part, so that it
+    is accurate to its own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
     if CHANNEL:
@@ -411,8 +412,8 @@ def _states_kernel(
 
 @triton.jit
 def _reverse_kernel(
-    q_ptr, k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr, d_initial_ptr, T, H, K, V,
-    scale_hi, scale_lo,
+    q_ptr, k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr,
+    d_initial_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -447,8 +448,9 @@ def _reverse_kernel(
 
 @triton.jit
 def _gradients_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr,
-    do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr, T, H, K, V, scale_hi, scale_lo,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr,
+    delta_ptr, d_delta_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
+    T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -631,8 +633,8 @@ def tiles(K: int, V: int) -> tuple[int, int, int, int]:
     """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V.
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
-    where the gradients kernel's three [C, K] sums at C = 64 need more than 255 registers a thread at 4 warps
-    (ptxas, sm_90a), and its V steps shrink to 32 columns."""
+    where the gradients kernel's three [C, K] fp32 sums at C = 64 would take 192 KB of registers (its 8 warps hold
+    at most 255 KB, spills already past K = 64), and its V steps shrink to 32 columns."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
     wide = BK > 128
@@ -681,8 +683,9 @@ def chunkwise_backward(
                                                PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
-    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, T, H, K, V, scale_hi, scale_lo, BV=BV,
-                                   LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3", **common)
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, T, H, K, V, scale_hi,
+                                   scale_lo, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3",
+                                   **common)
     common["PRECISION"] = products_precision(q.dtype)
     _states_kernel[(triton.cdiv(V, BV), B * H)](
         k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, T, H, K, V,

@@ -4,9 +4,10 @@ Its gradients are tested under the interpreter with every other backward (tests/
 interpreter runs code the compiler rejects (a name carried through a loop at another type, an early return from a
 constexpr branch) and knows no register or shared-memory limit. So each of the six kernels is compiled for Hopper
 here, in both of its arithmetics (fp32 for 16-bit inputs, fp64 for fp32 inputs), ungated, with a gate per head and
-with one per key channel (kda), at the smallest tiles (quick); and the gradients kernel, the largest, at the tiles
-the launcher takes (``tiles``) for the widest head dims (K = V = 256) in its widest arithmetic (fp64, for fp32
-inputs), within sm_90's 227 KB of shared memory a block (the bench's K = V = 128 in bf16 takes 131 KB). The compiles run in a process of their own, with the
+with one per key channel (kda; the two anchored kernels only there), at the smallest tiles (quick); and the
+gradients kernel, the largest, at the tiles the launcher takes (``tiles``) for the widest head dims (K = V = 256)
+in its widest arithmetic (fp64, for fp32 inputs), within sm_90's 227 KB of shared memory a block (the bench's
+K = V = 128 in bf16 takes 64 KB). The compiles run in a process of their own, with the
 interpreter off (this suite's processes run under it).
 """
 
