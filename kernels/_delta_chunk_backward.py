@@ -634,7 +634,7 @@ def tiles(K: int, V: int) -> tuple[int, int, int, int]:
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
     where the gradients kernel's three [C, K] fp32 sums at C = 64 would take 192 KB of registers (its 8 warps hold
-    at most 255 KB, spills already past K = 64), and its V steps shrink to 32 columns."""
+    at most 255 KB; ptxas spills 1.7 to 3.8 KB a thread already at K = 128), and its V steps shrink to 32 columns."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
     wide = BK > 128
