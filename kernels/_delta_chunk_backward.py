@@ -278,8 +278,7 @@ def _level_factors(g_block, level, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr
 @triton.jit
 def _channel_grams_kernel(
     q_ptr, k_ptr, g_ptr, a_ptr, kk_ptr, T, H, K, scale_hi, scale_lo,
-    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
-    NATIVE_GATES: tl.constexpr,
+    C: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
 ):
     """One chunk of one head with per-channel gates: A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (0 above
     the diagonal), sum_c a_tc b_jc exp(G_tc - G_jc), which does not factor into one dot: block by block of SUB rows,
@@ -296,7 +295,7 @@ def _channel_grams_kernel(
             valid_J, token_J, _ = _block_rows(bh, chunk, J, C, T, H)
             qk = tl.zeros([SUB, SUB], dtype=ACC)
             kk = tl.zeros([SUB, SUB], dtype=ACC)
-            for channel_start in range(0, BK, BKC):
+            for channel_start in range(0, K, BKC):
                 channels = channel_start + tl.arange(0, BKC)
                 to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, J, channels, K, C, T, H, ACC, NATIVE_GATES)
                 keys = tl.trans(_rows_of(k_ptr, token_J, valid_J, channels, K).to(ACC) * from_j)
@@ -306,7 +305,7 @@ def _channel_grams_kernel(
             tl.store(kk_ptr + out + (local + J * SUB)[None, :], kk)
         qk = tl.zeros([SUB, SUB], dtype=ACC)
         kk = tl.zeros([SUB, SUB], dtype=ACC)
-        for channel_start in range(0, BK, BKC):
+        for channel_start in range(0, K, BKC):
             channels = channel_start + tl.arange(0, BKC)
             g = _rows_of(g_ptr, token_I, valid_I, channels, K)
             q = _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC)
@@ -679,7 +678,7 @@ def chunkwise_backward(
         decays = torch.empty((B * H * chunks, K), **acc)  # exp(G_C)
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
                              num_warps=CHANNEL_NUM_WARPS, num_stages=1)
-        _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
+        _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C,
                                                PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
