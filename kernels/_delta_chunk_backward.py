@@ -93,12 +93,19 @@ CHANNEL_NUM_WARPS = 1
 
 
 @triton.jit
-def _chunk_of(chunk, bh, chunks, C: tl.constexpr, T, H):
-    """Chunk ``chunk`` of head ``bh``: its rows' validity (before T), tokens and rows of the scratch buffers."""
-    rows = tl.arange(0, C)
+def _rows_at(chunk, bh, chunks, first, N: tl.constexpr, C: tl.constexpr, T, H):
+    """Rows first .. first + N - 1 of chunk ``chunk`` of head ``bh``: their validity (before T), tokens and rows of
+    the scratch buffers."""
+    rows = tl.arange(0, N) + first
     pos = chunk * C + rows
     token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
     return pos < T, token, (bh.to(tl.int64) * chunks + chunk) * C + rows
+
+
+@triton.jit
+def _chunk_of(chunk, bh, chunks, C: tl.constexpr, T, H):
+    """All C rows of chunk ``chunk`` of head ``bh`` (_rows_at)."""
+    return _rows_at(chunk, bh, chunks, 0, C, C, T, H)
 
 
 @triton.jit
@@ -226,11 +233,8 @@ def _span_exponents(span, g, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
 
 @triton.jit
 def _block_rows(bh, chunk, block, C: tl.constexpr, T, H):
-    """Rows ``block``*SUB .. +SUB-1 of a chunk: their validity, tokens and scratch rows."""
-    local = tl.arange(0, SUB)
-    pos = chunk * C + block * SUB + local
-    token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
-    return pos < T, token, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C + block * SUB + local
+    """Block ``block`` (SUB rows) of a chunk, in a grid (chunks, B*H) (_rows_at)."""
+    return _rows_at(chunk, bh, tl.num_programs(0), block * SUB, SUB, C, T, H)
 
 
 @triton.jit
@@ -335,7 +339,6 @@ def _local_kernel(
     gates' row factors for the kernels after it (_stored_gate_factors)."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
-    q = _rows_of(q_ptr, token, valid, keys, K)
     k = _rows_of(k_ptr, token, valid, keys, K)
     decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
@@ -348,6 +351,7 @@ def _local_kernel(
         tl.store(decays_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + keys, chunk_decay, mask=keys < K)
     else:
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
+        q = _rows_of(q_ptr, token, valid, keys, K)
         tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * _mm(q, tl.trans(k), ACC, PRECISION) * decay)
         tl.store(kk_ptr + gram_offsets, kk)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
