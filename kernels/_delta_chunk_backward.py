@@ -90,6 +90,8 @@ GRADIENTS_BV = 64
 CHANNEL_SLICE = 32
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
 CHANNEL_NUM_WARPS = 1
+# Halvings of a SUB-row block down to single rows (_level_factors).
+SUB_LEVELS = tl.constexpr(SUB.value.bit_length() - 1)
 
 
 @triton.jit
@@ -245,16 +247,14 @@ def _anchor_factors(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constex
     exponents <= 0 (j < a <= t), each a direct sum of the steps it spans: (a, t], and (j, end of the earlier
     block] plus the steps after it up to a."""
     local = tl.arange(0, SUB)
-    channel_ok = (channels < K)[None, :]
     valid, token, _ = _block_rows(bh, chunk, later, C, T, H)
-    g_later = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & channel_ok, other=0.0)
+    g_later = _rows_of(g_ptr, token, valid, channels, K)
     valid, token, _ = _block_rows(bh, chunk, earlier, C, T, H)
-    g_earlier = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & channel_ok, other=0.0)
+    g_earlier = _rows_of(g_ptr, token, valid, channels, K)
     rows = tl.arange(0, C)
     between = (rows >= (earlier + 1) * SUB) & (rows <= later * SUB)
-    valid, token, _scratch = _chunk_of(chunk, bh, tl.num_programs(0), C, T, H)
-    g_between = tl.load(g_ptr + token[:, None] * K + channels[None, :], mask=(between & valid)[:, None] & channel_ok,
-                        other=0.0)
+    valid, token, _ = _chunk_of(chunk, bh, tl.num_programs(0), C, T, H)
+    g_between = _rows_of(g_ptr, token, valid & between, channels, K)
     after = tl.sum(g_between.to(ACC), axis=0)
     to_t = tl.exp(_span_exponents((local[None, :] > 0) & (local[None, :] <= local[:, None]), g_later, ACC,
                                   NATIVE_GATES))
@@ -315,7 +315,7 @@ def _channel_grams_kernel(
             q = _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC)
             k = _rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC)
             qk += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
-            for level in tl.static_range(4):  # SUB = 16 = 2^4
+            for level in tl.static_range(SUB_LEVELS):
                 later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
                 keys = tl.trans(tl.where(later[:, None], 0.0, k * factor))
                 qk += tl.where(pair, _mm(tl.where(later[:, None], q * factor, 0.0), keys, ACC, PRECISION), 0.0)
@@ -586,7 +586,7 @@ def _channel_cotangents_kernel(
             P2 = tl.zeros([SUB, BKC], dtype=ACC)
             P3 = tl.zeros([SUB, BKC], dtype=ACC)
             P4 = same * q
-            for level in tl.static_range(4):  # SUB = 16 = 2^4
+            for level in tl.static_range(SUB_LEVELS):
                 later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
                 pair_qk = tl.where(pair, d_qk, 0.0)
                 pair_kk = tl.where(pair, d_kk, 0.0)
