@@ -70,7 +70,12 @@ phi''s, exp(min(x, 0)).
   operations), as fla does: saving them in the forward made its registers
   spill on sm_90 (4 -> 120 bytes per thread, K = V = 128, bf16) and would
   hold K V / C fp32 per token and head (4x o's bf16 bytes at C = 64) from
-  the forward to the backward; recomputing reads k and v once more. Then:
+  the forward to the backward; recomputing reads k and v once more. So
+  the backward's chunks are its own where nothing ties them to the
+  forward's: 128 rows on unnormalized input-tile features (fewer, larger
+  chunks: a quarter of the state traffic of 32), the forward's chunk_size
+  where normalized (den, saved, must be the recomputed states' own to the
+  last bit) or on elu1's fp32 features (128 rows spill). Then:
   do . o per row (normalized); a reverse pass over chunks per (V block,
   head) that writes dS, dz after every chunk and returns (dS_0, dz_0); and
   every chunk in parallel: dv per (V block, chunk, head), and dq, dk per
@@ -117,6 +122,12 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
+
+
+# The chunkwise backward's chunk where nothing ties it to the forward's (see _backward_chunk). Its query/key
+# kernel holds three [chunk, K] fp32 accumulators beside the [chunk, chunk] scores: at 128 rows it spills
+# 0.3 KB a thread on input tiles, 3.9 KB on elu1's fp32 features (sm_90 ptxas, K = V = 128, bf16, 8 warps).
+UNTIED_BACKWARD_CHUNK = 128
 
 
 @triton.jit
@@ -682,6 +693,16 @@ def _gradients(q, k, v, d_initial_S, d_initial_z) -> dict:
     return grads
 
 
+def _backward_chunk(forward_chunk: int, T: int, K: int, normalize: bool, fp32_features: bool) -> int:
+    """The backward's chunk. It recomputes the chunk states, so it may take its own; but normalized, the
+    forward's den (saved) must be the recomputed states' own to the last bit, or fq . dfq = 0 no longer
+    cancels at fp32's rounding; and on fp32 features, or past 128 key channels, 128 rows spill. Otherwise
+    UNTIED_BACKWARD_CHUNK."""
+    if normalize or fp32_features or K > 128:
+        return forward_chunk
+    return min(UNTIED_BACKWARD_CHUNK, block_size(T))
+
+
 def chunkwise_backward(
     *,
     o: torch.Tensor,
@@ -713,8 +734,9 @@ def chunkwise_backward(
     BK = block_size(K)
     BV = default_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
-    chunks = triton.cdiv(T, chunk_size)
     fp32_features = _fp32_features(q.dtype, feature_map, feature_precision)
+    chunk_size = _backward_chunk(chunk_size, T, K, normalize, fp32_features)
+    chunks = triton.cdiv(T, chunk_size)
     chunk_S = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
     chunk_z = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device) if normalize else None
     initial_S, initial_z = state if state is not None else (None, None)

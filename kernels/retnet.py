@@ -110,6 +110,9 @@ OPTIONS = {
 # for its sequential loop. The dv kernel keeps the forward's V block (160 registers at 64).
 QUERY_KEY_BLOCK = 32
 BACKWARD_BLOCK_V = 32
+# The dq, dk and dg kernel's loop over V blocks streams four tiles a step (v, do and two states): at least 3
+# pipeline stages (measured: reports/bench.md, session 19).
+QUERY_KEY_STAGES = 3
 
 
 @triton.jit
@@ -635,7 +638,8 @@ def chunkwise_backward(
     _chunk_query_key_gradients_kernel[(key_blocks, chunks, B * H)](
         q, k, v, g, do, saved["chunk_states"], chunk_state_grads, dq, dk, dg_parts,
         T, H, K, V, scale,
-        CHUNK=chunk_size, BK=key_block, BV=backward_block_v, **dots,
+        CHUNK=chunk_size, BK=key_block, BV=backward_block_v,
+        **{**dots, "num_stages": max(num_stages, QUERY_KEY_STAGES)},
     )
     _chunk_value_gradients_kernel[(triton.cdiv(V, BV), chunks, B * H)](
         q, k, g, do, chunk_state_grads, dv,

@@ -122,12 +122,14 @@ OPTIONS = {
     "chunkwise": {
         # tokens per chunk: each token costs chunk_size exponentials (a chunk x
         # chunk x block_c tile), the serial steps are T / chunk_size; the tile
-        # lives in registers, so keep chunk_size^2 * block_c / (32 num_warps)
-        # near 32 (chunk_size=64 with block_c=16 spills)
-        "chunk_size": (16, (8, 16, 32, 64)),
+        # lives in registers. One warp a program keeps a chunk's maxima and
+        # sums inside the warp (no shared memory, no barrier), and 16 channels
+        # a program give B * C / 16 programs to hide the serial steps' latency
+        # (the settings measured: reports/bench.md, session 19)
+        "chunk_size": (8, (8, 16, 32, 64)),
         "block_c": (16, _POWERS_OF_TWO),
-        "num_warps": (4, (1, 2, 4, 8)),
-        "num_stages": (2, (1, 2, 3, 4)),
+        "num_warps": (1, (1, 2, 4, 8)),
+        "num_stages": (3, (1, 2, 3, 4)),
     },
 }
 

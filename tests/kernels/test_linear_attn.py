@@ -12,6 +12,7 @@ import torch
 
 import attnlab
 from attnlab.kernel import kernel
+from attnlab.kernels import linear_attn as linear_attn_kernels
 from kernel_checks import ANY_PRECISION_EXCESS_BOUND, EXCESS_BOUND, STATE_BOUND, check_stateful_kernel
 from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.metrics import measure, measure_gradients, rel_err
@@ -237,6 +238,15 @@ def test_backward_precision_modes(precision, feature_precision):
 def test_backward_unnormalized(form, dtype, call):
     x = {**_sample(T=40), "initial_state": _state(2, 16, 16, seed=7)}
     _gradients(x, dtype, form, call, **_small_chunks(form))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_backward_takes_its_own_chunks_where_untied(dtype):
+    """Unnormalized on the input tiles the backward recomputes the states at chunks of its own, whatever the
+    forward's: here 128 rows after a forward at 16, over two full chunks and a partial one."""
+    assert linear_attn_kernels._backward_chunk(16, 300, 16, normalize=False, fp32_features=False) == 128
+    x = {**_sample(T=300), "initial_state": _state(2, 16, 16, seed=9)}
+    _gradients(x, dtype, "chunkwise", {"feature_map": "identity", "normalize": False, "scale": 0.25}, chunk_size=16)
 
 
 @pytest.mark.parametrize("form", FORMS)
