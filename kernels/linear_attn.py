@@ -72,8 +72,8 @@ phi''s, exp(min(x, 0)).
   hold K V / C fp32 per token and head (4x o's bf16 bytes at C = 64) from
   the forward to the backward; recomputing reads k and v once more. So
   the backward's chunks are its own where nothing ties them to the
-  forward's: 128 rows on unnormalized input-tile features (fewer, larger
-  chunks: a quarter of the state traffic of 32), the forward's chunk_size
+  forward's: 128 rows on unnormalized input-tile features (half the chunk
+  states, and their traffic, of the forward's 64), the forward's chunk_size
   where normalized (den, saved, must be the recomputed states' own to the
   last bit) or on elu1's fp32 features (128 rows spill). Then:
   do . o per row (normalized); a reverse pass over chunks per (V block,
