@@ -187,7 +187,7 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
     to every row of the tile).
     """
     for i in range(key_start, key_end):
-        w_col = tl.load(w_ptr + offs_t * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
+        w_col = tl.load(w_ptr + offs_t.to(tl.int64) * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
         if CAUSAL:
             w_col = tl.where(i <= offs_t, w_col, -float("inf"))
         k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
@@ -221,7 +221,7 @@ def _aft_fwd_kernel(
     offs_t = pid_t * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_i = tl.arange(0, BLOCK_K)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    w_ptrs = w_ptr + offs_t[:, None] * T + offs_i[None, :]
+    w_ptrs = w_ptr + offs_t.to(tl.int64)[:, None] * T + offs_i[None, :]
     k_ptrs = k_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
     v_ptrs = v_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
 
@@ -420,7 +420,7 @@ def _bias_tile(w_ptr, offs_t, offs_s, T, CAUSAL: tl.constexpr):
     visible = (offs_t[:, None] < T) & (offs_s[None, :] < T)
     if CAUSAL:
         visible = visible & (offs_s[None, :] <= offs_t[:, None])
-    w = tl.load(w_ptr + offs_t[:, None] * T + offs_s[None, :], mask=visible, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + offs_t.to(tl.int64)[:, None] * T + offs_s[None, :], mask=visible, other=0.0).to(tl.float32)
     w = tl.where(visible, w, -float("inf"))
     row_max = tl.max(w, 1)
     sees_a_key = row_max > -float("inf")
@@ -481,7 +481,7 @@ def _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d,
     seen = row_in & (key < T)
     if CAUSAL:
         seen = seen & (key <= offs_t)
-    w_col = tl.load(w_ptr + offs_t * T + key, mask=seen, other=0.0).to(tl.float32)
+    w_col = tl.load(w_ptr + offs_t.to(tl.int64) * T + key, mask=seen, other=0.0).to(tl.float32)
     k_row = tl.load(k_ptr + base + key * row_stride + offs_d, mask=d_in & (key < T), other=0.0).to(tl.float32)
     # As in _log_factor: the exponent is small, its parts are not; TwoSum rounds it once.
     logit, logit_err = _two_sum(w_col[:, None], k_row[None, :])
@@ -624,7 +624,7 @@ def _aft_bwd_dw_kernel(
                                       SPLIT, OP_DTYPE, DOT_PRECISION)
                 dw += a * (gv - gov)
     ts_in = (offs_t[:, None] < T) & (offs_s[None, :] < T)
-    tl.store(dw_ptr + offs_t[:, None] * T + offs_s[None, :], dw.to(dw_ptr.dtype.element_ty), mask=ts_in)
+    tl.store(dw_ptr + offs_t.to(tl.int64)[:, None] * T + offs_s[None, :], dw.to(dw_ptr.dtype.element_ty), mask=ts_in)
 
 
 def chunkwise_backward(
