@@ -67,6 +67,9 @@ IDENTITY_TOLERANCE = 1e-12
 # IDENTITY_TOLERANCE (normalized linear attention with identity features, whose normalizer q . z can be near 0),
 # the forms, which sum in other orders, may differ by a few times that: they must agree within this many times it.
 FORMS_CONDITIONED = 16
+# float64's spacing at 0 (its smallest subnormal). Outputs that small are rounded to multiples of it, an absolute
+# roundoff that perturbing the inputs by 2^-53 relative does not show (the conditioning floor reads 0 there).
+FLOAT64_SPACING_AT_ZERO = 2.0**-1074
 # What an excess-graded check measures (CheckResult.measure), forward and backward.
 EXCESS_MEASURE = "excess = rel_err / floor"
 # The float64 reference: the chunkwise oracle (certified by mpmath in tests/test_oracles.py).
@@ -599,10 +602,21 @@ def check_reduces_to_special_case(target: Target, case: Case, dtype: torch.dtype
 # ----------------------------------------------------------------------------- oracle properties (float64)
 
 
+def _subnormal_floor(reference: Any, roundings: int) -> float:
+    """The normwise relative error of ``roundings`` roundings of FLOAT64_SPACING_AT_ZERO in every element of
+    ``reference``: what float64's absolute resolution allows a result that small (negligible unless it is
+    subnormal)."""
+    parts = [p.to(torch.float64) for p in (reference if isinstance(reference, (tuple, list)) else (reference,))]
+    elements = sum(p.numel() for p in parts)
+    size = math.sqrt(sum(float((p * p).sum()) for p in parts))
+    error = roundings * FLOAT64_SPACING_AT_ZERO * math.sqrt(elements)
+    return error / size if size > 0 else math.inf
+
+
 def check_forms_agree(case: Case, chunk_size: int) -> CheckResult:
     """The float64 oracle's recurrent, parallel and chunkwise forms agree to 1e-12 relative, or, on an input where
-    float64 roundoff moves the exact answer by more (its conditioning floor at unit 2^-53), to FORMS_CONDITIONED
-    times that floor."""
+    float64 roundoff moves the exact answer by more (its conditioning floor at unit 2^-53, or, for subnormal
+    outputs, float64's spacing at 0 per rounding), to FORMS_CONDITIONED times that floor."""
     x = {**case.inputs(), **case.option_values}
     recurrent = oracle(case.name, "recurrent")
     reference = recurrent(**x)
@@ -614,8 +628,9 @@ def check_forms_agree(case: Case, chunk_size: int) -> CheckResult:
     tolerance, note = IDENTITY_TOLERANCE, ""
     if not figure <= tolerance and math.isfinite(figure):
         floor = conditioning_floor(recurrent, x, unit=2.0**-53, base=reference)
-        tolerance = max(tolerance, FORMS_CONDITIONED * floor)
-        note = f"; float64 conditioning floor {floor:.2e}, tolerance {tolerance:.2e}"
+        subnormal = _subnormal_floor(reference, roundings=case.T * max(case.K, case.V))
+        tolerance = max(tolerance, FORMS_CONDITIONED * floor, FORMS_CONDITIONED * subnormal)
+        note = f"; float64 conditioning floor {floor:.2e}, subnormal floor {subnormal:.2e}, tolerance {tolerance:.2e}"
     return CheckResult("forms_agree", exact(figure <= tolerance), figure, tolerance,
                        "rel_err against the recurrent form", f"oracle:{case.name}", case, None, "cpu",
                        f"worst form {worst}; " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) + note)

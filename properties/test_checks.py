@@ -140,6 +140,17 @@ def test_forms_agree_within_the_conditioning_of_an_ill_conditioned_input() -> No
     assert well.held and well.bound == checks.IDENTITY_TOLERANCE
 
 
+def test_forms_agree_on_subnormal_outputs_within_float64_spacing() -> None:
+    """beta of 0 or 2^-1074 (found by the search in CI): every output of kda is a few multiples of 2^-1074, and the
+    parallel form rounds one of them to the next multiple (relative error 0.33, conditioning floor 0: perturbing
+    the inputs by 2^-53 leaves such outputs unchanged). An error of a few spacings at 0 is agreement; the same
+    relative error on normal outputs is not."""
+    tiny = Case(name="kda", seed=0, B=1, T=15, H=1, K=1, V=1, beta_low=0.0, beta_high=5e-324)
+    result = checks.check_forms_agree(tiny, 1)
+    assert result.held and result.figure > 0.1, result.detail
+    assert checks._subnormal_floor(torch.ones(15, dtype=torch.float64), roundings=15) < 1e-300
+
+
 @pytest.mark.parametrize("name", DELTA_RULES)
 def test_ut_inverse_bound_holds_for_contracting_keys_only(name: str) -> None:
     case = Case(name, seed=11, T=32, K=8, V=4, beta_low=1.9, beta_high=2.0, key_coherence=0.999, gate_low=-0.5)
