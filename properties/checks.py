@@ -606,9 +606,8 @@ def _subnormal_floor(reference: Any, roundings: int) -> float:
     """The normwise relative error of ``roundings`` roundings of FLOAT64_SPACING_AT_ZERO in every element of
     ``reference``: what float64's absolute resolution allows a result that small (negligible unless it is
     subnormal)."""
-    parts = [p.to(torch.float64) for p in (reference if isinstance(reference, (tuple, list)) else (reference,))]
-    elements = sum(p.numel() for p in parts)
-    size = math.sqrt(sum(float((p * p).sum()) for p in parts))
+    elements = sum(p.numel() for p in (reference if isinstance(reference, (tuple, list)) else (reference,)))
+    size = norm(reference)  # scaled first: squares of subnormal entries would be 0
     error = roundings * FLOAT64_SPACING_AT_ZERO * math.sqrt(elements)
     return error / size if size > 0 else math.inf
 

@@ -147,7 +147,7 @@ def test_forms_agree_on_subnormal_outputs_within_float64_spacing() -> None:
     relative error on normal outputs is not."""
     tiny = Case(name="kda", seed=0, B=1, T=15, H=1, K=1, V=1, beta_low=0.0, beta_high=5e-324)
     result = checks.check_forms_agree(tiny, 1)
-    assert result.held and result.figure > 0.1, result.detail
+    assert result.held and result.figure > 0.1 and result.bound < 1e3, result.detail
     assert checks._subnormal_floor(torch.ones(15, dtype=torch.float64), roundings=15) < 1e-300
 
 

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 import attnlab
-from attnlab.commands.report import Implementation, Sizes, _kernel, measure_backward_point
+from attnlab.commands.report import Implementation, Sizes, measure_backward_point
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     sizes = Sizes(B=1, H=args.heads, K=64, V=64)
     for name in args.names.split(","):
         f = attnlab.formulation(name)
-        impls = [Implementation(f"attnlab:{form}", partial(_kernel, name, form)) for form in f.kernel_forms
+        impls = [Implementation(f"attnlab:{form}", partial(attnlab.kernel, name, form)) for form in f.kernel_forms
                  if args.forms is None or form in args.forms.split(",")]
         for T in (int(t) for t in args.lengths.split(",")):
             start = time.time()
