@@ -18,7 +18,8 @@ launch, rather than once per head (A) or per query tile (E); the main loop is lo
    W_t, the largest w_ti over the keys of row t's own group up to t (below).
 2. _key_factors_kernel: one program per (head, channel block) walks the keys in order, in groups of GROUP = 16
    and blocks of BLOCK_K (chunk_size). It keeps the running maximum of k, C16 at every group's end, and the
-   running peak of |E * v| relative to it; writes per block j the operands E = exp(k - C(j)) and E * v S(j)
+   peaks of |E * v| relative to it (each group's, each block's, and the running one over every key so far);
+   writes per block j the operands E = exp(k - C(j)) and E * v S(j)
    (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors that move sums
    made so far from one block (or group) to the next; and per key, K_id = max of k_d over its group up to i.
 3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
@@ -39,7 +40,7 @@ A block's references (C(j), S(j)) are taken over all its keys, so when causal:
 - The main loop covers the key blocks that end at or before the tile's first query.
 - The diagonal's groups before a row's own are added one at a time, each by a [BLOCK_Q, 16] x [16, BLOCK_D]
   product (E and E * v made on the fly relative to C16 and S16 at the group's end); only the rows after the
-  group move to its reference and units (the others meet zeros of A on it). So row t's sums end relative to
+  group move to its reference and units (the others keep their sums, selected per row). So row t's sums end relative to
   exp(M_t + C16) in units of S16, both at the group before its own, which no later key touches.
 - Row t's own group, keys 16 floor(t / 16) .. t, is added per key in fp32 (not through the 16-bit operands),
   relative to an upper bound of its logits known beforehand, W_t + K_td (the largest w and the largest k over
@@ -66,11 +67,11 @@ that matters keeps the operands' relative precision.
 Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
 - 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in [0, 1] and are scaled by 2^15, E * v
-  by a power of two S per channel (``_numerics.pow2_scale``: exact) that moves the running peak of |E * v| (the
-  largest entry so far, relative to the current C) to [2^14, 2^15), so fp16's range holds every operand and its
-  11-bit mantissa is 8x finer than bf16's (bf16 values convert to fp16 exactly once scaled). The running peak,
-  rather than each block's own, bounds num in its accumulating units (num <= n_keys * 2^30); entries below 2^-29
-  of it fall into fp16's subnormals, where their terms no longer matter against den >= DEN_FLOOR.
+  by a power of two S per channel (``_numerics.pow2_scale``: exact) that moves the peak of |E * v| over the
+  operands it scales (a group's, or a block's, relative to their C) to [2^14, 2^15), so fp16's range holds every
+  operand and its 11-bit mantissa is 8x finer than bf16's. A large |E * v| earlier in the sequence (one that no
+  row weighs much: a low bias) thus leaves the later keys their precision. num is carried in the units of the
+  latest S, so S is floored at 2^-64 of the running peak's (SCALE_REACH): num then stays under n_keys * 2^79.
 - "single": one fp16 rounding per operand, two products per key block.
 - "split": each operand is hi + lo (lo the remainder, rounded to fp16 in turn: exact to about 2^-22 for
   operands down to 2^-18 of their maximum, fp16 subnormals below), three products per sum (hi.hi, hi.lo,
@@ -140,11 +141,9 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
-from attnlab.runtime import interpreter_active
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of the backward's split is scaled by 2^11.
 OPERAND_MAX = tl.constexpr(32768.0)
@@ -153,6 +152,9 @@ DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
 LOG2E = tl.constexpr(1.4426950408889634)
 # Rows and keys of a causal diagonal group: a row's own group is summed per key, earlier ones by products.
 GROUP = tl.constexpr(16)
+# How far below the running peak of |E * v| a group's own peak may set its scale: num, carried in the units of
+# the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_factors_kernel).
+SCALE_REACH = tl.constexpr(2.0**-64)
 # Queries per program where the caller gives no block_q: the forward's products want tall tiles (A is read once
 # per channel block, E and E * v once per query block), the backward's kernels hold more tiles per program.
 FORWARD_BLOCK_Q = 128
@@ -289,15 +291,17 @@ def _pow2_inverse(unscale):
 
 @triton.jit
 def _num_move(den_move, scale, previous_unscale):
-    """den_move * S / S_previous, the factor that moves num to new units and reference: at most 2 (the running
-    peak that S covers includes the sums before), so in this order neither product overflows."""
+    """den_move * S / S_previous, the factor that moves num to new units and reference: at most 2^65 (S is at most
+    2^64 times the scale of the running peak, which covers the sums before), and in this order neither product
+    overflows (den_move <= 1)."""
     return den_move * scale * previous_unscale
 
 
 # Per channel d, walking the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
 #   C16_g = max_i k_id over the keys up to group g's end (a running maximum), P16_g = max_i |exp(k_id - C16_g) v_id|
-#   over the same keys (the running peak of E * v), S16_g = the power of two moving P16_g to [2^14, 2^15) (stored
-#   as 1 / S16_g), and the factors exp(C16_g-1 - C16_g) (den) and that times S16_g / S16_g-1 (num) that move sums
+#   over group g's own keys (over its block's keys for a block's last group), floored at SCALE_REACH times the
+#   same peak over every key so far, S16_g = the power of two moving P16_g to [2^14, 2^15) (stored as 1 / S16_g),
+#   and the factors exp(C16_g-1 - C16_g) (den) and that times S16_g / S16_g-1 (num) that move sums
 #   made so far to group g's reference and units (0 for the first group);
 #   per block j, with C(j), S(j) those of its last group: the dot operands E_id = exp(k_id - C(j)) (scaled by
 #   OPERAND_SCALE) and E_id v_id S(j), in [B * H, T, D], and the factors exp(C(j-1) - C(j)) (den) and that times
@@ -350,12 +354,20 @@ def _key_factors_kernel(
         terms = tl.abs(tl.exp(k - key_ref) * v)
         block_unscale_before = unscale
         running_max = block_max_before
+        block_peak = tl.zeros([BLOCK_D], tl.float32)
         for g in tl.static_range(BLOCK_K // GROUP):
             in_group = ((offs_i // GROUP) == g)[:, None]
             group_max = tl.maximum(running_max, tl.max(tl.where(in_group, k, -float("inf")), 0))
             den_move = tl.exp(running_max - group_max)
-            running_peak = tl.maximum(running_peak * den_move, tl.max(tl.where(in_group, terms, 0.0), 0))
-            scale, new_unscale = _values_scale(running_peak, HALF_OPERANDS)
+            group_peak = tl.max(tl.where(in_group, terms, 0.0), 0)
+            running_peak = tl.maximum(running_peak * den_move, group_peak)
+            block_peak = tl.maximum(block_peak * den_move, group_peak)
+            # The group's own operands set its scale (the block's, at its last group inside T, whose scale the
+            # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
+            # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
+            ends_block = (g == BLOCK_K // GROUP - 1) | (start // GROUP + g >= n_groups - 1)
+            own_peak = tl.where(ends_block, block_peak, group_peak)
+            scale, new_unscale = _values_scale(tl.maximum(own_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
             group_offsets = group_base + (start // GROUP + g) * D + offs_d
             group_in = d_in & (start // GROUP + g < n_groups)
             tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
@@ -372,16 +384,6 @@ def _key_factors_kernel(
         den_move = tl.exp(block_max_before - running_max)
         tl.store(den_move_ptr + block_offsets, den_move, mask=d_in)
         tl.store(num_move_ptr + block_offsets, _num_move(den_move, scale, block_unscale_before), mask=d_in)
-
-
-@triton.jit
-def _exp2_flushed(x, FLUSH: tl.constexpr):
-    """2^x for x <= 0. With FLUSH (compiled kernels), libdevice's exp2: results below 2^-126 are 0 and the
-    instruction needs none of tl.exp2's range fix-ups; the interpreter has no libdevice and takes tl.exp2."""
-    if FLUSH:
-        return libdevice.exp2(x)
-    else:
-        return tl.exp2(x)
 
 
 @triton.jit
@@ -431,7 +433,7 @@ def _aft_fwd_kernel(
     T, H, D, den_floor, fp32_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    OPERAND_SCALE: tl.constexpr, FLUSH_EXP: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -525,7 +527,7 @@ def _aft_fwd_kernel(
             k = tl.load(k_ptr + kv_offsets, mask=visible, other=-float("inf")).to(tl.float32)
             v = tl.load(v_ptr + kv_offsets, mask=visible, other=0.0).to(tl.float32)
             # (terms below 2^-126 of the bound flush to 0: the fp32 floor below covers what that could lose)
-            weight = _exp2_flushed((k - own_key_max) * LOG2E + ((w - own_bias_max) * LOG2E)[:, None], FLUSH_EXP)
+            weight = tl.exp2((k - own_key_max) * LOG2E + ((w - own_bias_max) * LOG2E)[:, None])
             own_den += weight
             own_num += weight * v
         # Both sums move to the larger reference, M_t + C_td or W_t + K_td, by exp(-|difference|) on one side
@@ -582,23 +584,26 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
 
     Per key the larger of (running max, logit) becomes the reference and the
     other side is multiplied by exp(-|logit - running max|) <= 1: one exp.
-    A key after t (causal) has logit -inf: shrink = 0 and grew is false, so
-    it adds exact zeros and leaves row t bitwise unchanged (the reference
-    running_max must be finite for that: the first key added must be visible
-    to every row of the tile).
+    A key after t (causal) leaves row t's sums as they were, selected rather
+    than added as zeros, so that a non-finite k or v there cannot reach row t
+    (-inf + nan, 0 * inf).
     """
     for i in range(key_start, key_end):
         w_col = tl.load(w_ptr + offs_t.to(tl.int64) * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
-        if CAUSAL:
-            w_col = tl.where(i <= offs_t, w_col, -float("inf"))
         k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
         v_row = tl.load(v_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
         logit = w_col[:, None] + (k_row - k_ref)[None, :]
         shrink = tl.exp(-tl.abs(logit - running_max))
         grew = logit > running_max
-        den = tl.where(grew, den * shrink + 1.0, den + shrink)
-        num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
-        running_max = tl.maximum(running_max, logit)
+        new_den = tl.where(grew, den * shrink + 1.0, den + shrink)
+        new_num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
+        new_max = tl.maximum(running_max, logit)
+        if CAUSAL:
+            seen = (i <= offs_t)[:, None]
+            new_den = tl.where(seen, new_den, den)
+            new_num = tl.where(seen, new_num, num)
+            new_max = tl.where(seen, new_max, running_max)
+        den, num, running_max = new_den, new_num, new_max
     return running_max, num, den
 
 
@@ -720,7 +725,7 @@ def chunkwise(
                T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
                CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
                DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
-               FLUSH_EXP=not interpreter_active(), BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
+               BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
                num_warps=num_warps, num_stages=num_stages, **stores),
         Launch(_aft_fallback_kernel, grid,
                w, k, v, o, lse, lse_residual, o_residual, fallback, T, H, D,

@@ -442,7 +442,7 @@ COMPILE = textwrap.dedent("""
         half = inputs != "fp32"
         constexprs = dict(
             CAUSAL=causal, SPLIT=inputs == "fp16", HALF_OPERANDS=half, DOT_PRECISION="tf32" if half else "ieee",
-            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, FLUSH_EXP=True,
+            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0,
             STORE_LSE=True, STORE_LSE_RESIDUAL=not half, STORE_O_RESIDUAL=half,
             BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
             BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
@@ -473,3 +473,18 @@ def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision():
     x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5).items()}
     x["k"][:, 0], x["v"][:, 0], x["w"][:, 0] = 11.5, 60000.0, -30.0
     assert _excess(x, torch.float16, causal=False) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("later", ["v_inf", "k_nan", "k_inf"])
+def test_the_exact_fallback_is_causal_past_non_finite_keys(later):
+    """Row 1 takes the exact fallback (its bias and keys peak at different keys: w = [0, -100], k = [-100, 0]); a
+    non-finite v or k at key 2 must leave rows 0 and 1 bitwise as they were (the review's repro, session 19)."""
+    x = _inputs(torch.float32, T=3, D=4, H=1)
+    x["w"][1, :2] = torch.tensor([0.0, -100.0])
+    x["k"][:, 0], x["k"][:, 1] = -100.0, 0.0
+    before = kernel("aft")(**x, causal=True)
+    name, value = {"v_inf": ("v", float("inf")), "k_nan": ("k", float("nan")), "k_inf": ("k", float("inf"))}[later]
+    x[name] = x[name].clone()
+    x[name][:, 2] = value
+    after = kernel("aft")(**x, causal=True)
+    assert torch.equal(before[:, :2], after[:, :2])
