@@ -73,9 +73,11 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
   row weighs much: a low bias) thus leaves the later keys their precision. num is carried in the units of the
   latest S, so S is floored at 2^-64 of the running peak's (SCALE_REACH): num then stays under n_keys * 2^79.
 - "single": one fp16 rounding per operand, two products per key block.
-- "split": each operand is hi + lo (lo the remainder, rounded to fp16 in turn: exact to about 2^-22 for
-  operands down to 2^-18 of their maximum, fp16 subnormals below), three products per sum (hi.hi, hi.lo,
-  lo.hi) accumulated together, six per block.
+- "split": each operand is hi + lo (lo the remainder, rounded to fp16 in turn), three products per sum
+  (hi.hi, hi.lo, lo.hi) accumulated together, six per block. E's and E * v's lo are scaled up by 2^11 and
+  the cross product's A down by as much, so those stay exact to about 2^-22 down to 2^-29 of their peak (one key
+  of huge E * v and no weight leaves its block's others their precision); A's lo is not scaled: its entries
+  below 2^-18 of the row's peak weigh too little for their rounding to matter.
 - "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs: one fp16 rounding per operand is
   already 8x below bf16's output rounding (excess near 1), but as large as fp16's own, so fp16 inputs need the
   split to reach their floor (bf16 operands rounded once would not reach bf16's).
@@ -186,22 +188,23 @@ def _two_sum(a, b):
 
 
 @triton.jit
-def _operand_parts(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr):
+def _operand_parts(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr, LO_UNIT: tl.constexpr):
     """x (fp32, within the operand dtype's range) as forward dot operands (hi, lo): hi is x rounded, lo what that
-    dropped, rounded in turn (unscaled, so that the products of hi and of lo add into one accumulator); lo is hi
-    unless SPLIT."""
+    dropped times LO_UNIT, rounded in turn; lo is hi unless SPLIT. Right operands (E, E * v) take LO_UNIT =
+    LO_SCALE, which keeps lo out of fp16's subnormals down to 2^-14 of hi's unit (_dot_into scales the left
+    operand down to match); left operands (A, whose row peak is OPERAND_MAX) take 1."""
     hi = x.to(OP_DTYPE)
     if SPLIT:
-        lo = (x - hi.to(tl.float32)).to(OP_DTYPE)
+        lo = ((x - hi.to(tl.float32)) * LO_UNIT).to(OP_DTYPE)
     else:
         lo = hi
     return hi, lo
 
 
 @triton.jit
-def _store_operand(hi_ptr, lo_ptr, offsets, x, mask, SPLIT: tl.constexpr):
+def _store_operand(hi_ptr, lo_ptr, offsets, x, mask, SPLIT: tl.constexpr, LO_UNIT: tl.constexpr):
     """x as a stored operand: hi, and lo where SPLIT (_operand_parts)."""
-    hi, lo = _operand_parts(x, SPLIT, hi_ptr.dtype.element_ty)
+    hi, lo = _operand_parts(x, SPLIT, hi_ptr.dtype.element_ty, LO_UNIT)
     tl.store(hi_ptr + offsets, hi, mask=mask)
     if SPLIT:
         tl.store(lo_ptr + offsets, lo, mask=mask)
@@ -220,10 +223,13 @@ def _load_operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr):
 
 @triton.jit
 def _dot_into(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + a @ b in fp32; with SPLIT, a = a_hi + a_lo and b = b_hi + b_lo, the lo @ lo term (2^-22) dropped."""
+    """acc + a @ b in fp32; with SPLIT, a = a_hi + a_lo and b = b_hi + b_lo / LO_SCALE (_operand_parts), the lo @ lo
+    term (2^-22) dropped. a_hi / LO_SCALE, the cross product's left operand, is exact for a_hi >= 2^-3, 2^-18 of
+    A's row peak; smaller entries weigh too little for their rounding to reach the sum."""
     acc = tl.dot(a_hi, b_hi, acc, input_precision=DOT_PRECISION)
     if SPLIT:
-        acc = tl.dot(a_hi, b_lo, acc, input_precision=DOT_PRECISION)
+        a_hi_down = (a_hi.to(tl.float32) * (1.0 / LO_SCALE)).to(a_hi.dtype)
+        acc = tl.dot(a_hi_down, b_lo, acc, input_precision=DOT_PRECISION)
         acc = tl.dot(a_lo, b_hi, acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -274,7 +280,7 @@ def _bias_factors_kernel(
         mask = row_in[:, None] & (keys < key_end)[None, :]
         w = tl.load(w_ptr + row_offsets + keys[None, :], mask=mask, other=-float("inf")).to(tl.float32)
         _store_operand(a_hi_ptr, a_lo_ptr, row_offsets + keys[None, :], tl.exp(w - anchor[:, None]) * OPERAND_SCALE,
-                       mask, SPLIT)
+                       mask, SPLIT, 1.0)
 
 
 @triton.jit
@@ -378,8 +384,8 @@ def _key_factors_kernel(
             unscale = new_unscale
 
         e = tl.exp(k - running_max[None, :])
-        _store_operand(e_hi_ptr, e_lo_ptr, offsets, e * OPERAND_SCALE, mask, SPLIT)
-        _store_operand(ev_hi_ptr, ev_lo_ptr, offsets, e * v * scale[None, :], mask, SPLIT)
+        _store_operand(e_hi_ptr, e_lo_ptr, offsets, e * OPERAND_SCALE, mask, SPLIT, LO_SCALE)
+        _store_operand(ev_hi_ptr, ev_lo_ptr, offsets, e * v * scale[None, :], mask, SPLIT, LO_SCALE)
         block_offsets = block_base + (start // BLOCK_K) * D + offs_d
         den_move = tl.exp(block_max_before - running_max)
         tl.store(den_move_ptr + block_offsets, den_move, mask=d_in)
@@ -493,8 +499,8 @@ def _aft_fwd_kernel(
             den_move = tl.load(group_den_move_ptr + group_offsets, mask=d_in, other=0.0)
             num_move = tl.load(group_num_move_ptr + group_offsets, mask=d_in, other=0.0)
             e = tl.exp(k - group_ref[None, :])
-            e_hi, e_lo = _operand_parts(e * OPERAND_SCALE, SPLIT, OP_DTYPE)
-            ev_hi, ev_lo = _operand_parts(e * v * group_scale[None, :], SPLIT, OP_DTYPE)
+            e_hi, e_lo = _operand_parts(e * OPERAND_SCALE, SPLIT, OP_DTYPE, LO_SCALE)
+            ev_hi, ev_lo = _operand_parts(e * v * group_scale[None, :], SPLIT, OP_DTYPE, LO_SCALE)
             # Selected, not masked by A's zeros: a non-finite k or v of the group would reach the rows before it
             # as 0 * inf in the product.
             den = tl.where(reached[:, None],
