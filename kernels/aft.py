@@ -1,69 +1,93 @@
-"""aft (AFT-full, FORMULATIONS.md 6): the chunkwise form as an online reduction over key blocks (no state).
+"""aft (AFT-full, FORMULATIONS.md 6): the chunkwise form as matrix products on precomputed factors (no state).
 
     o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)   (elementwise over D; all i when causal=False)
 
-Conventions: w [T, T], k, v [B, T, H, D], o [B, T, H, D] in the input dtype
-(fp16, bf16 or fp32). One program owns BLOCK_Q queries x BLOCK_D channels of
-one (batch, head); grid (query blocks, B*H, channel blocks).
+Conventions: w [T, T], k, v [B, T, H, D], o [B, T, H, D] in the input dtype (fp16, bf16 or fp32).
 
-Algorithm (tensor cores). exp(w_ti + k_id) factorizes, so a key block of
-BLOCK_K keys is two matrix products:
+Forward algorithm (tensor cores). exp(w_ti + k_id) factorizes into a bias factor and a key factor, so both sums
+are matrix products per (batch, head):
 
-    A_ti = exp(w_ti - m_t)     m_t = max_i w_ti over the block (per query row)
-    E_id = exp(k_id - m_d)     m_d = max_i k_id over the block (per channel)
-    num_td = (A @ (E * v))_td,   den_td = (A @ E)_td   (both relative to exp(m_t + m_d))
+    A_ti = exp(w_ti - M_t)     M_t = max of w_ti over row t's factorized keys (below): the row's anchor
+    E_id = exp(k_id - C_d)     C_d = a running maximum of k_d over the keys (below)
+    num_td = (A @ (E * v))_td,   den_td = (A @ E)_td   (both relative to exp(M_t + C_d))
 
-Across blocks the references are running maxima R_t = max m_t and R_d = max
-m_d, kept apart, so the online rescale is exp(R_t,old - R_t) exp(R_d,old -
-R_d): vectors, not a [BLOCK_Q, BLOCK_D] exponential per block. Every
-exponent is <= 0 (masked logits are -inf before the exp). Adding a constant
-to k moves m_d and R_d with it and changes nothing else.
+Every exponent is <= 0. A depends on w alone and E, E * v on no query, so each factor is computed once, in its own
+launch, rather than once per head (A) or per query tile (E); the main loop is loads and two products. Launches:
 
-Where the factorization loses: R_t + R_d bounds max_i (w_ti + k_id) from
-above, but the row's best w and the channel's best k may sit at different
-keys, so every term of (t, d) can be far below exp(R_t + R_d), i.e. den
-(relative to that reference) far below 1. fp32 keeps relative precision down
-to 2^-126, but the 16-bit dot operands flush tiny values, and the product of
-two shifted exps can underflow outright (w = [0, -100], k = [-100, 0] gives
-two terms of e^-100 relative to the reference: 0/0 in any dtype). The kernel
-detects it: every den_td that ends below DEN_FLOOR (2^-12 with fp16
-operands, 2^-60 with fp32) is discarded and recomputed exactly, one key at a
-time with a running maximum per (t, d) (fp32, one exp per entry and key;
-logits w + (k - k_0) so a shift of k still cancels). The choice is per
-entry, so it never depends on another row. That is slow but only meets inputs whose bias and keys together
-span more than about 8 nats against each other; for the registry's N(0, 1)
-inputs den_td is near n_keys * e^-7 and the fallback never runs. Above the
-floor, every term that matters keeps the operands' relative precision.
+1. _bias_factors_kernel: A as a [T, T] dot operand (shared by all B * H heads) and the anchors M_t; causal, also
+   W_t, the largest w_ti over the keys of row t's own group up to t (below).
+2. _key_factors_kernel: one program per (head, channel block) walks the keys in order, in groups of GROUP = 16
+   and blocks of BLOCK_K (chunk_size). It keeps the running maximum of k, C16 at every group's end, and the
+   peaks of |E * v| relative to it (each group's, each block's, and the running one over every key so far);
+   writes per block j the operands E = exp(k - C(j)) and E * v S(j)
+   (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors that move sums
+   made so far from one block (or group) to the next; and per key, K_id = max of k_d over its group up to i.
+3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
+   blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal.
+4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
+   programs return at once where no entry of their tile needs it.
 
-Causality (bitwise): output t may depend only on keys <= t, including
-through the rounding. A reference taken over a key block that straddles
-the queries (m_d over all its keys, the E * v scale, R_d and the rescales
-that follow) would let later keys change earlier outputs. So when causal the
-factorized loop covers only the key blocks that end at or before the tile's
-first query (visible to every row: all their references are causal), and the
-remaining keys (the diagonal, at most BLOCK_K - 1 + BLOCK_Q of them) are added
-exactly, per key, continuing from the factorized sums with the reference
-R_t + R_d per (t, d); a key after t adds exact zeros to row t. The fallback
-test looks only at the factorized den_td, i.e. at keys <= t.
+The references move forward by vectors. Block j's products are relative to exp(M_t + C(j)), C(j) <= C(j+1); the
+accumulators move from C(j-1) to C(j) by exp(C(j-1) - C(j)) <= 1 per channel (no [BLOCK_Q, BLOCK_D] exponential),
+and both products accumulate inside the dot: num is kept in units of the current E * v scale (below), which the
+same per-channel factor carries. Adding a constant to k moves every C and K with it and changes nothing else.
+
+Causality (bitwise): output t may depend only on w_t,i, k_i and v_i for i <= t, including through the rounding.
+A block's references (C(j), S(j)) are taken over all its keys, so when causal:
+
+- Row t's factorized keys are those before its own group of 16 rows, i < 16 floor(t / 16); M_t is their
+  maximum (rows t < 16 have none).
+- The main loop covers the key blocks that end at or before the tile's first query.
+- The diagonal's groups before a row's own are added one at a time, each by a [BLOCK_Q, 16] x [16, BLOCK_D]
+  product (E and E * v made on the fly relative to C16 and S16 at the group's end); only the rows after the
+  group move to its reference and units (the others keep their sums, selected per row). So row t's sums end relative to
+  exp(M_t + C16) in units of S16, both at the group before its own, which no later key touches.
+- Row t's own group, keys 16 floor(t / 16) .. t, is added per key in fp32 (not through the 16-bit operands),
+  relative to an upper bound of its logits known beforehand, W_t + K_td (the largest w and the largest k over
+  those keys): exp((k_id - K_td) + (w_ti - W_t)), keys after t masked out. Those sums and the factorized ones
+  then move to the larger of the two references, by exp(-|difference|) on one side.
+
+When causal=False every key is factorized and the main loop covers them all.
+
+Where the factorization loses: M_t + C_d bounds every logit w_ti + k_id from above, but the row's best w and
+the channel's best k may sit at different keys, so every term of (t, d) can be far below exp(M_t + C_d), i.e.
+den (relative to that reference) far below 1. fp32 keeps relative precision down to 2^-126, but the 16-bit
+dot operands flush tiny values, and the product of two shifted exps can underflow outright (w = [0, -100], k =
+[-100, 0] gives two terms of e^-100 relative to the reference: 0/0 in any dtype). Every entry whose factorized
+den ends below DEN_FLOOR (2^-12 with fp16 operands, 2^-60 with fp32) is recomputed exactly over all its keys,
+one key at a time with a running maximum per (t, d) (fp32, one exp per entry and key; logits w + (k - k_0) so
+a shift of k still cancels); so is every entry whose den, own group included, ends below fp32's floor (2^-60;
+the own group's W and K can sit at different keys too). The main kernel marks those entries (their den, hence
+o, becomes NaN) and records per program whether its tile holds one; the fallback kernel recomputes the marked
+entries of those tiles. The choice is per entry and made on keys up to t, so it is causal too. That is slow but
+only meets inputs whose bias and keys together span more than about 8 nats against each other; for the
+registry's N(0, 1) inputs den is near n_keys * e^-7 and the fallback never runs. Above the floor, every term
+that matters keeps the operands' relative precision.
 
 Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
-- 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in
-  [0, 1] and are scaled by 2^15, E * v is scaled per channel and block by a
-  power of two to a maximum in [2^14, 2^15) (``_numerics.pow2_scale``: exact;
-  divided out after the dot), so fp16's range holds them and its 11-bit
-  mantissa is 8x finer than bf16's (bf16 values convert to fp16 exactly once
-  scaled).
-- "single": one fp16 rounding per operand, two dots per block.
-- "split": each operand is hi + lo (lo the remainder, scaled by 2^11 before
-  rounding so it stays normal), three dots per product (hi.hi, hi.lo, lo.hi),
-  six per block; operands are then exact to about 2^-22.
-- "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs: one
-  fp16 rounding per operand is already 8x below bf16's output rounding
-  (excess near 1), but as large as fp16's own, so fp16 inputs need the split
-  to reach their floor (bf16 operands rounded once would not reach bf16's).
-- fp32 inputs use fp32 operands with input_precision="ieee" (exact
-  products); precision has no effect there.
+- 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in [0, 1] and are scaled by 2^15, E * v
+  by a power of two S per channel (``_numerics.pow2_scale``: exact) that moves the peak of |E * v| over the
+  operands it scales (a group's, or a block's, relative to their C) to [2^14, 2^15), so fp16's range holds every
+  operand and its 11-bit mantissa is 8x finer than bf16's. A large |E * v| earlier in the sequence (one that no
+  row weighs much: a low bias) thus leaves the later keys their precision. num is carried in the units of the
+  latest S, so S is floored at 2^-64 of the running peak's (SCALE_REACH): num then stays under n_keys * 2^79.
+- "single": one fp16 rounding per operand, two products per key block.
+- "split": each operand is hi + lo (lo the remainder, rounded to fp16 in turn), three products per sum
+  (hi.hi, hi.lo, lo.hi) accumulated together, six per block. E's and E * v's lo are scaled up by 2^11 and
+  the cross product's A down by as much, so those stay exact to about 2^-22 down to 2^-29 of their peak (one key
+  of huge E * v and no weight leaves its block's others their precision); A's lo is not scaled: its entries
+  below 2^-18 of the row's peak weigh too little for their rounding to matter.
+- "auto" (default): "single" for bf16 inputs, "split" for fp16 inputs: one fp16 rounding per operand is
+  already 8x below bf16's output rounding (excess near 1), but as large as fp16's own, so fp16 inputs need the
+  split to reach their floor (bf16 operands rounded once would not reach bf16's).
+- fp32 inputs use fp32 operands with input_precision="ieee" (exact products); precision has no effect there.
+
+Memory of the precomputed factors: A is T * T operands (fp16 for 16-bit inputs, twice with "split"; fp32 for
+fp32 inputs), E and E * v each one operand per element of k (twice with "split"), K one element of k's dtype per
+element of k; the anchors (T) and the per-group and per-block references, scales and factors (B * H * D each per
+group or block) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E, E * v and K 128 MiB each, the
+four group vectors 16 MiB each, the two block vectors 4 MiB each: 488 MiB in all (776 MiB with "split").
 
 Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
 softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
@@ -73,16 +97,17 @@ causal) and lse_td = log sum_s exp(w_ts + k_sd),
     dk_sd = sum_t P_tsd do_td (v_sd - o_td)          (so sum_s dk_sd = 0: a shift of k changes nothing)
     dw_ts = sum_{b,h,d} P_tsd do_td (v_sd - o_td)    (w is shared by batch and heads)
 
-Per (query block, key block) tile P factorizes as in the forward:
-P = A_ts E_sd F_td with A = exp(w - m_t), E = exp(k - m_d) (block maxima,
-both in [0, 1]) and F = exp(m_t + m_d - lse_td), so with G = do * F every
+Per (query block, key block) tile P factorizes like the forward's sums:
+P = A_ts E_sd F_td with A = exp(w - m_t), E = exp(k - m_d) (the tile's
+own maxima, both in [0, 1]) and F = exp(m_t + m_d - lse_td), so with G = do * F every
 sum is two matrix products: dv = E * (A^T G), dk = E * (v * (A^T G) -
 A^T (G * o)), dw = A * sum_{b,h} (G (E * v)^T - (G * o) E^T). Two kernels,
 no atomics: one program per (key block, b * h, channel block) loops over
 query blocks for dk and dv; one per (query block, key block) loops over b, h
 and channel blocks for dw, its fp32 sum in a fixed order (deterministic).
-Dot operands are those of the forward ("precision": fp16 operands scaled by
-powers of two, split for fp16 inputs; fp32 with "ieee").
+Dot operands are fp16 scaled by powers of two for 16-bit inputs, split for
+fp16 inputs (lo scaled by 2^11 and its cross products summed apart), fp32
+with "ieee" for fp32 inputs.
 
 - F's exponent is small but made of large numbers (|lse| a few units, ~200
   for shifted keys): m_t + m_d - lse is summed with TwoSum (and lse's
@@ -104,8 +129,7 @@ bits, which v - o needs where one key dominates a weight: fp16 excess 3.4 ->
 lse's own rounding moves every weight by 50 u). o is not saved (the wrapper
 passes it); A, E, F and P are recomputed in the backward, which costs
 per tile BLOCK_Q * (BLOCK_K + BLOCK_D) exps in the dk/dv kernel and
-BLOCK_D * (BLOCK_Q + BLOCK_K) in the dw kernel, against the forward's
-BLOCK_K * (BLOCK_Q + BLOCK_D).
+BLOCK_D * (BLOCK_Q + BLOCK_K) in the dw kernel.
 
 Measurements behind these choices (emulated excess): reports/bench.md,
 "Design history moved from the kernel docstrings".
@@ -123,16 +147,28 @@ import triton.language as tl
 from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
-# fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of a split is scaled by 2^11.
+# fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of the backward's split is scaled by 2^11.
 OPERAND_MAX = tl.constexpr(32768.0)
 LO_SCALE = tl.constexpr(2048.0)
 DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
+LOG2E = tl.constexpr(1.4426950408889634)
+# Rows and keys of a causal diagonal group: a row's own group is summed per key, earlier ones by products.
+GROUP = tl.constexpr(16)
+# How far below the running peak of |E * v| a group's own peak may set its scale: num, carried in the units of
+# the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_factors_kernel).
+SCALE_REACH = tl.constexpr(2.0**-64)
+# Queries per program where the caller gives no block_q: the forward's products want tall tiles (A is read once
+# per channel block, E and E * v once per query block), the backward's kernels hold more tiles per program.
+FORWARD_BLOCK_Q = 128
+BACKWARD_BLOCK_Q = 64
+BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own one group of rows)
+KEY_FACTORS_BLOCK_D = 32  # most channels per program of _key_factors_kernel (B * H * D / 32 programs)
 
 OPTIONS = {
     "chunkwise": {
-        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block
-        "block_q": (64, (16, 32, 64, 128)),  # queries per program
-        "block_d": (128, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
+        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block of the products
+        "block_q": (None, (None, 16, 32, 64, 128)),  # queries per program; None: FORWARD_ / BACKWARD_BLOCK_Q
+        "block_d": (64, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
         "num_warps": (8, (1, 2, 4, 8, 16)),
         "num_stages": (2, (1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "single", "split")),
@@ -141,8 +177,579 @@ OPTIONS = {
 
 
 @triton.jit
+def _two_sum(a, b):
+    """(s, err) with s = fl(a + b) and s + err = a + b exactly (Knuth's TwoSum, no branch)."""
+    s = a + b
+    b_part = s - a
+    return s, (a - (s - b_part)) + (b - b_part)
+
+
+# ------------------------------------------------------------------------------------------------ forward
+
+
+@triton.jit
+def _operand_parts(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr, LO_UNIT: tl.constexpr):
+    """x (fp32, within the operand dtype's range) as forward dot operands (hi, lo): hi is x rounded, lo what that
+    dropped times LO_UNIT, rounded in turn; lo is hi unless SPLIT. Right operands (E, E * v) take LO_UNIT =
+    LO_SCALE, which keeps lo out of fp16's subnormals down to 2^-14 of hi's unit (_dot_into scales the left
+    operand down to match); left operands (A, whose row peak is OPERAND_MAX) take 1."""
+    hi = x.to(OP_DTYPE)
+    if SPLIT:
+        lo = ((x - hi.to(tl.float32)) * LO_UNIT).to(OP_DTYPE)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _store_operand(hi_ptr, lo_ptr, offsets, x, mask, SPLIT: tl.constexpr, LO_UNIT: tl.constexpr):
+    """x as a stored operand: hi, and lo where SPLIT (_operand_parts)."""
+    hi, lo = _operand_parts(x, SPLIT, hi_ptr.dtype.element_ty, LO_UNIT)
+    tl.store(hi_ptr + offsets, hi, mask=mask)
+    if SPLIT:
+        tl.store(lo_ptr + offsets, lo, mask=mask)
+
+
+@triton.jit
+def _load_operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr):
+    """A stored operand (hi, lo), 0 outside mask; lo is hi unless SPLIT."""
+    hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
+    if SPLIT:
+        lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _dot_into(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc + a @ b in fp32; with SPLIT, a = a_hi + a_lo and b = b_hi + b_lo / LO_SCALE (_operand_parts), the lo @ lo
+    term (2^-22) dropped. a_hi / LO_SCALE, the cross product's left operand, is exact for a_hi >= 2^-3, 2^-18 of
+    A's row peak; smaller entries weigh too little for their rounding to reach the sum."""
+    acc = tl.dot(a_hi, b_hi, acc, input_precision=DOT_PRECISION)
+    if SPLIT:
+        a_hi_down = (a_hi.to(tl.float32) * (1.0 / LO_SCALE)).to(a_hi.dtype)
+        acc = tl.dot(a_hi_down, b_lo, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(a_lo, b_hi, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _values_scale(peaks, HALF_OPERANDS: tl.constexpr):
+    """(2^s, 2^-s) per peak (>= 0) moving it to [2^14, 2^15) for fp16 operands (exact both ways); (1, 1) for fp32
+    operands."""
+    if HALF_OPERANDS:
+        scale, unscale = pow2_scale(peaks, 14)
+    else:
+        scale = tl.full(peaks.shape, 1.0, tl.float32)
+        unscale = scale
+    return scale, unscale
+
+
+# A_ti = exp(w_ti - M_t) over row t's factorized keys (all keys; causal: those before its group of GROUP rows),
+# M_t their maximum (the anchor; 0 where there are none), stored scaled by OPERAND_SCALE as dot operands; causal,
+# also W_t = max of w_ti over the keys of its own group up to t. One program per group of rows (which share their
+# factorized keys); entries of A from the row's own group on are neither written nor read.
+@triton.jit
+def _bias_factors_kernel(
+    w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, own_bias_max_ptr, T,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+):
+    rows = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    row_in = rows < T
+    row_offsets = rows.to(tl.int64)[:, None] * T
+    if CAUSAL:
+        key_end = tl.program_id(0) * GROUP
+        own_keys = key_end + tl.arange(0, GROUP)
+        own = row_in[:, None] & (own_keys[None, :] <= rows[:, None])
+        w_own = tl.load(w_ptr + row_offsets + own_keys[None, :], mask=own, other=-float("inf")).to(tl.float32)
+        tl.store(own_bias_max_ptr + rows, tl.max(w_own, 1), mask=row_in)
+    else:
+        key_end = T
+    running_max = tl.full([GROUP, BLOCK_KEYS], -float("inf"), tl.float32)
+    for start in range(0, key_end, BLOCK_KEYS):
+        keys = start + tl.arange(0, BLOCK_KEYS)
+        mask = row_in[:, None] & (keys < key_end)[None, :]
+        w = tl.load(w_ptr + row_offsets + keys[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+        running_max = tl.maximum(running_max, w)
+    row_max = tl.max(running_max, 1)
+    anchor = tl.where(row_max > -float("inf"), row_max, 0.0)
+    tl.store(anchor_ptr + rows, anchor, mask=row_in)
+    for start in range(0, key_end, BLOCK_KEYS):
+        keys = start + tl.arange(0, BLOCK_KEYS)
+        mask = row_in[:, None] & (keys < key_end)[None, :]
+        w = tl.load(w_ptr + row_offsets + keys[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+        _store_operand(a_hi_ptr, a_lo_ptr, row_offsets + keys[None, :], tl.exp(w - anchor[:, None]) * OPERAND_SCALE,
+                       mask, SPLIT, 1.0)
+
+
+@triton.jit
+def _max_in_segment(a, a_starts, b, b_starts):
+    """Combine of a running maximum that restarts where b_starts is set (an associative scan over segments)."""
+    return tl.where(b_starts, b, tl.maximum(a, b)), a_starts | b_starts
+
+
+@triton.jit
+def _pow2_inverse(unscale):
+    """1 / unscale for a power of two in [2^-126, 2^126] (as pow2_scale gives), exactly, from its exponent field."""
+    return ((254 - ((unscale.to(tl.int32, bitcast=True) >> 23) & 0xFF)) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _num_move(den_move, scale, previous_unscale):
+    """den_move * S / S_previous, the factor that moves num to new units and reference: at most 2^65 (S is at most
+    2^64 times the scale of the running peak, which covers the sums before), and in this order neither product
+    overflows (den_move <= 1)."""
+    return den_move * scale * previous_unscale
+
+
+# Per channel d, walking the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
+#   C16_g = max_i k_id over the keys up to group g's end (a running maximum), P16_g = max_i |exp(k_id - C16_g) v_id|
+#   over group g's own keys (over its block's keys for a block's last group), floored at SCALE_REACH times the
+#   same peak over every key so far, S16_g = the power of two moving P16_g to [2^14, 2^15) (stored as 1 / S16_g),
+#   and the factors exp(C16_g-1 - C16_g) (den) and that times S16_g / S16_g-1 (num) that move sums
+#   made so far to group g's reference and units (0 for the first group);
+#   per block j, with C(j), S(j) those of its last group: the dot operands E_id = exp(k_id - C(j)) (scaled by
+#   OPERAND_SCALE) and E_id v_id S(j), in [B * H, T, D], and the factors exp(C(j-1) - C(j)) (den) and that times
+#   S(j) / S(j-1) (num) that move sums made so far to block j's reference and units (0 for the first block);
+#   per key i, K_id = max of k_d over its group's keys up to i (in k's dtype: a maximum of its values is exact).
+# Every E * v operand relative to some C16_g and scaled by S16_g is then at most 2^15. One program per (head,
+# channel block) walks the key blocks in order, the running maximum and peak its carry.
+@triton.jit
+def _key_factors_kernel(
+    k_ptr, v_ptr, e_hi_ptr, e_lo_ptr, ev_hi_ptr, ev_lo_ptr, den_move_ptr, num_move_ptr, group_ref_ptr,
+    group_unscale_ptr, group_den_move_ptr, group_num_move_ptr, own_key_max_ptr, T, H, D,
+    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, OPERAND_SCALE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    row_stride = H * D
+    factors_base = pid_bh.to(tl.int64) * T * D
+    n_groups = tl.cdiv(T, GROUP)
+    group_base = pid_bh.to(tl.int64) * n_groups * D
+    block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
+    offs_i = tl.arange(0, BLOCK_K)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_in = offs_d < D
+
+    running_max = tl.full([BLOCK_D], -float("inf"), tl.float32)
+    running_peak = tl.zeros([BLOCK_D], tl.float32)
+    unscale = tl.full([BLOCK_D], 1.0, tl.float32)
+    for start in range(0, T, BLOCK_K):
+        keys = start + offs_i
+        key_in = keys < T
+        mask = key_in[:, None] & d_in[None, :]
+        kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
+        k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+        k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maxima stay finite
+        v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+        offsets = factors_base + keys[:, None] * D + offs_d[None, :]
+        group_starts = (offs_i % GROUP == 0)[:, None] & d_in[None, :]
+        own_key_max, _ = tl.associative_scan((k, group_starts), 0, _max_in_segment)
+        tl.store(own_key_max_ptr + offsets, own_key_max.to(own_key_max_ptr.dtype.element_ty), mask=mask)
+
+        # Each key's group reference C16, then |E * v| relative to it (one exponential per element).
+        block_max_before = running_max
+        key_ref = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+        for g in tl.static_range(BLOCK_K // GROUP):
+            in_group = ((offs_i // GROUP) == g)[:, None]
+            running_max = tl.maximum(running_max, tl.max(tl.where(in_group, k, -float("inf")), 0))
+            key_ref = tl.where(in_group, running_max[None, :], key_ref)
+        terms = tl.abs(tl.exp(k - key_ref) * v)
+        block_unscale_before = unscale
+        running_max = block_max_before
+        block_peak = tl.zeros([BLOCK_D], tl.float32)
+        for g in tl.static_range(BLOCK_K // GROUP):
+            in_group = ((offs_i // GROUP) == g)[:, None]
+            group_max = tl.maximum(running_max, tl.max(tl.where(in_group, k, -float("inf")), 0))
+            den_move = tl.exp(running_max - group_max)
+            group_peak = tl.max(tl.where(in_group, terms, 0.0), 0)
+            running_peak = tl.maximum(running_peak * den_move, group_peak)
+            block_peak = tl.maximum(block_peak * den_move, group_peak)
+            # The group's own operands set its scale (the block's, at its last group inside T, whose scale the
+            # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
+            # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
+            ends_block = (g == BLOCK_K // GROUP - 1) | (start // GROUP + g >= n_groups - 1)
+            own_peak = tl.where(ends_block, block_peak, group_peak)
+            scale, new_unscale = _values_scale(tl.maximum(own_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
+            group_offsets = group_base + (start // GROUP + g) * D + offs_d
+            group_in = d_in & (start // GROUP + g < n_groups)
+            tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
+            tl.store(group_unscale_ptr + group_offsets, new_unscale, mask=group_in)
+            tl.store(group_den_move_ptr + group_offsets, den_move, mask=group_in)
+            tl.store(group_num_move_ptr + group_offsets, _num_move(den_move, scale, unscale), mask=group_in)
+            running_max = group_max
+            unscale = new_unscale
+
+        e = tl.exp(k - running_max[None, :])
+        _store_operand(e_hi_ptr, e_lo_ptr, offsets, e * OPERAND_SCALE, mask, SPLIT, LO_SCALE)
+        _store_operand(ev_hi_ptr, ev_lo_ptr, offsets, e * v * scale[None, :], mask, SPLIT, LO_SCALE)
+        block_offsets = block_base + (start // BLOCK_K) * D + offs_d
+        den_move = tl.exp(block_max_before - running_max)
+        tl.store(den_move_ptr + block_offsets, den_move, mask=d_in)
+        tl.store(num_move_ptr + block_offsets, _num_move(den_move, scale, block_unscale_before), mask=d_in)
+
+
+@triton.jit
+def _own_group_bias(w_ptr, offs_t, step, T):
+    """Per row t, w_ti for key i = 16 floor(t / 16) + step of its own group (-inf where i comes after t), and i."""
+    key = (offs_t // GROUP) * GROUP + step
+    visible = (key <= offs_t) & (offs_t < T)
+    w = tl.load(w_ptr + offs_t.to(tl.int64) * T + key, mask=visible, other=-float("inf")).to(tl.float32)
+    return w, key
+
+
+@triton.jit
+def _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
+    """Per (t, d), the offsets of row t's factorized sums' group in [B * H, cdiv(T, GROUP), D]: the group before its
+    own (causal), the last group (all keys factorized); and where there is one."""
+    if CAUSAL:
+        group = offs_t // GROUP - 1
+    else:
+        group = tl.zeros_like(offs_t) + tl.cdiv(T, GROUP) - 1
+    offsets = group_base + group[:, None] * D + offs_d[None, :]
+    return offsets, ((group >= 0) & (offs_t < T))[:, None] & (offs_d < D)[None, :]
+
+
+@triton.jit
+def _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
+    """C16 of row t's factorized sums (their reference is exp(M_t + C16)); 0 where there are none."""
+    offsets, mask = _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL)
+    return tl.load(group_ref_ptr + offsets, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
+    """1 / S16 of row t's factorized num (its units are OPERAND_SCALE * S16); 1 where there are none."""
+    offsets, mask = _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL)
+    return tl.load(group_unscale_ptr + offsets, mask=mask, other=1.0)
+
+
+# num_td = sum_i A_ti (E v)_id and den_td = sum_i A_ti E_id over row t's factorized keys, relative to
+# exp(M_t + C): products over the key blocks before the tile (every key when causal=False), then over the
+# diagonal's groups before each row's own, the sums moved from one reference C to the next by exp(C_old - C_new)
+# <= 1 per channel; then (causal) the terms of the row's own group, exactly, relative to W_t + K_td; o = num / den.
+@triton.jit
+def _aft_fwd_kernel(
+    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, e_hi_ptr, e_lo_ptr, ev_hi_ptr, ev_lo_ptr,
+    den_move_ptr, num_move_ptr, group_ref_ptr, group_unscale_ptr, group_den_move_ptr, group_num_move_ptr,
+    own_bias_max_ptr, own_key_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr, fallback_ptr,
+    T, H, D, den_floor, fp32_floor,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    tile = tl.num_programs(0) - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
+    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    row_stride = H * D
+    factors_base = pid_bh.to(tl.int64) * T * D
+    group_base = pid_bh.to(tl.int64) * tl.cdiv(T, GROUP) * D
+    block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
+    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
+    UNIT: tl.constexpr = 1.0 / OPERAND_SCALE  # of a scaled A or E
+
+    offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_in = offs_t < T
+    d_in = offs_d < D
+    in_tile = row_in[:, None] & d_in[None, :]
+    a_rows = offs_t.to(tl.int64)[:, None] * T
+    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # in units of OPERAND_SCALE * S (the current E * v scale)
+    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # in units of OPERAND_SCALE^2
+
+    if CAUSAL:
+        n_blocks = tile * BLOCK_Q // BLOCK_K  # the blocks that end at or before the tile's first query
+    else:
+        n_blocks = tl.cdiv(T, BLOCK_K)
+    for block in range(0, n_blocks):
+        keys = block * BLOCK_K + tl.arange(0, BLOCK_K)
+        key_in = keys < T
+        a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], row_in[:, None] & key_in[None, :],
+                                   SPLIT)
+        factor_offsets = factors_base + keys[:, None] * D + offs_d[None, :]
+        factor_in = key_in[:, None] & d_in[None, :]
+        e_hi, e_lo = _load_operand(e_hi_ptr, e_lo_ptr, factor_offsets, factor_in, SPLIT)
+        ev_hi, ev_lo = _load_operand(ev_hi_ptr, ev_lo_ptr, factor_offsets, factor_in, SPLIT)
+        block_offsets = block_base + block * D + offs_d
+        den_move = tl.load(den_move_ptr + block_offsets, mask=d_in, other=0.0)[None, :]
+        num_move = tl.load(num_move_ptr + block_offsets, mask=d_in, other=0.0)[None, :]
+        den = _dot_into(a_hi, a_lo, e_hi, e_lo, den * den_move, SPLIT, DOT_PRECISION)
+        num = _dot_into(a_hi, a_lo, ev_hi, ev_lo, num * num_move, SPLIT, DOT_PRECISION)
+
+    if CAUSAL:
+        # The diagonal's groups before some row's own group, each moving the rows after it (and only those) from
+        # the previous group's C16 and S16 to its own.
+        tile_end = tl.minimum((tile + 1) * BLOCK_Q, T)
+        for group_start in range(n_blocks * BLOCK_K, (tile_end - 1) // GROUP * GROUP, GROUP):
+            keys = group_start + tl.arange(0, GROUP)  # all inside T: a row comes after them
+            reached = row_in & (offs_t >= group_start + GROUP)
+            a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], reached[:, None], SPLIT)
+            kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=d_in[None, :], other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + kv_offsets, mask=d_in[None, :], other=0.0).to(tl.float32)
+            group_offsets = group_base + (group_start // GROUP) * D + offs_d
+            group_ref = tl.load(group_ref_ptr + group_offsets, mask=d_in, other=0.0)
+            group_scale = _pow2_inverse(tl.load(group_unscale_ptr + group_offsets, mask=d_in, other=1.0))
+            den_move = tl.load(group_den_move_ptr + group_offsets, mask=d_in, other=0.0)
+            num_move = tl.load(group_num_move_ptr + group_offsets, mask=d_in, other=0.0)
+            e = tl.exp(k - group_ref[None, :])
+            e_hi, e_lo = _operand_parts(e * OPERAND_SCALE, SPLIT, OP_DTYPE, LO_SCALE)
+            ev_hi, ev_lo = _operand_parts(e * v * group_scale[None, :], SPLIT, OP_DTYPE, LO_SCALE)
+            # Selected, not masked by A's zeros: a non-finite k or v of the group would reach the rows before it
+            # as 0 * inf in the product.
+            den = tl.where(reached[:, None],
+                           _dot_into(a_hi, a_lo, e_hi, e_lo, den * den_move[None, :], SPLIT, DOT_PRECISION), den)
+            num = tl.where(reached[:, None],
+                           _dot_into(a_hi, a_lo, ev_hi, ev_lo, num * num_move[None, :], SPLIT, DOT_PRECISION), num)
+        # Row t's sums are relative to exp(M_t + C16) and in units of S16, both at the group before its own; rows
+        # of the first group have no factorized keys (and their sums are 0).
+        has_keys = offs_t >= GROUP
+    else:
+        has_keys = row_in
+    den *= UNIT * UNIT
+    # Entries whose factorized den fell below the floor are marked (NaN) for _aft_fallback_kernel; den_td depends
+    # only on row t's factorized keys, so the choice is causal too.
+    den = tl.where(~(den >= den_floor) & has_keys[:, None], float("nan"), den)
+
+    anchor = tl.load(anchor_ptr + offs_t, mask=row_in, other=0.0)
+    if CAUSAL:
+        # Row t's own group, keys 16 floor(t / 16) .. t, per key in fp32, in sums of their own relative to the bound
+        # W_t + K_td of its logits (the largest w_ti and the largest k_id over those keys).
+        own_bias_max = tl.load(own_bias_max_ptr + offs_t, mask=row_in, other=0.0)
+        own_key_max = tl.load(own_key_max_ptr + factors_base + offs_t[:, None] * D + offs_d[None, :], mask=in_tile,
+                              other=0.0).to(tl.float32)
+        own_num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        own_den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        for step in range(0, GROUP):
+            w, key = _own_group_bias(w_ptr, offs_t, step, T)
+            visible = (key <= offs_t)[:, None] & in_tile
+            kv_offsets = kv_base + key[:, None] * row_stride + offs_d[None, :]
+            k = tl.load(k_ptr + kv_offsets, mask=visible, other=-float("inf")).to(tl.float32)
+            v = tl.load(v_ptr + kv_offsets, mask=visible, other=0.0).to(tl.float32)
+            # (terms below 2^-126 of the bound flush to 0: the fp32 floor below covers what that could lose)
+            weight = tl.exp2((k - own_key_max) * LOG2E + ((w - own_bias_max) * LOG2E)[:, None])
+            own_den += weight
+            own_num += weight * v
+        # Both sums move to the larger reference, M_t + C_td or W_t + K_td, by exp(-|difference|) on one side
+        # (+inf where there are no factorized sums).
+        excess = tl.where(has_keys[:, None], (own_bias_max - anchor)[:, None]
+                          + (own_key_max - _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)),
+                          float("inf"))
+        shrink = tl.exp(-tl.abs(excess))
+        den = tl.where(excess > 0.0, den * shrink + own_den, den + own_den * shrink)
+        num *= _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL) * UNIT
+        num = tl.where(excess > 0.0, num * shrink + own_num, num + own_num * shrink)
+        # The own group's terms are fp32 throughout, but its maxima of w and of k may sit at different keys too:
+        # entries whose den ends below fp32's floor are marked as well.
+        den = tl.where(~(den >= fp32_floor), float("nan"), den)
+        # The reference, as the pair of values whose sum it is (for lse).
+        grew = excess > 0.0
+        refs, refs_err = _two_sum(tl.where(grew, own_bias_max[:, None], anchor[:, None]),
+                                  tl.where(grew, own_key_max,
+                                           _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)))
+    else:
+        num *= _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL) * UNIT
+        refs, refs_err = _two_sum(anchor[:, None], _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D,
+                                                                CAUSAL))
+    marked = in_tile & (den != den)
+    fallback_index = pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)
+    tl.store(fallback_ptr + fallback_index, tl.max(marked.to(tl.int32)))
+
+    o = num / den
+    o_rounded = o.to(o_ptr.dtype.element_ty)
+    out_offsets = kv_base + offs_t[:, None] * row_stride + offs_d[None, :]
+    tl.store(o_ptr + out_offsets, o_rounded, mask=in_tile)
+    if STORE_O_RESIDUAL:
+        # What rounding o to 16 bits dropped, itself in 16 bits: o + residual carries about twice o's bits.
+        tl.store(o_residual_ptr + out_offsets, (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty),
+                 mask=in_tile)
+    if STORE_LSE:
+        # log sum_i exp(w_ti + k_id) in absolute terms, the backward's normalizer: the reference plus log(den).
+        # Its two parts are a few units each (far more for shifted keys), log(den) smaller: summed with TwoSum,
+        # the result is lse + its rounding residual, which fp32 inputs keep (16-bit ones need not).
+        lse, lse_residual = _two_sum(refs, tl.log(den) + refs_err)
+        tl.store(lse_ptr + out_offsets, lse, mask=in_tile)
+        if STORE_LSE_RESIDUAL:
+            tl.store(lse_residual_ptr + out_offsets, lse_residual, mask=in_tile)
+
+
+@triton.jit
+def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_start, key_end, row_stride,
+                    k_ref, running_max, num, den, CAUSAL: tl.constexpr):
+    """Keys key_start..key_end-1 added one at a time to (num, den), relative to exp(running_max) per (t, d).
+
+    Logits are w_ti + (k_id - k_ref_d), so running_max is relative to k_ref too;
+    with k_ref one of the keys, a shift of k cancels in k - k_ref (exactly
+    where that subtraction is exact) as in the factorized form.
+
+    Per key the larger of (running max, logit) becomes the reference and the
+    other side is multiplied by exp(-|logit - running max|) <= 1: one exp.
+    A key after t (causal) leaves row t's sums as they were, selected rather
+    than added as zeros, so that a non-finite k or v there cannot reach row t
+    (-inf + nan, 0 * inf).
+    """
+    for i in range(key_start, key_end):
+        w_col = tl.load(w_ptr + offs_t.to(tl.int64) * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
+        k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
+        v_row = tl.load(v_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
+        logit = w_col[:, None] + (k_row - k_ref)[None, :]
+        shrink = tl.exp(-tl.abs(logit - running_max))
+        grew = logit > running_max
+        new_den = tl.where(grew, den * shrink + 1.0, den + shrink)
+        new_num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
+        new_max = tl.maximum(running_max, logit)
+        if CAUSAL:
+            seen = (i <= offs_t)[:, None]
+            new_den = tl.where(seen, new_den, den)
+            new_num = tl.where(seen, new_num, num)
+            new_max = tl.where(seen, new_max, running_max)
+        den, num, running_max = new_den, new_num, new_max
+    return running_max, num, den
+
+
+# The entries _aft_fwd_kernel marked (o is NaN there), in tiles it flagged, summed exactly over all their keys:
+# o_td = num / den with one key at a time and a running maximum per (t, d) (_aft_keys_exact).
+@triton.jit
+def _aft_fallback_kernel(
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr, fallback_ptr,
+    T, H, D,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    if tl.load(fallback_ptr + pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)) != 0:
+        tile = tl.num_programs(0) - 1 - pid_t if CAUSAL else pid_t
+        kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+        row_stride = H * D
+        offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        in_tile = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+        out_offsets = kv_base + offs_t[:, None] * row_stride + offs_d[None, :]
+        marked = tl.load(o_ptr + out_offsets, mask=in_tile, other=0.0)
+        redo = in_tile & (marked != marked)
+        key_end = tl.minimum((tile + 1) * BLOCK_Q, T) if CAUSAL else T
+        # Key 0, visible to every row, is the channel reference.
+        k_ref = tl.load(k_ptr + kv_base + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        running_max, num, den = _aft_keys_exact(
+            w_ptr, k_ptr + kv_base + offs_d, v_ptr + kv_base + offs_d, offs_t, offs_d, T, D, 0, key_end, row_stride,
+            k_ref, tl.full([BLOCK_Q, BLOCK_D], -float("inf"), tl.float32), tl.zeros([BLOCK_Q, BLOCK_D], tl.float32),
+            tl.zeros([BLOCK_Q, BLOCK_D], tl.float32), CAUSAL)
+        o = num / den
+        o_rounded = o.to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + out_offsets, o_rounded, mask=redo)
+        if STORE_O_RESIDUAL:
+            tl.store(o_residual_ptr + out_offsets, (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty),
+                     mask=redo)
+        if STORE_LSE:
+            refs, refs_err = _two_sum(running_max, k_ref[None, :])
+            lse, lse_residual = _two_sum(refs, tl.log(den) + refs_err)
+            tl.store(lse_ptr + out_offsets, lse, mask=redo)
+            if STORE_LSE_RESIDUAL:
+                tl.store(lse_residual_ptr + out_offsets, lse_residual, mask=redo)
+
+
+def chunkwise(
+    *,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    chunk_size: int = 64,
+    block_q: int | None = None,
+    block_d: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    precision: str = "auto",
+    saved: dict[str, torch.Tensor] | None = None,
+    await_checks: Callable[[], None] = no_pending_checks,
+) -> tuple[torch.Tensor, None]:
+    """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None). With ``saved`` (a dict) it also
+    stores there what chunkwise_backward needs: "lse", the fp32 log-normalizer per (b, t, h, d), and the part
+    of it or of o that rounding dropped, "o_residual" for 16-bit inputs, "lse_residual" for fp32 (module
+    docstring, "Saved vs recomputed")."""
+    B, T, H, D = k.shape
+    half_operands = k.dtype != torch.float32
+    if precision == "auto":
+        precision = "split" if k.dtype == torch.float16 else "single"
+    split = half_operands and precision == "split"
+    block_q = FORWARD_BLOCK_Q if block_q is None else block_q
+    BLOCK_D = min(block_size(D), block_d)
+    operand_dtype = torch.float16 if half_operands else torch.float32
+    operand_scale = OPERAND_MAX.value if half_operands else 1.0
+    device = k.device
+
+    def operand(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hi = torch.empty(shape, dtype=operand_dtype, device=device)
+        return hi, (torch.empty_like(hi) if split else hi)  # lo is never touched unless split
+
+    a_hi, a_lo = operand(T, T)
+    e_hi, e_lo = operand(B * H, T, D)
+    ev_hi, ev_lo = operand(B * H, T, D)
+    anchor = torch.empty(T, dtype=torch.float32, device=device)
+    own_bias_max = torch.empty_like(anchor)
+    own_key_max = torch.empty((B * H, T, D), dtype=k.dtype, device=device)
+    den_move = torch.empty((B * H, triton.cdiv(T, chunk_size), D), dtype=torch.float32, device=device)
+    num_move = torch.empty_like(den_move)
+    group_ref = torch.empty((B * H, triton.cdiv(T, GROUP.value), D), dtype=torch.float32, device=device)
+    group_unscale = torch.empty_like(group_ref)
+    group_den_move = torch.empty_like(group_ref)
+    group_num_move = torch.empty_like(group_ref)
+
+    o = torch.empty_like(v)
+    lse = lse_residual = o_residual = o
+    if saved is not None:
+        lse = saved["lse"] = torch.empty(v.shape, dtype=torch.float32, device=device)
+        if half_operands:
+            o_residual = saved["o_residual"] = torch.empty_like(v)
+        else:
+            lse_residual = saved["lse_residual"] = torch.empty_like(lse)
+    grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
+    fallback = torch.empty(math.prod(grid), dtype=torch.int32, device=device)
+    stores = dict(STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
+                  STORE_O_RESIDUAL=saved is not None and half_operands)
+    key_block_d = min(block_size(D), KEY_FACTORS_BLOCK_D)
+    launch_after_checks(
+        await_checks,
+        Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), w, a_hi, a_lo, anchor, own_bias_max, T,
+               CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4),
+        Launch(_key_factors_kernel, (B * H, triton.cdiv(D, key_block_d)),
+               k, v, e_hi, e_lo, ev_hi, ev_lo, den_move, num_move, group_ref, group_unscale, group_den_move,
+               group_num_move, own_key_max, T, H, D,
+               SPLIT=split, HALF_OPERANDS=half_operands, OPERAND_SCALE=operand_scale,
+               BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=4),
+        Launch(_aft_fwd_kernel, grid,
+               w, k, v, a_hi, a_lo, anchor, e_hi, e_lo, ev_hi, ev_lo, den_move, num_move, group_ref, group_unscale,
+               group_den_move, group_num_move, own_bias_max, own_key_max, o, lse, lse_residual, o_residual, fallback,
+               T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
+               CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
+               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
+               BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
+               num_warps=num_warps, num_stages=num_stages, **stores),
+        Launch(_aft_fallback_kernel, grid,
+               w, k, v, o, lse, lse_residual, o_residual, fallback, T, H, D,
+               CAUSAL=causal, BLOCK_Q=block_q, BLOCK_D=BLOCK_D, num_warps=num_warps, **stores),
+    )
+    return o, None
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+# The factor exp(m_t + m_d - lse_td) the two shifted exps leave to an entry stays below 1 / DEN_FLOOR; a tile
+# where it would not is recomputed exactly, per key (the forward's fallback, met on the same inputs).
+LOG_FACTOR_LIMIT = {half: -math.log(floor) for half, floor in DEN_FLOOR.items()}
+
+
+@triton.jit
 def _to_operand(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr):
-    """x (fp32, within fp16's range) as a dot operand: (hi, lo * LO_SCALE), lo zero unless SPLIT."""
+    """x (fp32, within fp16's range) as a backward dot operand: (hi, lo * LO_SCALE), lo zero unless SPLIT."""
     hi = x.to(OP_DTYPE)
     if SPLIT:
         lo = ((x - hi.to(tl.float32)) * LO_SCALE).to(OP_DTYPE)
@@ -160,236 +767,6 @@ def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.cons
         cross = tl.dot(a_lo, b_hi, cross, input_precision=DOT_PRECISION)
         product += cross * (1.0 / LO_SCALE)
     return product
-
-
-@triton.jit
-def _two_sum(a, b):
-    """(s, err) with s = fl(a + b) and s + err = a + b exactly (Knuth's TwoSum, no branch)."""
-    s = a + b
-    b_part = s - a
-    return s, (a - (s - b_part)) + (b - b_part)
-
-
-@triton.jit
-def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_start, key_end, row_stride,
-                    k_ref, running_max, num, den, CAUSAL: tl.constexpr):
-    """Keys key_start..key_end-1 added one at a time to (num, den), relative to exp(running_max) per (t, d).
-
-    Logits are w_ti + (k_id - k_ref_d), so running_max is relative to k_ref too;
-    with k_ref one of the keys, a shift of k cancels in k - k_ref (exactly
-    where that subtraction is exact) as in the factorized form.
-
-    Per key the larger of (running max, logit) becomes the reference and the
-    other side is multiplied by exp(-|logit - running max|) <= 1: one exp.
-    A key after t (causal) has logit -inf: shrink = 0 and grew is false, so
-    it adds exact zeros and leaves row t bitwise unchanged (the reference
-    running_max must be finite for that: the first key added must be visible
-    to every row of the tile).
-    """
-    for i in range(key_start, key_end):
-        w_col = tl.load(w_ptr + offs_t.to(tl.int64) * T + i, mask=offs_t < T, other=0.0).to(tl.float32)
-        if CAUSAL:
-            w_col = tl.where(i <= offs_t, w_col, -float("inf"))
-        k_row = tl.load(k_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
-        v_row = tl.load(v_ptrs_row + i * row_stride, mask=offs_d < D, other=0.0).to(tl.float32)
-        logit = w_col[:, None] + (k_row - k_ref)[None, :]
-        shrink = tl.exp(-tl.abs(logit - running_max))
-        grew = logit > running_max
-        den = tl.where(grew, den * shrink + 1.0, den + shrink)
-        num = tl.where(grew, num * shrink + v_row[None, :], num + shrink * v_row[None, :])
-        running_max = tl.maximum(running_max, logit)
-    return running_max, num, den
-
-
-@triton.jit
-def _aft_fwd_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
-    T, H, D, den_floor,
-    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
-    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_d = tl.program_id(2)
-    batch = (pid_bh // H).to(tl.int64)
-    head = pid_bh % H
-    base = batch * T * H * D + head * D
-    row_stride = H * D
-    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
-
-    offs_t = pid_t * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_i = tl.arange(0, BLOCK_K)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    w_ptrs = w_ptr + offs_t.to(tl.int64)[:, None] * T + offs_i[None, :]
-    k_ptrs = k_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
-    v_ptrs = v_ptr + base + offs_i[:, None] * row_stride + offs_d[None, :]
-
-    row_ref = tl.full([BLOCK_Q], -float("inf"), tl.float32)  # R_t
-    col_ref = tl.full([BLOCK_D], -float("inf"), tl.float32)  # R_d
-    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # relative to exp(R_t + R_d)
-    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-
-    if CAUSAL:
-        key_end = tl.minimum((pid_t + 1) * BLOCK_Q, T)
-        # Key blocks that lie wholly at or before the tile's first query are
-        # visible to every row, so their references (m_t, m_d, the E * v scale)
-        # depend on no future key; the rest (the diagonal) is added per key below.
-        factorized_end = ((pid_t * BLOCK_Q + 1) // BLOCK_K) * BLOCK_K
-    else:
-        key_end = T
-        factorized_end = T
-    for start in range(0, factorized_end, BLOCK_K):
-        keys = start + offs_i
-        key_in = keys < T
-        w = tl.load(w_ptrs + start, mask=(offs_t[:, None] < T) & key_in[None, :], other=0.0).to(tl.float32)
-        visible = key_in[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= offs_t[:, None])
-        w = tl.where(visible, w, -float("inf"))
-        k = tl.load(k_ptrs + start * row_stride, mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-        k = tl.where(key_in[:, None], k, -float("inf"))
-        v = tl.load(v_ptrs + start * row_stride, mask=key_in[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
-
-        row_max = tl.max(w, 1)  # -inf for rows that see no key of this block (causal, BLOCK_Q > BLOCK_K)
-        col_max = tl.max(k, 0)  # finite: every block starts inside T
-        a = tl.exp(w - tl.where(row_max > -float("inf"), row_max, 0.0)[:, None])  # [0, 1]; 0 where masked
-        e = tl.exp(k - col_max[None, :])
-        ev = e * v
-        if HALF_OPERANDS:
-            a = a * OPERAND_MAX
-            e = e * OPERAND_MAX
-            ev_scale, _ = pow2_scale(tl.max(tl.abs(ev), 0), 14)
-            ev = ev * ev_scale[None, :]
-            e_unscale = 1.0 / OPERAND_MAX
-            a_unscale = 1.0 / OPERAND_MAX
-        else:
-            ev_scale = tl.full([BLOCK_D], 1.0, tl.float32)
-            e_unscale = 1.0
-            a_unscale = 1.0
-        a_hi, a_lo = _to_operand(a, SPLIT, OP_DTYPE)
-        e_hi, e_lo = _to_operand(e, SPLIT, OP_DTYPE)
-        ev_hi, ev_lo = _to_operand(ev, SPLIT, OP_DTYPE)
-        den_block = _product(a_hi, a_lo, e_hi, e_lo, SPLIT, DOT_PRECISION)
-        num_block = _product(a_hi, a_lo, ev_hi, ev_lo, SPLIT, DOT_PRECISION)
-
-        new_row_ref = tl.maximum(row_ref, row_max)
-        new_col_ref = tl.maximum(col_ref, col_max)
-        # The first block has key 0 visible to every row, so the references are
-        # finite after it; exp(-inf - finite) = 0 clears the empty accumulators.
-        keep = tl.exp(row_ref - new_row_ref)[:, None] * tl.exp(col_ref - new_col_ref)[None, :]
-        row_factor = tl.exp(row_max - new_row_ref) * a_unscale
-        col_factor = tl.exp(col_max - new_col_ref)
-        den = den * keep + den_block * row_factor[:, None] * (col_factor * e_unscale)[None, :]
-        num = num * keep + num_block * row_factor[:, None] * (col_factor / ev_scale)[None, :]
-        row_ref = new_row_ref
-        col_ref = new_col_ref
-
-    in_tile = (offs_t[:, None] < T) & (offs_d[None, :] < D)
-    # The sums relative to exp(R_t + R_d) as sums relative to a reference per (t, d)
-    # (-inf, with empty sums, when no key was factorized).
-    # Key 0, visible to every row, is the channel reference of the exact path.
-    k_ref = tl.load(k_ptr + base + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    col_shift, col_shift_err = _two_sum(col_ref, -k_ref)
-    running_max, running_max_err = _two_sum(row_ref[:, None], col_shift[None, :])
-    # running_max is R_t + R_d - k_ref rounded; rescaling by the exp of what the rounding dropped makes the sums
-    # relative to exactly exp(running_max), as lse (below) and the exact path take them.
-    dropped = tl.where(running_max > -float("inf"), running_max_err + col_shift_err[None, :], 0.0)
-    num *= tl.exp(dropped)
-    den *= tl.exp(dropped)
-    # Entries whose factorized den fell below the floor are recomputed exactly,
-    # entry by entry: den_td depends only on the factorized keys, which are all
-    # at or before row t when causal, so the choice is causal too.
-    fallback = ~(den >= den_floor) & (factorized_end > 0)
-    if tl.max(tl.where(in_tile & fallback, 1, 0)) > 0:
-        exact_max, exact_num, exact_den = _aft_keys_exact(
-            w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d, T, D, 0, factorized_end, row_stride,
-            k_ref, tl.full([BLOCK_Q, BLOCK_D], -float("inf"), tl.float32), tl.zeros([BLOCK_Q, BLOCK_D], tl.float32),
-            tl.zeros([BLOCK_Q, BLOCK_D], tl.float32), CAUSAL)
-        running_max = tl.where(fallback, exact_max, running_max)
-        num = tl.where(fallback, exact_num, num)
-        den = tl.where(fallback, exact_den, den)
-    if CAUSAL:
-        # The diagonal, keys factorized_end..key_end-1, one at a time with the
-        # running maximum per (t, d): a key after row t adds exact zeros to it.
-        # Key factorized_end is at or before the first query, so the reference
-        # is finite from it on.
-        running_max, num, den = _aft_keys_exact(
-            w_ptr, k_ptr + base + offs_d, v_ptr + base + offs_d, offs_t, offs_d, T, D, factorized_end, key_end,
-            row_stride, k_ref, running_max, num, den, CAUSAL)
-    o = num / den
-    o_rounded = o.to(o_ptr.dtype.element_ty)
-    tl.store(o_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], o_rounded, mask=in_tile)
-    if STORE_O_RESIDUAL:
-        # What rounding o to 16 bits dropped, itself in 16 bits: o + residual carries about twice o's bits.
-        residual = (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty)
-        tl.store(o_residual_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], residual, mask=in_tile)
-    if STORE_LSE:
-        # log sum_i exp(w_ti + k_id) in absolute terms: the backward's normalizer.
-        # running_max and k_ref are a few units each, log(den) smaller: TwoSum keeps the sum to one rounding.
-        # running_max and k_ref are a few units each (far more for shifted keys), log(den) smaller: summed with
-        # TwoSum, the result is lse + its rounding residual, which fp32 inputs keep (16-bit ones need not).
-        refs, refs_err = _two_sum(running_max, k_ref[None, :])
-        lse, lse_residual = _two_sum(refs, tl.log(den) + refs_err)
-        tl.store(lse_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse, mask=in_tile)
-        if STORE_LSE_RESIDUAL:
-            tl.store(lse_residual_ptr + base + offs_t[:, None] * row_stride + offs_d[None, :], lse_residual,
-                     mask=in_tile)
-
-
-def chunkwise(
-    *,
-    w: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    chunk_size: int = 64,
-    block_q: int = 64,
-    block_d: int = 128,
-    num_warps: int = 8,
-    num_stages: int = 2,
-    precision: str = "auto",
-    saved: dict[str, torch.Tensor] | None = None,
-    await_checks: Callable[[], None] = no_pending_checks,
-) -> tuple[torch.Tensor, None]:
-    """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None). With ``saved`` (a dict) it also
-    stores there what chunkwise_backward needs: "lse", the fp32 log-normalizer per (b, t, h, d), and the part
-    of it or of o that rounding dropped, "o_residual" for 16-bit inputs, "lse_residual" for fp32 (module
-    docstring, "Saved vs recomputed")."""
-    B, T, H, D = k.shape
-    half_operands = k.dtype != torch.float32
-    if precision == "auto":
-        precision = "split" if k.dtype == torch.float16 else "single"
-    BLOCK_D = min(block_size(D), block_d)
-    o = torch.empty_like(v)
-    lse = lse_residual = o_residual = o
-    if saved is not None:
-        lse = saved["lse"] = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if half_operands:
-            o_residual = saved["o_residual"] = torch.empty_like(v)
-        else:
-            lse_residual = saved["lse_residual"] = torch.empty_like(lse)
-    grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
-    launch_after_checks(await_checks, Launch(
-        _aft_fwd_kernel, grid,
-        w, k, v, o, lse, lse_residual, o_residual,
-        T, H, D, DEN_FLOOR[half_operands],
-        STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
-        STORE_O_RESIDUAL=saved is not None and half_operands, CAUSAL=causal,
-        SPLIT=half_operands and precision == "split",
-        HALF_OPERANDS=half_operands,
-        DOT_PRECISION="tf32" if half_operands else "ieee",
-        BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
-        num_warps=num_warps, num_stages=num_stages,
-    ))
-    return o, None
-
-
-# ------------------------------------------------------------------------------------------------ backward
-
-# The factor exp(m_t + m_d - lse_td) the two shifted exps leave to an entry stays below 1 / DEN_FLOOR; a tile
-# where it would not is recomputed exactly, per key (the forward's fallback, met on the same inputs).
-LOG_FACTOR_LIMIT = {half: -math.log(floor) for half, floor in DEN_FLOOR.items()}
 
 
 @triton.jit
@@ -637,8 +1014,8 @@ def chunkwise_backward(
     v: torch.Tensor,
     causal: bool,
     chunk_size: int = 64,
-    block_q: int = 64,
-    block_d: int = 128,
+    block_q: int | None = None,
+    block_d: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
     precision: str = "auto",
@@ -646,6 +1023,7 @@ def chunkwise_backward(
 ) -> dict[str, torch.Tensor]:
     """Gradients of <do, o> for the chunkwise forward: {"w": dw [T, T], "k": dk, "v": dv}, in the input dtype."""
     B, T, H, D = k.shape
+    block_q = BACKWARD_BLOCK_Q if block_q is None else block_q
     if T == 1:
         # One key, weight 1 whatever w and k are: o = v. The factorized sums would leave a rounding residue
         # where the exact gradients of w and k are 0 (an infinite relative error).
@@ -653,8 +1031,9 @@ def chunkwise_backward(
     half_operands = k.dtype != torch.float32
     if precision == "auto":
         precision = "split" if k.dtype == torch.float16 else "single"
-    # Channel blocks narrower than the forward's: a dk/dv program holds six [BLOCK_K, BLOCK_D] fp32 tiles (dk, dv,
-    # A^T G, A^T (G o), v, E) and a dw program five [BLOCK_Q, BLOCK_D] ones besides its [BLOCK_Q, BLOCK_K] pair;
+    # Channel blocks of at most 64 (dk/dv) and 32 (dw) whatever block_d is: a dk/dv program holds six [BLOCK_K,
+    # BLOCK_D] fp32 tiles (dk, dv, A^T G, A^T (G o), v, E) and a dw program five [BLOCK_Q, BLOCK_D] ones besides its
+    # [BLOCK_Q, BLOCK_K] pair;
     # ptxas (sm_90, 64 x 64 blocks, 8 warps, bf16) spills 1.7 KB a thread at 128 channels, none at 64 (dk/dv)
     # and 32 (dw). dw loops over channel blocks, so its width costs no parallelism.
     dkdv_block_d = min(block_size(D), block_d, 64)

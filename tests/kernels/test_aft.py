@@ -13,12 +13,18 @@ or exact identities.
 - T = 1 returns v exactly, in both precisions.
 - The fallback: bias and keys whose maxima sit at different keys
   (w = [0, -100], k = [-100, 0]) make the factorized block sums underflow to
-  0/0; the kernel detects it and recomputes the tile exactly. Forcing the
-  fallback on ordinary inputs matches the oracle too.
+  0/0, and, causal, the sums of a row's own group (fp32, relative to the bound
+  of its logits) fall below fp32's floor; the kernel marks those entries and
+  recomputes them exactly. Forcing the fallback on ordinary inputs matches the
+  oracle too.
 - Causality, bitwise: replacing k, v and w at positions after t leaves
   outputs 0..t bit-identical (T not a multiple of the blocks, several query
-  blocks, with and without entries that take the fallback).
+  blocks and key blocks, the diagonal's groups, with and without entries that
+  take the fallback).
 - precision "single" and "split", block shapes, bad options.
+- The forward's kernels compile for sm_90 (in a process of their own, without
+  the interpreter) at the launcher's default tiles, in every arithmetic, within
+  sm_90's shared memory.
 
 Backward (chunkwise_backward), every gradient (dw, dk, dv) against float64 autograd through the oracle, as an
 excess over max(rounding floor in the returned dtype, conditioning floor) (attnlab.metrics.measure_gradients),
@@ -29,6 +35,11 @@ dk, dv at positions >= c and dw's rows >= c exactly zero.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -134,6 +145,15 @@ def test_mismatched_maxima_take_the_exact_fallback(dtype):
     assert _measure(o, x, dtype, causal=False).excess <= EXCESS_BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_mismatched_maxima_in_a_rows_own_group_take_the_exact_fallback(dtype):
+    # Causal, both keys lie in row 1's own group: relative to the bound of its logits (its largest w plus its
+    # largest k) both terms are e^-100, below fp32's floor.
+    x = _mismatched_maxima(dtype)
+    o = kernel("aft")(**x, causal=True)
+    assert _measure(o, x, dtype, causal=True).excess <= EXCESS_BOUND[dtype]
+
+
 def test_without_the_fallback_mismatched_maxima_give_nan(monkeypatch):
     """The factorized sums alone underflow to 0 / 0 here: the fallback is what the previous test exercised."""
     monkeypatch.setitem(aft_kernels.DEN_FLOOR, True, 0.0)
@@ -158,18 +178,19 @@ def test_wide_bias_and_keys(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(
-    "block_q,chunk_size,spread",
-    [(32, 16, 1.0), (16, 64, 30.0)],  # spread 30: some entries take the fallback
-    ids=["q32-k16", "q16-k64-wide"],
+    "block_q,chunk_size,spread,T",
+    # spread 30: some entries take the fallback; the default tiles over 150 keys: key blocks before the second
+    # query block, the diagonal's groups of both
+    [(32, 16, 1.0, 75), (16, 64, 30.0, 75), (None, 64, 1.0, 150)],
+    ids=["q32-k16", "q16-k64-wide", "default-T150"],
 )
-def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread):
-    T = 75
+def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread, T):
     x = _inputs(dtype, T=T, D=16, H=1, spread=spread)
     other = _inputs(dtype, T=T, D=16, H=1, seed=1, spread=spread)
     run = kernel("aft", block_q=block_q, chunk_size=chunk_size)
     before = run(**x, causal=True)
     positions = torch.arange(T)
-    for t in (16, 40, 64, 73):
+    for t in (16, 40, 64, 73, 130, 147)[: 6 if T > 128 else 4]:
         future = positions > t
         perturbed = {
             "w": torch.where(future[:, None] | future[None, :], other["w"], x["w"]),
@@ -382,3 +403,88 @@ def test_forward_without_saved_is_unchanged():
 def test_backward_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
     x = _inputs(torch.float16, T=T, D=D, H=1, seed=seed)
     _assert_gradients_within(x, torch.float16, causal, seed=seed, block_q=block_q, chunk_size=chunk_size)
+
+
+# ------------------------------------------------------------------------------------------------ sm_90 compile
+
+SHARED_MEMORY_PER_BLOCK = 232448  # sm_90's opt-in maximum (227 KB)
+
+COMPILE = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from attnlab.kernels import aft
+
+    OPTIONS = {name: default for name, (default, _) in aft.OPTIONS["chunkwise"].items()}
+    FP32 = ("anchor", "own_bias_max", "den_move", "num_move", "group_ref", "group_unscale", "group_den_move",
+            "group_num_move", "lse", "lse_residual")
+
+    def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
+        operands = "fp32" if inputs == "fp32" else "fp16"
+        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "den_floor": "fp32", "fp32_floor": "fp32"}
+        types |= {f"{n}_ptr": "*fp32" for n in FP32}
+        types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual", "own_key_max")}
+        types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "e", "ev") for part in ("hi", "lo")}
+        signature = {n: types[n] for n in kernel.arg_names if n in types}
+        constexprs = {n: value for n, value in constexprs.items() if n in kernel.arg_names}
+        # What the JIT infers at the bench shape: 16-byte aligned pointers, T, H and D multiples of 16.
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
+                 if t.startswith("*") or n in ("T", "H", "D")}
+        try:
+            source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                      options=dict(num_warps=num_warps, num_stages=num_stages))
+            print("compiled", what, "shared", compiled.metadata.shared, flush=True)
+        except Exception as error:
+            print("FAILED", what, type(error).__name__, str(error).strip().splitlines()[-1][:300], flush=True)
+
+    # The launcher's choices at the bench's head size (D = 128) with the default options.
+    for inputs, causal in (("bf16", True), ("bf16", False), ("fp16", True), ("fp32", True)):
+        half = inputs != "fp32"
+        constexprs = dict(
+            CAUSAL=causal, SPLIT=inputs == "fp16", HALF_OPERANDS=half, DOT_PRECISION="tf32" if half else "ieee",
+            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0,
+            STORE_LSE=True, STORE_LSE_RESIDUAL=not half, STORE_O_RESIDUAL=half,
+            BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
+            BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
+        what = f"{inputs} {'causal' if causal else 'noncausal'}"
+        compile_one(aft._bias_factors_kernel, inputs, constexprs, 4, 3, f"bias factors {what}")
+        compile_one(aft._key_factors_kernel, inputs, dict(constexprs, BLOCK_D=aft.KEY_FACTORS_BLOCK_D), 4, 3,
+                    f"key factors {what}")
+        compile_one(aft._aft_fwd_kernel, inputs, constexprs, OPTIONS["num_warps"], OPTIONS["num_stages"],
+                    f"forward {what}")
+        compile_one(aft._aft_fallback_kernel, inputs, constexprs, OPTIONS["num_warps"], 3, f"fallback {what}")
+""")
+
+
+def test_the_forward_compiles_for_hopper_at_the_default_tiles_in_every_arithmetic():
+    done = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 16 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
+
+
+def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision():
+    """Key 0 has |E v| far above every other key's but a bias of -30 for every row: no row gives it weight, yet a
+    scale of E v taken from the running peak over all keys so far would push the later keys' operands into fp16's
+    subnormals (session 19's review of this kernel: excess 6.5 against the bound 2). Each block's operands must be
+    scaled for their own peak."""
+    x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5).items()}
+    x["k"][:, 0], x["v"][:, 0], x["w"][:, 0] = 11.5, 60000.0, -30.0
+    assert _excess(x, torch.float16, causal=False) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("later", ["v_inf", "k_nan", "k_inf"])
+def test_the_exact_fallback_is_causal_past_non_finite_keys(later):
+    """Row 1 takes the exact fallback (its bias and keys peak at different keys: w = [0, -100], k = [-100, 0]); a
+    non-finite v or k at key 2 must leave rows 0 and 1 bitwise as they were (the review's repro, session 19)."""
+    x = _inputs(torch.float32, T=3, D=4, H=1)
+    x["w"][1, :2] = torch.tensor([0.0, -100.0])
+    x["k"][:, 0], x["k"][:, 1] = -100.0, 0.0
+    before = kernel("aft")(**x, causal=True)
+    name, value = {"v_inf": ("v", float("inf")), "k_nan": ("k", float("nan")), "k_inf": ("k", float("inf"))}[later]
+    x[name] = x[name].clone()
+    x[name][:, 2] = value
+    after = kernel("aft")(**x, causal=True)
+    assert torch.equal(before[:, :2], after[:, :2])
