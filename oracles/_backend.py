@@ -13,16 +13,23 @@ An oracle form is plain array code (``+ - * /``, ``@``, slicing, ``.mT``,
   rounded once, to nearest, into a float64 tensor.
 
 The same source therefore serves as the fast reference and as its certificate.
+
+``xp.recompute(step, *arrays)`` is ``step(*arrays)``; under torch autograd it
+keeps only the step's inputs and recomputes its intermediates in the backward
+(activation checkpointing), so a form whose steps build large blocks (aft's
+[T, chunk, D] logits) can be differentiated at lengths whose intermediates
+would not fit. The values are the same to the bit either way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mpmath
 import numpy as np
 import torch
+import torch.utils.checkpoint
 
 Array = Any  # a float64 torch.Tensor or a numpy object array of mpf
 
@@ -95,6 +102,12 @@ class Float64:
 
     def copy(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
+
+    # autograd ---------------------------------------------------------
+    def recompute(self, step: Callable[..., Any], *arrays: torch.Tensor) -> Any:
+        if torch.is_grad_enabled() and any(a.requires_grad for a in arrays if isinstance(a, torch.Tensor)):
+            return torch.utils.checkpoint.checkpoint(step, *arrays, use_reentrant=False)
+        return step(*arrays)
 
 
 class MPMath:
@@ -186,6 +199,9 @@ class MPMath:
 
     def copy(self, x: np.ndarray) -> np.ndarray:
         return x.copy()
+
+    def recompute(self, step: Callable[..., Any], *arrays: np.ndarray) -> Any:
+        return step(*arrays)
 
 
 Backend = Float64 | MPMath

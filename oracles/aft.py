@@ -3,7 +3,9 @@
 w [T, T] is the pairwise position bias; k, v [B, T, H, D]; causal=False sums
 over every i. No finite state: the recurrent form is seed 002's per-token
 loop, the parallel form the whole [T, T, D] log-sum-exp, the chunkwise form
-the online reduction over key blocks. Every exponent is shifted by its
+the online reduction over key blocks (each block's step through
+``xp.recompute``: its [T, block, D] logits are not kept for autograd, which
+would hold T^2 D of them per head). Every exponent is shifted by its
 running maximum, which changes nothing in exact arithmetic.
 """
 
@@ -50,13 +52,19 @@ def chunkwise(xp, *, w, k, v, causal, chunk_size):
     running_sum = xp.zeros((B, H, T, D))
     acc = xp.zeros((B, H, T, D))
     mask = xp.tril_mask(T)
-    for span in chunk_spans(T, chunk_size):
-        logits = _logits(xp, w[:, span], k[:, :, span], mask[:, span] if causal else None)
+
+    def absorb(running_max, running_sum, acc, w_block, k_block, v_block, mask_block):
+        """The online reduction's step over one key block ([B, H, T, block, D] logits: recomputed in the backward)."""
+        logits = _logits(xp, w_block, k_block, mask_block)
         new_max = xp.maximum(running_max, xp.amax(logits, axis=3))
         # Every query sees key 0 in the first block, so new_max is finite from there on.
         rescale = xp.exp(running_max - new_max)
         weights = xp.exp(logits - new_max[:, :, :, None])
-        running_sum = rescale * running_sum + xp.sum(weights, axis=3)
-        acc = rescale * acc + xp.sum(weights * v[:, :, None, span], axis=3)
-        running_max = new_max
+        return (new_max, rescale * running_sum + xp.sum(weights, axis=3),
+                rescale * acc + xp.sum(weights * v_block[:, :, None], axis=3))
+
+    for span in chunk_spans(T, chunk_size):
+        running_max, running_sum, acc = xp.recompute(
+            absorb, running_max, running_sum, acc, w[:, span], k[:, :, span], v[:, :, span],
+            mask[:, span] if causal else None)
     return (acc / running_sum).swapaxes(1, 2), None

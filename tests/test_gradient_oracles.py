@@ -19,6 +19,7 @@ import attnlab
 from attnlab.gradients import (differentiable_names, directional_derivative_mpmath, gradient_dtypes, gradient_floor,
                                inner, log_scale_cotangent, oracle_gradients)
 from attnlab.metrics import UNIT_ROUNDOFF, gradient_conditioning_floor, measure_gradients, rel_err
+from attnlab.oracles._backend import Float64
 from attnlab.validation import validate
 
 ENTRIES = list(attnlab.REGISTRY)
@@ -356,3 +357,27 @@ def test_validation_raises_the_same_errors_on_inputs_that_require_grad(f):
         plain = _error(lambda: validate(f, {n: v.float() if isinstance(v, torch.Tensor) else v for n, v in bad.items()},
                                         dtypes=kernel_dtypes, scan="ranges"))
         assert _error(lambda: validate(f, as_kernel, dtypes=kernel_dtypes, scan="ranges")) == plain, what
+
+
+def test_aft_chunkwise_oracle_keeps_no_key_block_for_autograd(monkeypatch):
+    """aft's chunkwise oracle runs each key block's step through xp.recompute: autograd keeps the running sums
+    ([B, H, T, D] each) and the inputs, never a step's [B, H, T, chunk, D] logits (T^2 D per head in all: 137 GB in
+    float64 at T = 16384, D = 64), and the gradients are those of the same arithmetic kept whole, bit for bit."""
+    f = attnlab.formulation("aft")
+    B, T, H, D, chunk = 1, 48, 2, 8, 16
+    x = f.sample(B=B, T=T, H=H, K=D, V=D, seed=3)
+    do = torch.randn(B, T, H, D, dtype=torch.float64)
+
+    def gradients_and_largest_saved():
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel()) or t, lambda t: t):
+            grads = oracle_gradients(f, x, do, chunk_size=chunk)
+        return grads, max(sizes)
+
+    recomputed, largest = gradients_and_largest_saved()
+    assert largest <= max(T * T, B * H * T * D)
+    monkeypatch.setattr(Float64, "recompute", lambda self, step, *arrays: step(*arrays))
+    kept, largest_kept = gradients_and_largest_saved()
+    assert largest_kept >= B * H * T * chunk * D  # what recompute saves
+    for name in recomputed:
+        assert torch.equal(recomputed[name], kept[name]), name
