@@ -127,9 +127,12 @@ recomputes everything it reads, so the two need not agree): the dq/dk and dv ker
 [BT, BK] fp32 tiles beside [BT, BT] ones, which at BT = 64 on 4 warps spill (reports/bench.md).
 The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
 a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
-backward keeps h, dh, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"; its
-own kernels take every mode as the forward's do); o's inter and level terms, which dgv multiplies
-by do, are recomputed in fp32 (the returned o is rounded, and holds them only as a sum).
+backward keeps h, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"), and dh
+in fp32 except in "fp16" mode (bf16's default), where its tiles are fp16, scaled by a power of two
+from their peak: the dots that read it round it so anyway, and at 32-row chunks the states are the
+backward's largest traffic (1.07 GB each in fp32 at the bench shape, written once, read twice). Its
+own kernels take every mode as the forward's do; o's inter and level terms, which dgv
+multiplies by do, are recomputed in fp32 (the returned o is rounded, and holds them only as a sum).
 
 Recurrent backward: dgk_t = sum_v dS_t * D_t * S_{t-1} needs the forward's states in reverse order.
 The forward (with ``saved``) stores the state every RECURRENT_SEGMENT steps (B H T K V / 64 floats);
@@ -669,10 +672,34 @@ def _recurrent_kernel(
 # --------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def _store_cotangent(ptrs, mask, scale_ptr, dS, PRECISION: tl.constexpr):
+    """A state cotangent's [BK, BV] tile to the backward's scratch: fp32, or in "fp16" mode fp16 dS * s with s a
+    power of two that puts the tile's peak in [2^13, 2^14), and 1 / s at scale_ptr. An "fp16" _dot rounds its
+    operand so (one scale per tile, from its peak), so the dots that read it lose nothing, and it has half the
+    bytes."""
+    if PRECISION == "fp16":
+        dS_scale, dS_inverse = pow2_scale(peak(dS), 13)
+        tl.store(ptrs, (dS * dS_scale).to(tl.float16), mask=mask)
+        tl.store(scale_ptr, dS_inverse)
+    else:
+        tl.store(ptrs, dS, mask=mask)
+
+
+@triton.jit
+def _load_cotangent(ptrs, mask, scale_ptr, PRECISION: tl.constexpr):
+    """A state cotangent's tile from the backward's scratch in fp32: in "fp16" mode the stored fp16 tile times its
+    inverse scale (a power of two: exact)."""
+    dS = tl.load(ptrs, mask=mask, other=0.0)
+    if PRECISION == "fp16":
+        dS = dS.to(tl.float32) * tl.load(scale_ptr)
+    return dS
+
+
 # NT is not specialized, as in the forward's states kernel.
 @triton.jit(do_not_specialize=["NT"])
 def _chunk_state_grads_kernel(
-    q_ptr, do_ptr, gk_ptr, gv_ptr, dh_ptr, d_final_ptr, d_initial_ptr,
+    q_ptr, do_ptr, gk_ptr, gv_ptr, dh_ptr, dh_scale_ptr, d_final_ptr, d_initial_ptr,
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
@@ -683,7 +710,8 @@ def _chunk_state_grads_kernel(
     dS_c = (exp(Gk_C) exp(Gv_C)^T) * dS_{c+1} + scale (q * exp(Gk))^T (do * exp(Gv)),
     the forward's state recurrence run backwards (prefix sums Gk, Gv where the forward has suffix
     sums; q, do where it has k, v). One program per (K block, V block, batch*head), looping over
-    the chunks from the last.
+    the chunks from the last. In "fp16" mode dh is fp16 tiles with their inverse scales in dh_scale
+    (_store_cotangent).
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
@@ -703,7 +731,8 @@ def _chunk_state_grads_kernel(
 
     for i in range(0, NT):
         c = NT - 1 - i
-        tl.store(dh_ptr + (bh64 * NT + c) * K * V + state_offsets, dS, mask=state_mask)
+        _store_cotangent(dh_ptr + (bh64 * NT + c) * K * V + state_offsets, state_mask,
+                         dh_scale_ptr + ((bh64 * NT + c) * NK + kb) * NV + vb, dS, PRECISION)
         rows = c * BT + local
         row_mask = rows < T
         q_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
@@ -767,7 +796,7 @@ def _level_gradients(scores, later, earlier, gate, factor, later_sum, earlier_su
 
 @triton.jit
 def _chunk_dqk_kernel(
-    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dA_ptr, dq_ptr, dk_ptr, dgk_ptr,
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dh_scale_ptr, dA_ptr, dq_ptr, dk_ptr, dgk_ptr,
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
@@ -788,6 +817,7 @@ def _chunk_dqk_kernel(
     (masked sums of products: no difference of two large sums).
     """
     NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
     kb, c, b, h, bh64 = _program_indices(NK, NT, H)
     local = tl.arange(0, BT)
     upto = local[None, :] <= local[:, None]
@@ -820,8 +850,9 @@ def _chunk_dqk_kernel(
             gv_total = tl.sum(gv.to(tl.float32), axis=0)
         state_offsets = (bh64 * NT + c) * K * V + keys[None, :] * V + values[:, None]
         state_mask = key_mask[None, :] & value_mask[:, None]
+        tile = ((bh64 * NT + c) * NK + kb) * NV + v0 // BV
         S_transposed = tl.load(h_ptr + state_offsets, mask=state_mask, other=0.0)
-        dS_transposed = tl.load(dh_ptr + state_offsets, mask=state_mask, other=0.0)
+        dS_transposed = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, PRECISION)
         from_state = _dot(do, S_transposed, from_state, PRECISION, DT)
         to_state = _dot(v, dS_transposed, to_state, PRECISION, DT)
         if HAS_GK:
@@ -854,7 +885,7 @@ def _chunk_dqk_kernel(
 
 @triton.jit
 def _chunk_dv_kernel(
-    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, A_ptr, dv_ptr, dgv_ptr,
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dh_scale_ptr, A_ptr, dv_ptr, dgv_ptr,
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
@@ -870,6 +901,7 @@ def _chunk_dv_kernel(
                 + sum_l spanning_l @ (do * o_l + v * dv_l),
     o's terms recomputed in fp32 as the forward's output kernel does.
     """
+    NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     vb, c, b, h, bh64 = _program_indices(NV, NT, H)
     local = tl.arange(0, BT)
@@ -896,11 +928,12 @@ def _chunk_dv_kernel(
         k_mask = row_mask[:, None] & key_mask[None, :]
         state_offsets = (bh64 * NT + c) * K * V + keys[:, None] * V + values[None, :]
         state_mask = key_mask[:, None] & value_mask[None, :]
+        tile = ((bh64 * NT + c) * NK + k0 // BK) * NV + vb
         k = tl.load(k_ptr + k_offsets, mask=k_mask, other=0.0)
         if HAS_GK:
             gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
             k = k.to(tl.float32) * tl.exp(span_sums(after, gk, DT != tl.float32))
-        dS = tl.load(dh_ptr + state_offsets, mask=state_mask, other=0.0)
+        dS = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, PRECISION)
         to_state = _dot(k, dS, to_state, PRECISION, DT)
         if HAS_GV:
             q = tl.load(q_ptr + k_offsets, mask=k_mask, other=0.0)
@@ -1207,16 +1240,20 @@ def chunkwise_backward(
     BC = min(16, BT)
     DT = triton_dtype(q.dtype)
     precision = _resolve_precision(precision, DT)
-    # h, dh, A and dA stay in fp32: the forward's kernels that recompute h and A run "fp16" as "split"
-    # (with "fp16" they would store scaled fp16 tiles); the backward's own kernels take the mode as is.
-    recompute = dict(PRECISION="split" if precision == "fp16" else precision, DT=DT, num_warps=num_warps,
+    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
+    # h, A and dA stay in fp32: the forward's kernels that recompute h and A run "fp16" as "split" (with
+    # "fp16" they would store scaled fp16 tiles); the backward's own kernels take the mode as is. In "fp16"
+    # mode dh is fp16 tiles, one inverse scale each (_store_cotangent): half the bytes.
+    fp16_cotangents = precision == "fp16"
+    recompute = dict(PRECISION="split" if fp16_cotangents else precision, DT=DT, num_warps=num_warps,
                      num_stages=num_stages)
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
     gk_arg = gk if gk is not None else q  # never read when absent
     gv_arg = gv if gv is not None else v
     h = torch.empty((B * H, NT, K, V), **f32)
-    dh = torch.empty((B * H, NT, K, V), **f32)
+    dh = torch.empty((B * H, NT, K, V), dtype=torch.float16 if fp16_cotangents else torch.float32, device=device)
+    dh_scale = torch.empty((B * H, NT, NK, NV) if fp16_cotangents else (1,), **f32)
     A = torch.empty((B * H, NT, BT, BT), **f32)
     dA = torch.empty((B * H, NT, BT, BT), **f32)
     d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
@@ -1226,7 +1263,6 @@ def chunkwise_backward(
     dgk = torch.empty_like(gk) if gk is not None else None
     dgv = torch.empty_like(gv) if gv is not None else None
     unused = torch.empty((1,), **f32)  # the scale buffers of stored "fp16" tiles, which the backward does not use
-    NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
     flags = dict(PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
     gates = dict(HAS_GK=gk is not None, HAS_GV=gv is not None)
     # Recomputed: the chunk states h and the scores A (the forward's own kernels), and dA, which is
@@ -1237,7 +1273,7 @@ def chunkwise_backward(
         **gates, **recompute,
     )
     _chunk_state_grads_kernel[(NK * NV * B * H,)](
-        q, do, gk_arg, gv_arg, dh, d_state[0] if d_state is not None else dh,
+        q, do, gk_arg, gv_arg, dh, dh_scale, d_state[0] if d_state is not None else dh,
         d_initial if d_initial is not None else dh, scale, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=state is not None,
         **gates, **flags,
@@ -1250,11 +1286,11 @@ def chunkwise_backward(
         do, v, gv_arg, dA, unused, T, H, NT, K=V, BK=min(block_k, block_size(V)), HAS_GK=gv is not None, **scores,
     )
     _chunk_dqk_kernel[(NK * NT * B * H,)](
-        q, k, v, gk_arg, gv_arg, do, h, dh, dA, dq, dk, dgk if dgk is not None else unused,
+        q, k, v, gk_arg, gv_arg, do, h, dh, dh_scale, dA, dq, dk, dgk if dgk is not None else unused,
         scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
     )
     _chunk_dv_kernel[(NV * NT * B * H,)](
-        q, k, v, gk_arg, gv_arg, do, h, dh, A, dv, dgv if dgv is not None else unused,
+        q, k, v, gk_arg, gv_arg, do, h, dh, dh_scale, A, dv, dgv if dgv is not None else unused,
         scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
     )
     grads = {"q": dq, "k": dk, "v": dv, "gk": dgk, "gv": dgv}

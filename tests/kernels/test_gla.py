@@ -187,3 +187,13 @@ def test_gradients_in_chunks_of_32_and_64(chunk_size):
     (_gated.BACKWARD_CHUNK): at 64 the two passes chunk the sequence differently, which they must be free to."""
     check_gradients("gla", "chunkwise", _with_state(_sample(T=chunk_size + 13, seed=30)), torch.float32,
                     chunk_size=chunk_size)
+
+
+def test_fp16_state_cotangents_over_several_tiles():
+    """"fp16" (bf16's default) keeps the backward's dh as fp16 tiles, one inverse scale per (chunk, K block,
+    V block): K = 40, V = 48 in blocks of 16 (3 x 3 tiles, the last ones partial), gates of -20 on some key
+    channels (tiles whose peaks differ by e^-20 and more), three chunks of 16, the last partial."""
+    x = _sample(T=40, K=40, V=48, seed=31)
+    x["g"][..., :8] = -20.0
+    check_gradients("gla", "chunkwise", _with_state(x), torch.float16, precision="fp16", chunk_size=16,
+                    block_k=16, block_v=16)
