@@ -120,19 +120,27 @@ level's spanning sums are masked sums of products within one half-block (a dot o
 with the products), and none crosses a chunk: the chunk's view takes S_c and dS_{c+1} as given.
 
 Chunkwise launches: the chunk states h (the forward's kernel, again), the state cotangents dh
-(sequential over chunks, from the last), A and dA (the forward's scores kernel, on (q, k, gk) and
-on (do, v, gv)), then dq, dk, dgk (per K block) and dv, dgv (per V block), parallel over chunks.
-The backward takes its own chunks of at most BACKWARD_CHUNK rows, whatever the forward's chunk_size (it
-recomputes everything it reads, so the two need not agree): the dq/dk and dv kernels hold about eight
-[BT, BK] fp32 tiles beside [BT, BT] ones, which at BT = 64 on 4 warps spill (reports/bench.md).
-The forward saves nothing: h is B H T K V / BT floats, V / BT times q's size (too much to keep for
-a recomputation that costs one sequential pass of dots), and A, dA are cheap to recompute. The
-backward keeps h, A and dA in fp32 (the kernels recomputing h and A run "fp16" as "split"), and dh
-in fp32 except in "fp16" mode (bf16's default), where its tiles are fp16, scaled by a power of two
-from their peak: the dots that read it round it so anyway, and at 32-row chunks the states are the
-backward's largest traffic (1.07 GB each in fp32 at the bench shape, written once, read twice). Its
-own kernels take every mode as the forward's do; o's inter and level terms, which dgv
-multiplies by do, are recomputed in fp32 (the returned o is rounded, and holds them only as a sum).
+(sequential over chunks, from the last), dA (the forward's scores kernel on (do, v, gv) in place of
+(q, k, gk)), then dq, dk, dgk (per K block) and dv, dgv (per V block), parallel over chunks.
+The backward takes its own chunks of at most BACKWARD_CHUNK rows, at most the forward's chunk_size:
+the dq/dk and dv kernels hold about eight [BT, BK] fp32 tiles beside [BT, BT] ones, which at BT = 64
+on 4 warps spill (reports/bench.md). What the forward saves: its scores A (B H T BT_f entries, fp16
+in "fp16" mode, fp32 in most others: half to once q's bytes at BT_f = 64), which the dv kernel reads
+where it needs A, each backward chunk's pairs a diagonal block of a forward tile (the forward's
+chunk is a power-of-two multiple of the backward's); recomputing them cost a scores launch as long
+as the forward's own. Except for fp16 inputs in "fp16" mode: there the forward's A carries fp16
+operand roundings as large as the output's own (harmless for bf16, whose rounding is 8x larger), so
+the backward recomputes A in "split" (on strong gates, dv 1.09 -> 1.35 and dgv 1.75 -> 2.35 times the
+floor when it read the forward's). Not h: it is B H T K V / BT floats, V / BT times q's size, too much to keep
+for a recomputation that costs one sequential pass of dots. The backward keeps h and dA in fp32
+(the kernel recomputing h runs "fp16" as "split"), and dh in fp32 except in "fp16" mode (bf16's
+default) without a value gate, where its tiles are fp16, scaled by a power of two from their peak:
+the dots that read it round it so anyway, and at 32-row chunks the states are the backward's largest
+traffic (1.07 GB each in fp32 at the bench shape, written once, read twice). With a value gate the
+dq/dk and dv kernels do more work per tile and the conversions cost more than the bytes saved
+(measured: reports/bench.md). Its own kernels take every mode as the forward's do; o's inter and
+level terms, which dgv multiplies by do, are recomputed in fp32 (the returned o is rounded, and
+holds them only as a sum).
 
 Recurrent backward: dgk_t = sum_v dS_t * D_t * S_{t-1} needs the forward's states in reverse order.
 The forward (with ``saved``) stores the state every RECURRENT_SEGMENT steps (B H T K V / 64 floats);
@@ -673,12 +681,12 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _store_cotangent(ptrs, mask, scale_ptr, dS, PRECISION: tl.constexpr):
-    """A state cotangent's [BK, BV] tile to the backward's scratch: fp32, or in "fp16" mode fp16 dS * s with s a
-    power of two that puts the tile's peak in [2^13, 2^14), and 1 / s at scale_ptr. An "fp16" _dot rounds its
+def _store_cotangent(ptrs, mask, scale_ptr, dS, FP16_COTANGENTS: tl.constexpr):
+    """A state cotangent's [BK, BV] tile to the backward's scratch: fp32, or with FP16_COTANGENTS fp16 dS * s with
+    s a power of two that puts the tile's peak in [2^13, 2^14), and 1 / s at scale_ptr. An "fp16" _dot rounds its
     operand so (one scale per tile, from its peak), so the dots that read it lose nothing, and it has half the
     bytes."""
-    if PRECISION == "fp16":
+    if FP16_COTANGENTS:
         dS_scale, dS_inverse = pow2_scale(peak(dS), 13)
         tl.store(ptrs, (dS * dS_scale).to(tl.float16), mask=mask)
         tl.store(scale_ptr, dS_inverse)
@@ -687,11 +695,11 @@ def _store_cotangent(ptrs, mask, scale_ptr, dS, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _load_cotangent(ptrs, mask, scale_ptr, PRECISION: tl.constexpr):
-    """A state cotangent's tile from the backward's scratch in fp32: in "fp16" mode the stored fp16 tile times its
-    inverse scale (a power of two: exact)."""
+def _load_cotangent(ptrs, mask, scale_ptr, FP16_COTANGENTS: tl.constexpr):
+    """A state cotangent's tile from the backward's scratch in fp32: with FP16_COTANGENTS the stored fp16 tile times
+    its inverse scale (a power of two: exact)."""
     dS = tl.load(ptrs, mask=mask, other=0.0)
-    if PRECISION == "fp16":
+    if FP16_COTANGENTS:
         dS = dS.to(tl.float32) * tl.load(scale_ptr)
     return dS
 
@@ -703,14 +711,14 @@ def _chunk_state_grads_kernel(
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
-    PRECISION: tl.constexpr, DT: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr, FP16_COTANGENTS: tl.constexpr,
 ):
     """dh[bh, c] = dS_{c+1}, the cotangent of the state leaving chunk c, and the initial state's gradient dS_0.
 
     dS_c = (exp(Gk_C) exp(Gv_C)^T) * dS_{c+1} + scale (q * exp(Gk))^T (do * exp(Gv)),
     the forward's state recurrence run backwards (prefix sums Gk, Gv where the forward has suffix
     sums; q, do where it has k, v). One program per (K block, V block, batch*head), looping over
-    the chunks from the last. In "fp16" mode dh is fp16 tiles with their inverse scales in dh_scale
+    the chunks from the last. With FP16_COTANGENTS dh is fp16 tiles with their inverse scales in dh_scale
     (_store_cotangent).
     """
     NK: tl.constexpr = (K + BK - 1) // BK
@@ -732,7 +740,7 @@ def _chunk_state_grads_kernel(
     for i in range(0, NT):
         c = NT - 1 - i
         _store_cotangent(dh_ptr + (bh64 * NT + c) * K * V + state_offsets, state_mask,
-                         dh_scale_ptr + ((bh64 * NT + c) * NK + kb) * NV + vb, dS, PRECISION)
+                         dh_scale_ptr + ((bh64 * NT + c) * NK + kb) * NV + vb, dS, FP16_COTANGENTS)
         rows = c * BT + local
         row_mask = rows < T
         q_offsets = ((b * T + rows[:, None]) * H + h) * K + keys[None, :]
@@ -800,7 +808,7 @@ def _chunk_dqk_kernel(
     scale, T, H, NT,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
-    PRECISION: tl.constexpr, DT: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr, FP16_COTANGENTS: tl.constexpr,
 ):
     """dq, dk and the key gate's gradient of one chunk; one program per (K block, chunk, batch*head).
 
@@ -852,7 +860,7 @@ def _chunk_dqk_kernel(
         state_mask = key_mask[None, :] & value_mask[:, None]
         tile = ((bh64 * NT + c) * NK + kb) * NV + v0 // BV
         S_transposed = tl.load(h_ptr + state_offsets, mask=state_mask, other=0.0)
-        dS_transposed = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, PRECISION)
+        dS_transposed = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, FP16_COTANGENTS)
         from_state = _dot(do, S_transposed, from_state, PRECISION, DT)
         to_state = _dot(v, dS_transposed, to_state, PRECISION, DT)
         if HAS_GK:
@@ -885,11 +893,11 @@ def _chunk_dqk_kernel(
 
 @triton.jit
 def _chunk_dv_kernel(
-    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dh_scale_ptr, A_ptr, dv_ptr, dgv_ptr,
-    scale, T, H, NT,
-    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr,
-    PRECISION: tl.constexpr, DT: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, gk_ptr, gv_ptr, do_ptr, h_ptr, dh_ptr, dh_scale_ptr, A_ptr, A_scale_ptr, dv_ptr, dgv_ptr,
+    scale, T, H, NT, NT_A,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT_A: tl.constexpr,
+    LEVELS: tl.constexpr, HAS_GK: tl.constexpr, HAS_GV: tl.constexpr, A_SCALED: tl.constexpr,
+    PRECISION: tl.constexpr, DT: tl.constexpr, FP16_COTANGENTS: tl.constexpr,
 ):
     """dv and the value gate's gradient of one chunk; one program per (V block, chunk, batch*head).
 
@@ -900,9 +908,12 @@ def _chunk_dv_kernel(
         dgv_s = exp(Gv_C) * sum_k (S_c * dS_{c+1}) + sum_{t>=s} do_t o_t^inter + sum_{j<s} v_j dv_j^inter
                 + sum_l spanning_l @ (do * o_l + v * dv_l),
     o's terms recomputed in fp32 as the forward's output kernel does.
+    A is the forward's: NT_A tiles of BT_A rows (a multiple of BT), this chunk's pairs the diagonal block
+    c % (BT_A / BT) of tile c // (BT_A / BT); with A_SCALED ("fp16"), fp16 tiles times their inverse scale.
     """
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
+    A_RATIO: tl.constexpr = BT_A // BT
     vb, c, b, h, bh64 = _program_indices(NV, NT, H)
     local = tl.arange(0, BT)
     upto = local[None, :] <= local[:, None]
@@ -933,7 +944,7 @@ def _chunk_dv_kernel(
         if HAS_GK:
             gk = tl.load(gk_ptr + k_offsets, mask=k_mask, other=0.0)
             k = k.to(tl.float32) * tl.exp(span_sums(after, gk, DT != tl.float32))
-        dS = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, PRECISION)
+        dS = _load_cotangent(dh_ptr + state_offsets, state_mask, dh_scale_ptr + tile, FP16_COTANGENTS)
         to_state = _dot(k, dS, to_state, PRECISION, DT)
         if HAS_GV:
             q = tl.load(q_ptr + k_offsets, mask=k_mask, other=0.0)
@@ -946,7 +957,11 @@ def _chunk_dv_kernel(
             from_state = _dot(q, S, from_state, PRECISION, DT)
             through_state += tl.sum(S_decayed * dS, axis=0)
 
-    A = tl.load(A_ptr + (bh64 * NT + c) * BT * BT + local[:, None] * BT + local[None, :])
+    A_tile = bh64 * NT_A + c // A_RATIO
+    A_block = A_tile * BT_A * BT_A + (c % A_RATIO) * BT * (BT_A + 1)
+    A = tl.load(A_ptr + A_block + local[:, None] * BT_A + local[None, :]).to(tl.float32)
+    if A_SCALED:
+        A = A * tl.load(A_scale_ptr + A_tile)
     zero = tl.zeros([BT, BV], dtype=tl.float32)
     if HAS_GV:
         gv = tl.load(gv_ptr + v_offsets, mask=v_mask, other=0.0)
@@ -1099,7 +1114,7 @@ def chunkwise(
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
 
     The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel. ``saved`` (gradients wanted)
-    stays empty: the backward recomputes what it needs (module docstring, "Backward"). Head dims that are not
+    receives the scores A and their inverse scales, which the backward reads (module docstring, "Backward"). Head dims that are not
     multiples of 16 go to the recurrent kernel on the GPU (kernels/_util.gpu_shape_known_bad).
     """
     B, T, H, K = q.shape
@@ -1154,6 +1169,8 @@ def chunkwise(
             K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, HAS_GV=gv is not None, **flags,
         ),
     )
+    if saved is not None:
+        saved["scores"], saved["scores_scale"] = A, A_scale
     return o, ((final,) if return_state else None)
 
 
@@ -1241,11 +1258,12 @@ def chunkwise_backward(
     DT = triton_dtype(q.dtype)
     precision = _resolve_precision(precision, DT)
     NK, NV = triton.cdiv(K, BK), triton.cdiv(V, BV)
-    # h, A and dA stay in fp32: the forward's kernels that recompute h and A run "fp16" as "split" (with
-    # "fp16" they would store scaled fp16 tiles); the backward's own kernels take the mode as is. In "fp16"
-    # mode dh is fp16 tiles, one inverse scale each (_store_cotangent): half the bytes.
-    fp16_cotangents = precision == "fp16"
-    recompute = dict(PRECISION="split" if fp16_cotangents else precision, DT=DT, num_warps=num_warps,
+    # h and dA stay in fp32: the forward's kernels that recompute them run "fp16" as "split" (with "fp16"
+    # they would store scaled fp16 tiles); the backward's own kernels take the mode as is. In "fp16" mode
+    # and without a value gate, dh is fp16 tiles, one inverse scale each (_store_cotangent): half the bytes
+    # (module docstring, "Backward").
+    fp16_cotangents = precision == "fp16" and gv is None
+    recompute = dict(PRECISION="split" if precision == "fp16" else precision, DT=DT, num_warps=num_warps,
                      num_stages=num_stages)
     device = q.device
     f32 = dict(dtype=torch.float32, device=device)
@@ -1254,7 +1272,6 @@ def chunkwise_backward(
     h = torch.empty((B * H, NT, K, V), **f32)
     dh = torch.empty((B * H, NT, K, V), dtype=torch.float16 if fp16_cotangents else torch.float32, device=device)
     dh_scale = torch.empty((B * H, NT, NK, NV) if fp16_cotangents else (1,), **f32)
-    A = torch.empty((B * H, NT, BT, BT), **f32)
     dA = torch.empty((B * H, NT, BT, BT), **f32)
     d_initial = torch.empty((B, H, K, V), **f32) if state is not None else None
     dq = torch.empty_like(q)
@@ -1264,9 +1281,10 @@ def chunkwise_backward(
     dgv = torch.empty_like(gv) if gv is not None else None
     unused = torch.empty((1,), **f32)  # the scale buffers of stored "fp16" tiles, which the backward does not use
     flags = dict(PRECISION=precision, DT=DT, num_warps=num_warps, num_stages=num_stages)
+    cotangents = dict(FP16_COTANGENTS=fp16_cotangents, **flags)
     gates = dict(HAS_GK=gk is not None, HAS_GV=gv is not None)
-    # Recomputed: the chunk states h and the scores A (the forward's own kernels), and dA, which is
-    # the scores kernel on (do, v, gv) in place of (q, k, gk).
+    # Recomputed: the chunk states h (the forward's kernel), dA (the scores kernel on (do, v, gv) in place of
+    # (q, k, gk)) and, for fp16 inputs in "fp16" mode only, A.
     _chunk_states_kernel[(NK * NV * B * H,)](
         k, v, gk_arg, gv_arg, h, unused, unused, state[0] if state is not None else h, h, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_INITIAL=state is not None, STORE_FINAL=False,
@@ -1276,22 +1294,27 @@ def chunkwise_backward(
         q, do, gk_arg, gv_arg, dh, dh_scale, d_state[0] if d_state is not None else dh,
         d_initial if d_initial is not None else dh, scale, T, H, NT,
         K=K, V=V, BT=BT, BK=BK, BV=BV, HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=state is not None,
-        **gates, **flags,
+        **gates, **cotangents,
     )
     scores = dict(BT=BT, BC=BC, LEVELS=levels, SUB_LEVELS=BC.bit_length() - 1, **recompute)
     _chunk_scores_kernel[(NT * B * H,)](
-        q, k, gk_arg, A, unused, T, H, NT, K=K, BK=BK, HAS_GK=gk is not None, **scores,
-    )
-    _chunk_scores_kernel[(NT * B * H,)](
         do, v, gv_arg, dA, unused, T, H, NT, K=V, BK=min(block_k, block_size(V)), HAS_GK=gv is not None, **scores,
     )
+    if precision == "fp16" and DT == tl.float16:  # the forward's A carries fp16's own rounding: recompute it
+        A, A_scale = torch.empty((B * H, NT, BT, BT), **f32), unused
+        _chunk_scores_kernel[(NT * B * H,)](
+            q, k, gk_arg, A, unused, T, H, NT, K=K, BK=BK, HAS_GK=gk is not None, **scores,
+        )
+    else:
+        A, A_scale = saved["scores"], saved["scores_scale"]  # the forward's, in its chunks and storage
     _chunk_dqk_kernel[(NK * NT * B * H,)](
         q, k, v, gk_arg, gv_arg, do, h, dh, dh_scale, dA, dq, dk, dgk if dgk is not None else unused,
-        scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
+        scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **cotangents,
     )
     _chunk_dv_kernel[(NV * NT * B * H,)](
-        q, k, v, gk_arg, gv_arg, do, h, dh, dh_scale, A, dv, dgv if dgv is not None else unused,
-        scale, T, H, NT, K=K, V=V, BT=BT, BK=BK, BV=BV, LEVELS=levels, **gates, **flags,
+        q, k, v, gk_arg, gv_arg, do, h, dh, dh_scale, A, A_scale, dv, dgv if dgv is not None else unused,
+        scale, T, H, NT, A.shape[1], K=K, V=V, BT=BT, BK=BK, BV=BV, BT_A=A.shape[-1], LEVELS=levels,
+        A_SCALED=A.dtype == torch.float16, **gates, **cotangents,
     )
     grads = {"q": dq, "k": dk, "v": dv, "gk": dgk, "gv": dgv}
     if d_initial is not None:

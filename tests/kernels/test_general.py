@@ -134,3 +134,12 @@ def test_gradients_with_fp16_and_input_operands(precision):
     """The two modes that round fp32 operands hardest, both gates with exp(-20) steps."""
     check_gradients("general", "chunkwise", _with_state(_strong(_sample(T=34, seed=47), seed=48)), torch.float16,
                     precision=precision, chunk_size=16)
+
+
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "auto"), (torch.float16, "split")], ids=["fp32", "fp16"])
+def test_gradients_read_the_forwards_scores_at_twice_the_backwards_chunk(dtype, precision):
+    """Forward chunks of 64, backward chunks of 32 (_gated.BACKWARD_CHUNK): the dv kernel reads each chunk's
+    scores, diagonal included (the value gate's levels), from a diagonal block of the forward's tiles; both
+    gates with exp(-20) steps, the last chunk partial."""
+    check_gradients("general", "chunkwise", _with_state(_strong(_sample(T=77, seed=49), seed=50)), dtype,
+                    chunk_size=64, precision=precision)

@@ -181,12 +181,14 @@ def test_gradients_in_every_precision_mode(precision):
                     precision=precision, chunk_size=16)
 
 
+@pytest.mark.parametrize("dtype, precision", [(torch.float32, "auto"), (torch.float16, "fp16")], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("chunk_size", [32, 64])
-def test_gradients_in_chunks_of_32_and_64(chunk_size):
+def test_gradients_in_chunks_of_32_and_64(chunk_size, dtype, precision):
     """Two forward chunks, the second partial. The backward takes chunks of at most 32 rows
-    (_gated.BACKWARD_CHUNK): at 64 the two passes chunk the sequence differently, which they must be free to."""
-    check_gradients("gla", "chunkwise", _with_state(_sample(T=chunk_size + 13, seed=30)), torch.float32,
-                    chunk_size=chunk_size)
+    (_gated.BACKWARD_CHUNK) and reads the forward's scores: at 64 each backward chunk's pairs are a diagonal
+    block of a forward tile ("fp16": scaled fp16 tiles, one inverse scale each)."""
+    check_gradients("gla", "chunkwise", _with_state(_sample(T=chunk_size + 13, seed=30)), dtype,
+                    chunk_size=chunk_size, precision=precision)
 
 
 def test_fp16_state_cotangents_over_several_tiles():
