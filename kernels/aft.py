@@ -22,15 +22,20 @@ launch, rather than once per head (A) or per query tile (E); the main loop is lo
    writes per block j the operands E = exp(k - C(j)) and E * v S(j)
    (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors that move sums
    made so far from one block (or group) to the next; and per key, K_id = max of k_d over its group up to i.
+   E and E * v are stored side by side, channel d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand,
+   and so are the two sums' move factors.
 3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
-   blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal.
+   blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal. den and
+   num are likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
+   (A @ [E, E * v]) and one per-column rescale; a block's move factors, and a diagonal group's keys, values and
+   move factors, are loaded during the block (group) before, so the rescale never waits on memory.
 4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
    programs return at once where no entry of their tile needs it.
 
 The references move forward by vectors. Block j's products are relative to exp(M_t + C(j)), C(j) <= C(j+1); the
 accumulators move from C(j-1) to C(j) by exp(C(j-1) - C(j)) <= 1 per channel (no [BLOCK_Q, BLOCK_D] exponential),
-and both products accumulate inside the dot: num is kept in units of the current E * v scale (below), which the
-same per-channel factor carries. Adding a constant to k moves every C and K with it and changes nothing else.
+and the product accumulates inside the dot: num is kept in units of the current E * v scale (below), which its
+columns' move factor carries. Adding a constant to k moves every C and K with it and changes nothing else.
 
 Causality (bitwise): output t may depend only on w_t,i, k_i and v_i for i <= t, including through the rounding.
 A block's references (C(j), S(j)) are taken over all its keys, so when causal:
@@ -86,8 +91,9 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 Memory of the precomputed factors: A is T * T operands (fp16 for 16-bit inputs, twice with "split"; fp32 for
 fp32 inputs), E and E * v each one operand per element of k (twice with "split"), K one element of k's dtype per
 element of k; the anchors (T) and the per-group and per-block references, scales and factors (B * H * D each per
-group or block) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E, E * v and K 128 MiB each, the
-four group vectors 16 MiB each, the two block vectors 4 MiB each: 488 MiB in all (776 MiB with "split").
+group or block, two per channel for the move factors) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16:
+A 32 MiB, E and E * v 256 MiB, K 128 MiB, the group references and scales 16 MiB each and their move factors
+32 MiB, the block move factors 8 MiB: 488 MiB in all (776 MiB with "split").
 
 Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
 softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
@@ -170,7 +176,7 @@ OPTIONS = {
         "block_q": (None, (None, 16, 32, 64, 128)),  # queries per program; None: FORWARD_ / BACKWARD_BLOCK_Q
         "block_d": (64, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
         "num_warps": (8, (1, 2, 4, 8, 16)),
-        "num_stages": (2, (1, 2, 3, 4, 5)),
+        "num_stages": (3, (1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "single", "split")),
     }
 }
@@ -284,9 +290,15 @@ def _bias_factors_kernel(
 
 
 @triton.jit
-def _max_in_segment(a, a_starts, b, b_starts):
-    """Combine of a running maximum that restarts where b_starts is set (an associative scan over segments)."""
-    return tl.where(b_starts, b, tl.maximum(a, b)), a_starts | b_starts
+def _maximum(a, b):
+    """Combine of a running maximum (an associative scan)."""
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _row(x, index, other):
+    """Row index of a small [R, N] tensor, as an [N] vector (a reduction over the other rows, filled with other)."""
+    return tl.max(tl.where(tl.arange(0, x.shape[0])[:, None] == index, x, other), 0)
 
 
 @triton.jit
@@ -303,22 +315,36 @@ def _num_move(den_move, scale, previous_unscale):
     return den_move * scale * previous_unscale
 
 
+@triton.jit
+def _pairs(den_part, num_part):
+    """Two [M, N] tensors as one [M, 2 N] whose columns alternate: den_part's column d at 2 d, num_part's at
+    2 d + 1 (the layout of the forward's E, E * v operands and of its sums: both products are one dot)."""
+    return tl.reshape(tl.join(den_part, num_part), [den_part.shape[0], 2 * den_part.shape[1]])
+
+
+@triton.jit
+def _vector_pairs(den_part, num_part):
+    """Two [N] vectors as one [2 N], alternating as in _pairs (the move factors of both sums)."""
+    return tl.reshape(tl.join(den_part, num_part), [2 * den_part.shape[0]])
+
+
 # Per channel d, walking the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
 #   C16_g = max_i k_id over the keys up to group g's end (a running maximum), P16_g = max_i |exp(k_id - C16_g) v_id|
 #   over group g's own keys (over its block's keys for a block's last group), floored at SCALE_REACH times the
 #   same peak over every key so far, S16_g = the power of two moving P16_g to [2^14, 2^15) (stored as 1 / S16_g),
 #   and the factors exp(C16_g-1 - C16_g) (den) and that times S16_g / S16_g-1 (num) that move sums
-#   made so far to group g's reference and units (0 for the first group);
+#   made so far to group g's reference and units (0 for the first group), side by side (_vector_pairs);
 #   per block j, with C(j), S(j) those of its last group: the dot operands E_id = exp(k_id - C(j)) (scaled by
-#   OPERAND_SCALE) and E_id v_id S(j), in [B * H, T, D], and the factors exp(C(j-1) - C(j)) (den) and that times
-#   S(j) / S(j-1) (num) that move sums made so far to block j's reference and units (0 for the first block);
+#   OPERAND_SCALE) and E_id v_id S(j), side by side in [B * H, T, 2 D] (_pairs), and the factors
+#   exp(C(j-1) - C(j)) (den) and that times S(j) / S(j-1) (num) that move sums made so far to block j's reference
+#   and units (0 for the first block), side by side;
 #   per key i, K_id = max of k_d over its group's keys up to i (in k's dtype: a maximum of its values is exact).
 # Every E * v operand relative to some C16_g and scaled by S16_g is then at most 2^15. One program per (head,
 # channel block) walks the key blocks in order, the running maximum and peak its carry.
 @triton.jit
 def _key_factors_kernel(
-    k_ptr, v_ptr, e_hi_ptr, e_lo_ptr, ev_hi_ptr, ev_lo_ptr, den_move_ptr, num_move_ptr, group_ref_ptr,
-    group_unscale_ptr, group_den_move_ptr, group_num_move_ptr, own_key_max_ptr, T, H, D,
+    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr, group_unscale_ptr, group_move_ptr,
+    own_key_max_ptr, T, H, D,
     SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, OPERAND_SCALE: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -333,6 +359,10 @@ def _key_factors_kernel(
     offs_i = tl.arange(0, BLOCK_K)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_in = offs_d < D
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_g = tl.arange(0, GROUPS)[:, None]
+    offs_pairs = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)  # (den, num) columns: 2 d, 2 d + 1
+    pairs_in = offs_pairs < 2 * D
 
     running_max = tl.full([BLOCK_D], -float("inf"), tl.float32)
     running_peak = tl.zeros([BLOCK_D], tl.float32)
@@ -345,51 +375,55 @@ def _key_factors_kernel(
         k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
         k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maxima stay finite
         v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+        # The block's keys by group, [GROUPS, GROUP, BLOCK_D]: per-group maxima and peaks are one reduction each,
+        # and the walk over the groups below handles [GROUPS, BLOCK_D] rows, not the whole block.
+        k_groups = tl.reshape(k, [GROUPS, GROUP, BLOCK_D])
+        own_key_max = tl.reshape(tl.associative_scan(k_groups, 1, _maximum), [BLOCK_K, BLOCK_D])
         offsets = factors_base + keys[:, None] * D + offs_d[None, :]
-        group_starts = (offs_i % GROUP == 0)[:, None] & d_in[None, :]
-        own_key_max, _ = tl.associative_scan((k, group_starts), 0, _max_in_segment)
         tl.store(own_key_max_ptr + offsets, own_key_max.to(own_key_max_ptr.dtype.element_ty), mask=mask)
 
-        # Each key's group reference C16, then |E * v| relative to it (one exponential per element).
+        # Each group's reference C16 (the running maximum at its end), then |E * v| relative to it (one
+        # exponential per element) and its peak per group.
+        group_maxima = tl.max(k_groups, 1)
         block_max_before = running_max
-        key_ref = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
-        for g in tl.static_range(BLOCK_K // GROUP):
-            in_group = ((offs_i // GROUP) == g)[:, None]
-            running_max = tl.maximum(running_max, tl.max(tl.where(in_group, k, -float("inf")), 0))
-            key_ref = tl.where(in_group, running_max[None, :], key_ref)
-        terms = tl.abs(tl.exp(k - key_ref) * v)
+        refs = tl.zeros([GROUPS, BLOCK_D], tl.float32)
+        for g in tl.static_range(GROUPS):
+            running_max = tl.maximum(running_max, _row(group_maxima, g, -float("inf")))
+            refs = tl.where(offs_g == g, running_max[None, :], refs)
+        key_ref = tl.reshape(tl.broadcast_to(refs[:, None, :], [GROUPS, GROUP, BLOCK_D]), [BLOCK_K, BLOCK_D])
+        group_peaks = tl.max(tl.reshape(tl.abs(tl.exp(k - key_ref) * v), [GROUPS, GROUP, BLOCK_D]), 1)
         block_unscale_before = unscale
         running_max = block_max_before
         block_peak = tl.zeros([BLOCK_D], tl.float32)
-        for g in tl.static_range(BLOCK_K // GROUP):
-            in_group = ((offs_i // GROUP) == g)[:, None]
-            group_max = tl.maximum(running_max, tl.max(tl.where(in_group, k, -float("inf")), 0))
+        for g in tl.static_range(GROUPS):
+            group_max = _row(refs, g, -float("inf"))
             den_move = tl.exp(running_max - group_max)
-            group_peak = tl.max(tl.where(in_group, terms, 0.0), 0)
+            group_peak = _row(group_peaks, g, 0.0)
             running_peak = tl.maximum(running_peak * den_move, group_peak)
             block_peak = tl.maximum(block_peak * den_move, group_peak)
             # The group's own operands set its scale (the block's, at its last group inside T, whose scale the
             # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
             # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
-            ends_block = (g == BLOCK_K // GROUP - 1) | (start // GROUP + g >= n_groups - 1)
+            ends_block = (g == GROUPS - 1) | (start // GROUP + g >= n_groups - 1)
             own_peak = tl.where(ends_block, block_peak, group_peak)
             scale, new_unscale = _values_scale(tl.maximum(own_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
             group_offsets = group_base + (start // GROUP + g) * D + offs_d
             group_in = d_in & (start // GROUP + g < n_groups)
             tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
             tl.store(group_unscale_ptr + group_offsets, new_unscale, mask=group_in)
-            tl.store(group_den_move_ptr + group_offsets, den_move, mask=group_in)
-            tl.store(group_num_move_ptr + group_offsets, _num_move(den_move, scale, unscale), mask=group_in)
+            tl.store(group_move_ptr + 2 * group_base + (start // GROUP + g) * 2 * D + offs_pairs,
+                     _vector_pairs(den_move, _num_move(den_move, scale, unscale)),
+                     mask=pairs_in & (start // GROUP + g < n_groups))
             running_max = group_max
             unscale = new_unscale
 
         e = tl.exp(k - running_max[None, :])
-        _store_operand(e_hi_ptr, e_lo_ptr, offsets, e * OPERAND_SCALE, mask, SPLIT, LO_SCALE)
-        _store_operand(ev_hi_ptr, ev_lo_ptr, offsets, e * v * scale[None, :], mask, SPLIT, LO_SCALE)
-        block_offsets = block_base + (start // BLOCK_K) * D + offs_d
+        _store_operand(eev_hi_ptr, eev_lo_ptr, 2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
+                       _pairs(e * OPERAND_SCALE, e * v * scale[None, :]), key_in[:, None] & pairs_in[None, :],
+                       SPLIT, LO_SCALE)
         den_move = tl.exp(block_max_before - running_max)
-        tl.store(den_move_ptr + block_offsets, den_move, mask=d_in)
-        tl.store(num_move_ptr + block_offsets, _num_move(den_move, scale, block_unscale_before), mask=d_in)
+        tl.store(move_ptr + 2 * block_base + (start // BLOCK_K) * 2 * D + offs_pairs,
+                 _vector_pairs(den_move, _num_move(den_move, scale, block_unscale_before)), mask=pairs_in)
 
 
 @triton.jit
@@ -399,6 +433,22 @@ def _own_group_bias(w_ptr, offs_t, step, T):
     visible = (key <= offs_t) & (offs_t < T)
     w = tl.load(w_ptr + offs_t.to(tl.int64) * T + key, mask=visible, other=-float("inf")).to(tl.float32)
     return w, key
+
+
+@triton.jit
+def _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base, offs_d, offs_pairs, group_start,
+                diagonal_end, D):
+    """k and v (fp32, [GROUP, BLOCK_D]) of the diagonal group from group_start and its move factors ([2 BLOCK_D],
+    _pairs), zeros where group_start is diagonal_end (no group left)."""
+    d_in = offs_d < D
+    has_group = group_start < diagonal_end
+    keys = tl.arange(0, GROUP) + group_start
+    kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=d_in[None, :] & has_group, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + kv_offsets, mask=d_in[None, :] & has_group, other=0.0).to(tl.float32)
+    move = tl.load(group_move_ptr + 2 * group_base + (group_start // GROUP) * 2 * D + offs_pairs,
+                   mask=(offs_pairs < 2 * D) & has_group, other=0.0)
+    return k, v, move
 
 
 @triton.jit
@@ -429,13 +479,14 @@ def _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl
 
 # num_td = sum_i A_ti (E v)_id and den_td = sum_i A_ti E_id over row t's factorized keys, relative to
 # exp(M_t + C): products over the key blocks before the tile (every key when causal=False), then over the
-# diagonal's groups before each row's own, the sums moved from one reference C to the next by exp(C_old - C_new)
-# <= 1 per channel; then (causal) the terms of the row's own group, exactly, relative to W_t + K_td; o = num / den.
+# diagonal's groups before each row's own (den and num side by side: one product each), the sums moved from one
+# reference C to the next by exp(C_old - C_new) <= 1 per channel; then (causal) the terms of the row's own group,
+# exactly, relative to W_t + K_td; o = num / den.
 @triton.jit
 def _aft_fwd_kernel(
-    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, e_hi_ptr, e_lo_ptr, ev_hi_ptr, ev_lo_ptr,
-    den_move_ptr, num_move_ptr, group_ref_ptr, group_unscale_ptr, group_den_move_ptr, group_num_move_ptr,
-    own_bias_max_ptr, own_key_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr, fallback_ptr,
+    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr,
+    group_unscale_ptr, group_move_ptr, own_bias_max_ptr, own_key_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
+    o_residual_ptr, fallback_ptr,
     T, H, D, den_floor, fp32_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -460,58 +511,68 @@ def _aft_fwd_kernel(
     d_in = offs_d < D
     in_tile = row_in[:, None] & d_in[None, :]
     a_rows = offs_t.to(tl.int64)[:, None] * T
-    num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # in units of OPERAND_SCALE * S (the current E * v scale)
-    den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)  # in units of OPERAND_SCALE^2
+    # den and num side by side, den_td in column 2 d and num_td in 2 d + 1 (_pairs), as the operands E and E * v
+    # are stored: both sums are one product per key block, and one move factor per column carries either.
+    # den is in units of OPERAND_SCALE^2, num in units of OPERAND_SCALE * S (the current E * v scale).
+    offs_pairs = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)
+    pairs_in = offs_pairs < 2 * D
+    sums = tl.zeros([BLOCK_Q, 2 * BLOCK_D], tl.float32)
 
     if CAUSAL:
         n_blocks = tile * BLOCK_Q // BLOCK_K  # the blocks that end at or before the tile's first query
     else:
         n_blocks = tl.cdiv(T, BLOCK_K)
+    # Block j's move factors are loaded during block j - 1, so that the rescale never waits on a global load.
+    offs_k = tl.arange(0, BLOCK_K)
+    move = tl.load(move_ptr + 2 * block_base + offs_pairs, mask=pairs_in & (n_blocks > 0), other=0.0)
     for block in range(0, n_blocks):
-        keys = block * BLOCK_K + tl.arange(0, BLOCK_K)
-        key_in = keys < T
+        keys = block * BLOCK_K + offs_k
+        if CAUSAL:
+            key_in = offs_k >= 0  # all: these blocks end before the tile's first query, inside T
+        else:
+            key_in = keys < T
         a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], row_in[:, None] & key_in[None, :],
                                    SPLIT)
-        factor_offsets = factors_base + keys[:, None] * D + offs_d[None, :]
-        factor_in = key_in[:, None] & d_in[None, :]
-        e_hi, e_lo = _load_operand(e_hi_ptr, e_lo_ptr, factor_offsets, factor_in, SPLIT)
-        ev_hi, ev_lo = _load_operand(ev_hi_ptr, ev_lo_ptr, factor_offsets, factor_in, SPLIT)
-        block_offsets = block_base + block * D + offs_d
-        den_move = tl.load(den_move_ptr + block_offsets, mask=d_in, other=0.0)[None, :]
-        num_move = tl.load(num_move_ptr + block_offsets, mask=d_in, other=0.0)[None, :]
-        den = _dot_into(a_hi, a_lo, e_hi, e_lo, den * den_move, SPLIT, DOT_PRECISION)
-        num = _dot_into(a_hi, a_lo, ev_hi, ev_lo, num * num_move, SPLIT, DOT_PRECISION)
+        eev_hi, eev_lo = _load_operand(eev_hi_ptr, eev_lo_ptr,
+                                       2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
+                                       key_in[:, None] & pairs_in[None, :], SPLIT)
+        sums = _dot_into(a_hi, a_lo, eev_hi, eev_lo, sums * move[None, :], SPLIT, DOT_PRECISION)
+        move = tl.load(move_ptr + 2 * block_base + (block + 1) * 2 * D + offs_pairs,
+                       mask=pairs_in & (block + 1 < n_blocks), other=0.0)
 
     if CAUSAL:
         # The diagonal's groups before some row's own group, each moving the rows after it (and only those) from
-        # the previous group's C16 and S16 to its own.
+        # the previous group's C16 and S16 to its own. Like the blocks' move factors, a group's keys, values and
+        # move factors are loaded during the group before (all its keys lie inside T: a row comes after them).
         tile_end = tl.minimum((tile + 1) * BLOCK_Q, T)
-        for group_start in range(n_blocks * BLOCK_K, (tile_end - 1) // GROUP * GROUP, GROUP):
-            keys = group_start + tl.arange(0, GROUP)  # all inside T: a row comes after them
+        diagonal_start = n_blocks * BLOCK_K
+        diagonal_end = (tile_end - 1) // GROUP * GROUP
+        group_k, group_v, group_move = _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base,
+                                                   offs_d, offs_pairs, diagonal_start, diagonal_end, D)
+        for group_start in range(diagonal_start, diagonal_end, GROUP):
+            keys = group_start + tl.arange(0, GROUP)
             reached = row_in & (offs_t >= group_start + GROUP)
             a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], reached[:, None], SPLIT)
-            kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=d_in[None, :], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + kv_offsets, mask=d_in[None, :], other=0.0).to(tl.float32)
             group_offsets = group_base + (group_start // GROUP) * D + offs_d
             group_ref = tl.load(group_ref_ptr + group_offsets, mask=d_in, other=0.0)
             group_scale = _pow2_inverse(tl.load(group_unscale_ptr + group_offsets, mask=d_in, other=1.0))
-            den_move = tl.load(group_den_move_ptr + group_offsets, mask=d_in, other=0.0)
-            num_move = tl.load(group_num_move_ptr + group_offsets, mask=d_in, other=0.0)
-            e = tl.exp(k - group_ref[None, :])
-            e_hi, e_lo = _operand_parts(e * OPERAND_SCALE, SPLIT, OP_DTYPE, LO_SCALE)
-            ev_hi, ev_lo = _operand_parts(e * v * group_scale[None, :], SPLIT, OP_DTYPE, LO_SCALE)
+            e = tl.exp(group_k - group_ref[None, :])
+            eev_hi, eev_lo = _operand_parts(_pairs(e * OPERAND_SCALE, e * group_v * group_scale[None, :]), SPLIT,
+                                            OP_DTYPE, LO_SCALE)
+            move = group_move
+            group_k, group_v, group_move = _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base,
+                                                       offs_d, offs_pairs, group_start + GROUP, diagonal_end, D)
             # Selected, not masked by A's zeros: a non-finite k or v of the group would reach the rows before it
             # as 0 * inf in the product.
-            den = tl.where(reached[:, None],
-                           _dot_into(a_hi, a_lo, e_hi, e_lo, den * den_move[None, :], SPLIT, DOT_PRECISION), den)
-            num = tl.where(reached[:, None],
-                           _dot_into(a_hi, a_lo, ev_hi, ev_lo, num * num_move[None, :], SPLIT, DOT_PRECISION), num)
+            sums = tl.where(reached[:, None],
+                            _dot_into(a_hi, a_lo, eev_hi, eev_lo, sums * move[None, :], SPLIT, DOT_PRECISION),
+                            sums)
         # Row t's sums are relative to exp(M_t + C16) and in units of S16, both at the group before its own; rows
         # of the first group have no factorized keys (and their sums are 0).
         has_keys = offs_t >= GROUP
     else:
         has_keys = row_in
+    den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
     den *= UNIT * UNIT
     # Entries whose factorized den fell below the floor are marked (NaN) for _aft_fallback_kernel; den_td depends
     # only on row t's factorized keys, so the choice is causal too.
@@ -666,7 +727,7 @@ def chunkwise(
     block_q: int | None = None,
     block_d: int = 64,
     num_warps: int = 8,
-    num_stages: int = 2,
+    num_stages: int = 3,
     precision: str = "auto",
     saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
@@ -691,17 +752,14 @@ def chunkwise(
         return hi, (torch.empty_like(hi) if split else hi)  # lo is never touched unless split
 
     a_hi, a_lo = operand(T, T)
-    e_hi, e_lo = operand(B * H, T, D)
-    ev_hi, ev_lo = operand(B * H, T, D)
+    eev_hi, eev_lo = operand(B * H, T, 2 * D)  # E and E * v, alternating per channel (_pairs)
     anchor = torch.empty(T, dtype=torch.float32, device=device)
     own_bias_max = torch.empty_like(anchor)
     own_key_max = torch.empty((B * H, T, D), dtype=k.dtype, device=device)
-    den_move = torch.empty((B * H, triton.cdiv(T, chunk_size), D), dtype=torch.float32, device=device)
-    num_move = torch.empty_like(den_move)
+    move = torch.empty((B * H, triton.cdiv(T, chunk_size), 2 * D), dtype=torch.float32, device=device)
     group_ref = torch.empty((B * H, triton.cdiv(T, GROUP.value), D), dtype=torch.float32, device=device)
     group_unscale = torch.empty_like(group_ref)
-    group_den_move = torch.empty_like(group_ref)
-    group_num_move = torch.empty_like(group_ref)
+    group_move = torch.empty((B * H, triton.cdiv(T, GROUP.value), 2 * D), dtype=torch.float32, device=device)
 
     o = torch.empty_like(v)
     lse = lse_residual = o_residual = o
@@ -721,13 +779,12 @@ def chunkwise(
         Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), w, a_hi, a_lo, anchor, own_bias_max, T,
                CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4),
         Launch(_key_factors_kernel, (B * H, triton.cdiv(D, key_block_d)),
-               k, v, e_hi, e_lo, ev_hi, ev_lo, den_move, num_move, group_ref, group_unscale, group_den_move,
-               group_num_move, own_key_max, T, H, D,
+               k, v, eev_hi, eev_lo, move, group_ref, group_unscale, group_move, own_key_max, T, H, D,
                SPLIT=split, HALF_OPERANDS=half_operands, OPERAND_SCALE=operand_scale,
                BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=4),
         Launch(_aft_fwd_kernel, grid,
-               w, k, v, a_hi, a_lo, anchor, e_hi, e_lo, ev_hi, ev_lo, den_move, num_move, group_ref, group_unscale,
-               group_den_move, group_num_move, own_bias_max, own_key_max, o, lse, lse_residual, o_residual, fallback,
+               w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, group_ref, group_unscale, group_move,
+               own_bias_max, own_key_max, o, lse, lse_residual, o_residual, fallback,
                T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
                CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
                DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
@@ -1017,7 +1074,7 @@ def chunkwise_backward(
     block_q: int | None = None,
     block_d: int = 64,
     num_warps: int = 8,
-    num_stages: int = 2,
+    num_stages: int = 3,
     precision: str = "auto",
     **ignored: object,
 ) -> dict[str, torch.Tensor]:

@@ -415,15 +415,14 @@ COMPILE = textwrap.dedent("""
     from attnlab.kernels import aft
 
     OPTIONS = {name: default for name, (default, _) in aft.OPTIONS["chunkwise"].items()}
-    FP32 = ("anchor", "own_bias_max", "den_move", "num_move", "group_ref", "group_unscale", "group_den_move",
-            "group_num_move", "lse", "lse_residual")
+    FP32 = ("anchor", "own_bias_max", "move", "group_ref", "group_unscale", "group_move", "lse", "lse_residual")
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
         types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "den_floor": "fp32", "fp32_floor": "fp32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
         types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual", "own_key_max")}
-        types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "e", "ev") for part in ("hi", "lo")}
+        types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev") for part in ("hi", "lo")}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         constexprs = {n: value for n, value in constexprs.items() if n in kernel.arg_names}
         # What the JIT infers at the bench shape: 16-byte aligned pointers, T, H and D multiples of 16.
