@@ -1114,8 +1114,8 @@ def chunkwise(
     """The chunkwise forward: chunk states, intra-chunk scores, outputs (three launches).
 
     The options are CHUNKWISE_OPTIONS, already checked by attnlab.kernel. ``saved`` (gradients wanted)
-    receives the scores A and their inverse scales, which the backward reads (module docstring, "Backward"). Head dims that are not
-    multiples of 16 go to the recurrent kernel on the GPU (kernels/_util.gpu_shape_known_bad).
+    receives the scores A and their inverse scales, which the backward reads (module docstring, "Backward").
+    Head dims that are not multiples of 16 go to the recurrent kernel on the GPU (kernels/_util.gpu_shape_known_bad).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -279,6 +279,38 @@ def dot_f32_f32(x, y, acc, DTYPE: tl.constexpr, PRECISION: tl.constexpr, RESCALE
         return tl.dot(x_lo, y_hi, tl.dot(x_hi, y_lo, tl.dot(x_hi, y_hi, acc)))
 
 
+@triton.jit
+def fp16_rows(x):
+    """fp32 x [M, N] as fp16 scaled per row by a power of two (pow2_scale, each row's peak into [2^14, 2^15)):
+    (x16, down) with x16 * down[:, None] = x rounded to fp16's 11 bits, relative 2^-11 down to 2^-28 of the row's
+    peak (fp16's subnormals below), whatever the row's range (bf16's 3e38 included). Scales per row factor out
+    of a dot that contracts over the columns."""
+    up, down = pow2_scale(tl.max(tl.abs(x), axis=1), 14)
+    return (x * up[:, None]).to(tl.float16), down
+
+
+@triton.jit
+def fp16_columns_split(x):
+    """fp32 x [M, N] = (hi + lo) * down[None, :], hi and lo fp16 tiles of x scaled per column by a power of two
+    (each column's peak into [2^14, 2^15)): x to about 2^-22 relative (down to where lo goes subnormal, 2^-17 of
+    the column's peak), whatever its range."""
+    up, down = pow2_scale(tl.max(tl.abs(x), axis=0), 14)
+    hi, lo = split(x * up[None, :], tl.float16)
+    return hi, lo, down
+
+
+@triton.jit
+def dot_fp16_rows_f32(a16, a_down, x, PRECISION: tl.constexpr):
+    """a @ x for a = a16 * a_down[:, None] as fp16_rows gives it and fp32 x [N, P]: "split" carries x as
+    fp16_columns_split's hi + lo (two fp16 dots, products exact, both scales applied to the fp32 result);
+    otherwise one fp32 dot of a's exact fp32 value at input_precision PRECISION ("tf32" is exact on a: 11 bits)."""
+    if PRECISION == "split":
+        hi, lo, x_down = fp16_columns_split(x)
+        return tl.dot(a16, lo, tl.dot(a16, hi)) * a_down[:, None] * x_down[None, :]
+    else:
+        return tl.dot(a16.to(tl.float32) * a_down[:, None], x, input_precision=PRECISION)
+
+
 def input_split_config(dtype: torch.dtype, precision: str) -> tuple[str | None, str, bool]:
     """(INPUT_PRECISION, PRECISION, RESCALE) constexprs of a kernel using the dots above, for inputs of ``dtype``
     and a ``precision`` option among INPUT_SPLIT_PRECISIONS: fp32 inputs take one fp32 dot ("ieee", or "tf32" when

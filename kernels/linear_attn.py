@@ -27,17 +27,42 @@ Numerics of the chunkwise kernel (the knobs are ``OPTIONS``):
   of bf16's rounding, comparable to fp16's); "ieee" one exact fp32 dot
   (slow, the accuracy reference). fp32 inputs always use "ieee" unless
   "tf32" is asked for.
-- phi(q), phi(k) of elu1 are not exact input-dtype values.
-  ``feature_precision="split"`` (default) keeps them in fp32 as hi + lo
-  (three dots for phi(Q) phi(K)^T and phi(Q) S, two for phi(K)^T V: about
-  1.8x the tensor-core work). "round" rounds them once to the input dtype
+- phi(q), phi(k) of elu1 are not exact input-dtype values;
+  ``feature_precision`` says how they enter the dots. "auto" (default) is
+  "fp16" for bf16 inputs, "split" for fp16 and exact fp32 features for fp32
+  ("split" and "round" change nothing there; "fp16" applies when named).
+  "fp16" rounds each feature row once to fp16, scaled by a power of two
+  (``_numerics.fp16_rows``: the row's peak into [2^14, 2^15), so elu1's
+  unbounded x + 1, up to bf16's 3e38, cannot overflow, and features down to
+  2^-28 of the row's peak keep 11 bits instead of falling into fp16's
+  subnormals); with fq = diag(2^a) fq16, fk = diag(2^b) fk16 (a power of two
+  per row), A = diag(2^a) (fq16 fk16^T) diag(2^b) is one fp16 dot (exact
+  products); fq S takes
+  the fp32 state as fp16 hi + lo scaled per column by a power of two
+  (``dot_fp16_rows_f32``, two dots, S to ~2^-22); A v stays the input-dtype
+  split above (with "tf32" or "ieee" fq S is one fp32 dot at that precision,
+  exact on fq for both); the state update and z take the rounded fk's exact
+  fp32 values (fp16's 11 bits are a bf16 hi + lo exactly, so fk^T v is two
+  exact bf16 dots into S, with no scaling of v). The same rounded features in
+  numerator, denominator, S and z: the kernel computes the exact function of
+  features perturbed by at most 2^-11 relative, 1/8 of bf16's rounding, so
+  even with few keys and features, where it does not average, the bf16 excess
+  stays near 1 (the T=1, K=7 regression of properties/regressions.py 1.00, the
+  worst of 240 small draws 1.009, on the CPU with bf16's roundings). Seven
+  dots a chunk (14 wgmma) against split's ten; on fp16 inputs the rounding is
+  the output's own, as "round" (a speed setting there).
+  "split" keeps the features in fp32 as hi + lo (three dots for phi(Q)
+  phi(K)^T and phi(Q) S, two for phi(K)^T V: about 1.8x the tensor-core work;
+  its sm_90 ptxas spills stay above 0.5 KB a thread at every V block and warp
+  count tried, K = V = 128, bf16). "round" rounds them once to the input dtype
   and uses those same rounded values in numerator, denominator and z, so the
-  kernel computes the exact function of slightly perturbed features: over
-  many keys the perturbation averages to about u / sqrt(K) relative, a small
+  kernel computes the exact function of slightly perturbed features: over many
+  keys the perturbation averages to about u / sqrt(K) relative, a small
   fraction of the output's rounding floor, but with few keys and features it
   does not average, and the excess goes well over the bound (a property-suite
-  counterexample at T=1, K=7: properties/regressions.py). The identity
-  feature map needs neither (its features are the inputs).
+  counterexample at T=1, K=7: properties/regressions.py); unscaled, fp16
+  features below 6e-5 go subnormal. The identity feature map needs none of
+  these (its features are the inputs).
 
 Measurements behind these choices (emulated excess): reports/bench.md,
 "Design history moved from the kernel docstrings".
@@ -85,7 +110,11 @@ phi''s, exp(min(x, 0)).
   identity's q, k are exact input tiles; A, elu1's features, the states and
   their cotangents fp32 operands), so "round" features differentiate the
   rounded features' function (a speed setting: dq measured 2.2x its floor in
-  fp16 at T=40, K=16).
+  fp16 at T=40, K=16). "fp16" features are, in the backward, the forward's
+  rounded features held exactly in fp32 and multiplied as "split" features
+  (``features``): the function of the rounded features again, and the
+  recomputed states are the forward's own (its state update already took
+  their fp32 values), so den matches them.
 - ``recurrent``: saves nothing; two sequential sweeps per (V block, head),
   every sum in fp32 and compensated (Kahan: a running sum of T terms keeps
   ~1 rounding instead of ~sqrt(T), measured fp32 dq 5.2 -> 3.9, dS_0 5.0 ->
@@ -102,17 +131,18 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._numerics import (
-    INPUT_SPLIT_PRECISIONS, dot_f32_f32, dot_f32_lowp, dot_lowp_f32, input_split_config,
+    INPUT_SPLIT_PRECISIONS, dot_f32_f32, dot_f32_lowp, dot_fp16_rows_f32, dot_lowp_f32, fp16_rows, input_split_config,
 )
 from attnlab.kernels._util import (
     Launch, block_size, default_block_v, gpu_shape_known_bad, launch_after_checks, no_pending_checks, state_block,
 )
+from attnlab.runtime import interpreter_active
 
 OPTIONS = {
     "chunkwise": {
         "chunk_size": (64, (16, 32, 64, 128)),
         "precision": ("split", INPUT_SPLIT_PRECISIONS),
-        "feature_precision": ("split", ("round", "split")),
+        "feature_precision": ("auto", ("auto", "fp16", "split", "round")),
         "block_v": (None, (None, 16, 32, 64, 128)),
         "num_warps": (4, (1, 2, 4, 8)),
         "num_stages": (2, (1, 2, 3, 4)),
@@ -122,6 +152,11 @@ OPTIONS = {
         "num_warps": (4, (1, 2, 4, 8)),
     },
 }
+
+# The chunkwise kernels' smallest V tile on the GPU: at V tiles of 32 their sm_90 builds (triton 3.6) made illegal
+# memory accesses (K = 64, V = 32, 4 warps; K = 128, 8 warps), as the delta rules' products of in-register tiles
+# with [C, 32] ones did (reports/bench.md); 64 and 128 are right. The interpreter keeps every tile.
+GPU_MIN_BLOCK_V = 64
 
 
 # The chunkwise backward's chunk where nothing ties it to the forward's (see _backward_chunk). Its query/key
@@ -143,7 +178,7 @@ def _chunkwise_kernel(
     saved_den,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FEATURES: tl.constexpr,
     HAS_INITIAL_STATE: tl.constexpr, STORE_FINAL_STATE: tl.constexpr,
     SAVE_DEN: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
@@ -153,7 +188,7 @@ def _chunkwise_kernel(
     #   num = A v + fq S,   den = rowsum(A) + fq . z      (S, z: the state before the chunk)
     #   o   = num / den  (normalize)  or  scale * num
     #   S  += fk^T v,   z += colsum(fk)
-    # SAVE_DEN (for the backward, normalized): den per row.
+    # SAVE_DEN (for the backward, normalized): den per row. FEATURES (see _feature_mode): how fq, fk enter the dots.
     pid_v, pid_bh, b, h, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     dtype = q.dtype.element_ty
 
@@ -186,7 +221,7 @@ def _chunkwise_kernel(
             # phi(0) = 1: padded rows and key columns must be zeroed after the map.
             fq = tl.where(qk_mask, elu1(q_c.to(tl.float32)), 0.0)
             fk = tl.where(qk_mask, elu1(k_c.to(tl.float32)), 0.0)
-            if not FP32_FEATURES:
+            if FEATURES == "input":
                 fq = fq.to(dtype)
                 fk = fk.to(dtype)
         else:
@@ -194,7 +229,14 @@ def _chunkwise_kernel(
             fk = k_c
 
         zeros = tl.zeros([CHUNK, BV], dtype=tl.float32)
-        if FP32_FEATURES:
+        if FEATURES == "fp16":
+            # fq = fq16 * fq_down, fk = fk16 * fk_down (per row): the rounded features, used everywhere below.
+            fq16, fq_down = fp16_rows(fq)
+            fk16, fk_down = fp16_rows(fk)
+            A = tl.dot(fq16, tl.trans(fk16)) * fq_down[:, None] * fk_down[None, :]
+            numerator = dot_fp16_rows_f32(fq16, fq_down, S, PRECISION)
+            fk = fk16.to(tl.float32) * fk_down[:, None]  # fp32 carriers of the rounded fk, for S and z
+        elif FEATURES == "fp32":
             A = dot_f32_f32(fq, tl.trans(fk), tl.zeros([CHUNK, CHUNK], dtype=tl.float32), dtype, PRECISION, RESCALE)
             numerator = dot_f32_f32(fq, S, zeros, dtype, PRECISION, RESCALE)
         else:
@@ -203,7 +245,11 @@ def _chunkwise_kernel(
         A = tl.where(causal, A, 0.0)
         numerator = dot_f32_lowp(A, v_c, numerator, PRECISION, RESCALE)
         if NORMALIZE:
-            denominator = tl.sum(A, axis=1) + tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+            if FEATURES == "fp16":
+                query_z = tl.sum(fq16.to(tl.float32) * z[None, :], axis=1) * fq_down  # exactly fq_rounded . z
+            else:
+                query_z = tl.sum(fq.to(tl.float32) * z[None, :], axis=1)
+            denominator = tl.sum(A, axis=1) + query_z
             o_c = numerator / tl.where(row_ok, denominator, 1.0)[:, None]
             if SAVE_DEN:
                 tl.store(saved_den + den_start + rows * H, denominator, mask=row_ok & (pid_v == 0))
@@ -211,10 +257,10 @@ def _chunkwise_kernel(
             o_c = scale * numerator
         tl.store(o + v_chunk + v_tile, o_c.to(o.dtype.element_ty), mask=v_mask)
 
-        if FP32_FEATURES:
-            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
-        else:
+        if FEATURES == "input":
             S = tl.dot(tl.trans(fk), v_c, S, input_precision=INPUT_PRECISION)
+        else:
+            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
         z += tl.sum(fk.to(tl.float32), axis=0)
         qk_chunk += CHUNK * H * K
         v_chunk += CHUNK * H * V
@@ -296,7 +342,7 @@ def chunkwise(
     return_state: bool,
     chunk_size: int = 64,
     precision: str = "split",
-    feature_precision: str = "split",
+    feature_precision: str = "auto",
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -310,7 +356,7 @@ def chunkwise(
         return recurrent(q=q, k=k, v=v, scale=scale, feature_map=feature_map, normalize=normalize, state=state,
                          return_state=return_state, saved=saved, await_checks=await_checks)
     BK = block_size(K)
-    BV = default_block_v(V, BK, block_v)
+    BV = _chunkwise_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
     o = torch.empty_like(v)
     initial_S, initial_z, final_S, final_z = _state_buffers(q, V, state, return_state)
@@ -325,7 +371,7 @@ def chunkwise(
         T, H, K, V, scale,
         CHUNK=chunk_size, BK=BK, BV=BV,
         ELU1=feature_map == "elu1", NORMALIZE=normalize,
-        FP32_FEATURES=_fp32_features(q.dtype, feature_map, feature_precision),
+        FEATURES=_feature_mode(q.dtype, feature_map, feature_precision),
         HAS_INITIAL_STATE=state is not None, STORE_FINAL_STATE=return_state,
         SAVE_DEN=den is not None,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
@@ -334,8 +380,22 @@ def chunkwise(
     return o, ((final_S, final_z) if return_state else None)
 
 
-def _fp32_features(dtype: torch.dtype, feature_map: str, feature_precision: str) -> bool:
-    return feature_map == "elu1" and feature_precision == "split" and dtype != torch.float32
+def _feature_mode(dtype: torch.dtype, feature_map: str, feature_precision: str) -> str:
+    """The FEATURES constexpr of the chunkwise kernels for a ``feature_precision`` option (module docstring):
+    "input" (the identity's inputs, or "round": elu1 rounded to the input dtype, which for fp32 inputs is their
+    exact fp32 features), "fp32" ("split": fp32 features as hi + lo) or "fp16" (rounded to fp16, scaled per row;
+    on fp32 inputs only when asked for by name). "auto" is "fp16" for bf16 inputs, "split" for fp16, exact for
+    fp32."""
+    modes = {"auto": None, "fp16": "fp16", "split": "fp32", "round": "input"}
+    if feature_precision not in modes:
+        raise ValueError(f"feature_precision must be one of {', '.join(map(repr, modes))}; got {feature_precision!r}")
+    if feature_map != "elu1":
+        return "input"
+    if feature_precision == "auto":
+        feature_precision = {torch.bfloat16: "fp16", torch.float16: "split"}.get(dtype, "round")
+    if dtype == torch.float32 and feature_precision != "fp16":
+        return "input"
+    return modes[feature_precision]
 
 
 def recurrent(
@@ -372,6 +432,18 @@ def recurrent(
         num_warps=num_warps,
     ))
     return o, ((final_S, final_z) if return_state else None)
+
+
+def _chunkwise_block_v(V: int, BK: int, block_v: int | None) -> int:
+    """The chunkwise kernels' V tile (default_block_v), at least GPU_MIN_BLOCK_V on the GPU: a smaller tile asked
+    for there is refused before any launch."""
+    BV = default_block_v(V, BK, block_v)
+    if interpreter_active() or BV >= GPU_MIN_BLOCK_V:
+        return BV
+    if block_v is not None:
+        raise ValueError(f"linear_attn's chunkwise kernels take block_v of at least {GPU_MIN_BLOCK_V} on the GPU "
+                         f"(smaller V tiles fault in triton 3.6's sm_90 build); got block_v={block_v}")
+    return GPU_MIN_BLOCK_V
 
 
 def _recurrent_block_v(V: int, block_v: int | None) -> int:
@@ -414,12 +486,16 @@ def blocked_dot_f32(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def features(x, mask, ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
-    """phi(x) of an input tile, as the forward multiplies it: the input itself (identity), elu1 in fp32 (split
-    features) or elu1 rounded once to the input dtype; zero where masked (phi(0) = 1 must not leak in)."""
+def features(x, mask, ELU1: tl.constexpr, FEATURES: tl.constexpr):
+    """phi(x) of an input tile, as the forward multiplies it: the input itself (identity), elu1 in fp32 (FEATURES
+    "fp32"), elu1 rounded to fp16 per row as the forward's fp16_rows does (FEATURES "fp16", held exactly in fp32)
+    or elu1 rounded once to the input dtype ("input"); zero where masked (phi(0) = 1 must not leak in)."""
     if ELU1:
         f = tl.where(mask, elu1(x.to(tl.float32)), 0.0)
-        if not FP32_FEATURES:
+        if FEATURES == "fp16":
+            f16, down = fp16_rows(f)
+            f = f16.to(tl.float32) * down[:, None]
+        elif FEATURES == "input":
             f = f.to(x.dtype)
         return f
     else:
@@ -459,7 +535,7 @@ def _chunk_states_kernel(
     k, v, chunk_S, chunk_z, initial_S, initial_z,
     T, H, K, V,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, TRACK_Z: tl.constexpr,
+    ELU1: tl.constexpr, FEATURES: tl.constexpr, HAS_INITIAL_STATE: tl.constexpr, TRACK_Z: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # The forward's state pass again, one V block of one head: S (and z) at every chunk's start, by the forward's
@@ -485,11 +561,11 @@ def _chunk_states_kernel(
         k_c = tl.load(k + k_chunk + rows[:, None] * (H * K) + keys[None, :], mask=k_mask, other=0.0)
         v_c = tl.load(v + v_chunk + rows[:, None] * (H * V) + values[None, :],
                       mask=row_ok[:, None] & value_ok[None, :], other=0.0)
-        fk = features(k_c, k_mask, ELU1, FP32_FEATURES)
-        if FP32_FEATURES:
-            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
-        else:
+        fk = features(k_c, k_mask, ELU1, FEATURES)
+        if FEATURES == "input":
             S = tl.dot(tl.trans(fk), v_c, S, input_precision=INPUT_PRECISION)
+        else:
+            S = dot_f32_lowp(tl.trans(fk), v_c, S, PRECISION, RESCALE)
         z += tl.sum(fk.to(tl.float32), axis=0)
         z_start += K
         k_chunk += CHUNK * H * K
@@ -502,7 +578,7 @@ def _state_cotangent_kernel(
     d_final_S, d_final_z, chunk_dS, chunk_dz, d_initial_S, d_initial_z,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FEATURES: tl.constexpr,
     HAS_D_STATE: tl.constexpr, TRACK_Z: tl.constexpr, STORE_INITIAL: tl.constexpr,
     PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
@@ -535,7 +611,7 @@ def _state_cotangent_kernel(
         qk_mask = row_ok[:, None] & key_ok[None, :]
         q_c = tl.load(q + row[:, None] * K + keys[None, :], mask=qk_mask, other=0.0)
         do_c = tl.load(do + row[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :], other=0.0)
-        fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
+        fq = features(q_c, qk_mask, ELU1, FEATURES)
         if NORMALIZE:
             den_c = tl.load(den + row, mask=row_ok, other=1.0)
             dS = mixed_dot(tl.trans(fq.to(tl.float32) / den_c[:, None]), do_c, dS, dtype, PRECISION, RESCALE)
@@ -552,7 +628,7 @@ def _state_cotangent_kernel(
 
 @triton.jit
 def _chunk_features(q, k, c, pid_bh, T, H, K, CHUNK: tl.constexpr, BK: tl.constexpr,
-                    ELU1: tl.constexpr, FP32_FEATURES: tl.constexpr):
+                    ELU1: tl.constexpr, FEATURES: tl.constexpr):
     """Chunk c of head pid_bh, as the backward's per-chunk kernels read it: its rows' element indices into
     [B, T, H, *] and their mask, the key lanes and their mask, the causal mask, q's and k's [CHUNK, BK] tiles
     (their offsets, mask and values) and their features fq, fk."""
@@ -566,8 +642,8 @@ def _chunk_features(q, k, c, pid_bh, T, H, K, CHUNK: tl.constexpr, BK: tl.conste
     qk_mask = row_ok[:, None] & key_ok[None, :]
     q_c = tl.load(q + qk_offsets, mask=qk_mask, other=0.0)
     k_c = tl.load(k + qk_offsets, mask=qk_mask, other=0.0)
-    fq = features(q_c, qk_mask, ELU1, FP32_FEATURES)
-    fk = features(k_c, qk_mask, ELU1, FP32_FEATURES)
+    fq = features(q_c, qk_mask, ELU1, FEATURES)
+    fk = features(k_c, qk_mask, ELU1, FEATURES)
     return row, row_ok, keys, key_ok, causal, qk_offsets, qk_mask, q_c, k_c, fq, fk
 
 
@@ -577,7 +653,7 @@ def _chunk_query_key_kernel(
     den, chunk_S, chunk_z, chunk_dS, chunk_dz,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr, TRACK_Z: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FEATURES: tl.constexpr, TRACK_Z: tl.constexpr,
     PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: chunk c of head (b, h), all of K, looping over V blocks. With S, z the state before the
@@ -595,7 +671,7 @@ def _chunk_query_key_kernel(
     pid_bh = tl.program_id(1)
     dtype = q.dtype.element_ty
     row, row_ok, keys, key_ok, causal, qk_offsets, qk_mask, q_c, k_c, fq, fk = _chunk_features(
-        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FP32_FEATURES)
+        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FEATURES)
 
     chunk_state = pid_bh.to(tl.int64) * tl.cdiv(T, CHUNK) + c
     do_v = tl.zeros([CHUNK, CHUNK], dtype=tl.float32)   # do v^T
@@ -644,7 +720,7 @@ def _chunk_value_kernel(
     q, k, do, dv, den, chunk_dS,
     T, H, K, V, scale,
     CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FP32_FEATURES: tl.constexpr,
+    ELU1: tl.constexpr, NORMALIZE: tl.constexpr, FEATURES: tl.constexpr,
     PRECISION: tl.constexpr, RESCALE: tl.constexpr,
 ):
     # One program: V block pid_v of chunk c of head (b, h). With A = tril(fq fk^T), w = 1 / den (or scale) and
@@ -656,7 +732,7 @@ def _chunk_value_kernel(
     pid_bh = tl.program_id(2)
     dtype = q.dtype.element_ty
     row, row_ok, keys, key_ok, causal, _, _, _, _, fq, fk = _chunk_features(
-        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FP32_FEATURES)
+        q, k, c, pid_bh, T, H, K, CHUNK, BK, ELU1, FEATURES)
     values = pid_v * BV + tl.arange(0, BV)
     value_ok = values < V
     v_mask = row_ok[:, None] & value_ok[None, :]
@@ -718,7 +794,7 @@ def chunkwise_backward(
     state: tuple[torch.Tensor, torch.Tensor] | None,
     chunk_size: int = 64,
     precision: str = "split",
-    feature_precision: str = "split",
+    feature_precision: str = "auto",
     block_v: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -732,10 +808,10 @@ def chunkwise_backward(
         return recurrent_backward(o=o, saved=saved, do=do, d_state=d_state, q=q, k=k, v=v, scale=scale,
                                   feature_map=feature_map, normalize=normalize, state=state)
     BK = block_size(K)
-    BV = default_block_v(V, BK, block_v)
+    BV = _chunkwise_block_v(V, BK, block_v)
     input_precision, fp32_precision, rescale = input_split_config(q.dtype, precision)
-    fp32_features = _fp32_features(q.dtype, feature_map, feature_precision)
-    chunk_size = _backward_chunk(chunk_size, T, K, normalize, fp32_features)
+    feature_mode = _feature_mode(q.dtype, feature_map, feature_precision)
+    chunk_size = _backward_chunk(chunk_size, T, K, normalize, feature_mode != "input")
     chunks = triton.cdiv(T, chunk_size)
     chunk_S = torch.empty(B, H, chunks, K, V, dtype=torch.float32, device=q.device)
     chunk_z = torch.empty(B, H, chunks, K, dtype=torch.float32, device=q.device) if normalize else None
@@ -743,7 +819,7 @@ def chunkwise_backward(
     _chunk_states_kernel[(triton.cdiv(V, BV), B * H)](
         k, v, chunk_S, chunk_z, initial_S, initial_z,
         T, H, K, V,
-        CHUNK=chunk_size, BK=BK, BV=BV, ELU1=feature_map == "elu1", FP32_FEATURES=fp32_features,
+        CHUNK=chunk_size, BK=BK, BV=BV, ELU1=feature_map == "elu1", FEATURES=feature_mode,
         HAS_INITIAL_STATE=state is not None, TRACK_Z=normalize,
         INPUT_PRECISION=input_precision, PRECISION=fp32_precision, RESCALE=rescale,
         num_warps=num_warps, num_stages=num_stages,
@@ -755,7 +831,7 @@ def chunkwise_backward(
     d_final_S, d_final_z = d_state if d_state is not None else (None, None)
     d_initial_S, d_initial_z = _initial_state_grads(q, V, state)
     constants = dict(CHUNK=chunk_size, BK=BK, ELU1=feature_map == "elu1", NORMALIZE=normalize,
-                     FP32_FEATURES=fp32_features, PRECISION=fp32_precision, RESCALE=rescale,
+                     FEATURES=feature_mode, PRECISION=fp32_precision, RESCALE=rescale,
                      num_warps=num_warps, num_stages=num_stages)
     _state_cotangent_kernel[(triton.cdiv(V, BV), B * H)](
         q, do, saved.get("den"), do_o,
