@@ -1,6 +1,7 @@
 """aft (AFT-full, FORMULATIONS.md 6): the chunkwise form as matrix products on precomputed factors (no state).
 
-    o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)   (elementwise over D; all i when causal=False)
+    o_t = sum_{i<=t} exp(w_{t,i} + k_i) * v_i / sum_{i<=t} exp(w_{t,i} + k_i)
+    (elementwise over D; all i when causal=False)
 
 Conventions: w [T, T], k, v [B, T, H, D], o [B, T, H, D] in the input dtype (fp16, bf16 or fp32).
 
@@ -11,24 +12,28 @@ are matrix products per (batch, head):
     E_id = exp(k_id - C_d)     C_d = a running maximum of k_d over the keys (below)
     num_td = (A @ (E * v))_td,   den_td = (A @ E)_td   (both relative to exp(M_t + C_d))
 
-Every exponent is <= 0. A depends on w alone and E, E * v on no query, so each factor is computed once, in its own
-launch, rather than once per head (A) or per query tile (E); the main loop is loads and two products. Launches:
+Every exponent is <= 0. A depends on w alone and E, E * v on no query, so each factor is computed once, in launches of
+its own, rather than once per head (A) or per query tile (E); the main loop is loads and two products. Launches:
 
 1. _bias_factors_kernel: A as a [T, T] dot operand (shared by all B * H heads) and the anchors M_t; causal, also
    W_t, the largest w_ti over the keys of row t's own group up to t (below).
-2. _key_factors_kernel: one program per (head, channel block) walks the keys in order, in groups of GROUP = 16
-   and blocks of BLOCK_K (chunk_size). It keeps the running maximum of k, C16 at every group's end, and the
-   peaks of |E * v| relative to it (each group's, each block's, and the running one over every key so far);
-   writes per block j the operands E = exp(k - C(j)) and E * v S(j)
-   (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors that move sums
-   made so far from one block (or group) to the next; and per key, K_id = max of k_d over its group up to i.
-   E and E * v are stored side by side, channel d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand,
-   and so are the two sums' move factors.
+2. The key factors, over the keys in groups of GROUP = 16 and blocks of BLOCK_K (chunk_size): the running
+   maximum of k, C16 at every group's end, and the peaks of |E * v| relative to it (each group's, each
+   block's, and the running one over every key so far); per block j the operands E = exp(k - C(j)) and
+   E * v S(j) (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors
+   that move sums made so far from one block (or group) to the next. E and E * v are stored side by side,
+   channel d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand, and so are the two sums' move
+   factors. The running values are prefixes over the sequence, so three launches, each parallel over key blocks or channels, make them:
+   _key_block_stats_kernel (each block's own maximum of k and peak of |E * v| relative to it, per channel),
+   _key_prefix_kernel (an associative scan over the blocks per channel: the running maximum and peak at each
+   block's end, and S(j)), _key_factors_kernel (the rest, per block, from the running values at the block
+   before).
 3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
    blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal. den and
    num are likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
    (A @ [E, E * v]) and one per-column rescale; a block's move factors, and a diagonal group's keys, values and
-   move factors, are loaded during the block (group) before, so the rescale never waits on memory.
+   move factors, are loaded during the block (group) before, so the rescale never waits on memory. Causal,
+   K_td = max of k_d over row t's own group up to t, a scan of the tile's own keys.
 4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
    programs return at once where no entry of their tile needs it.
 
@@ -89,11 +94,11 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 - fp32 inputs use fp32 operands with input_precision="ieee" (exact products); precision has no effect there.
 
 Memory of the precomputed factors: A is T * T operands (fp16 for 16-bit inputs, twice with "split"; fp32 for
-fp32 inputs), E and E * v each one operand per element of k (twice with "split"), K one element of k's dtype per
-element of k; the anchors (T) and the per-group and per-block references, scales and factors (B * H * D each per
-group or block, two per channel for the move factors) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16:
-A 32 MiB, E and E * v 256 MiB, K 128 MiB, the group references and scales 16 MiB each and their move factors
-32 MiB, the block move factors 8 MiB: 488 MiB in all (776 MiB with "split").
+fp32 inputs), E and E * v each one operand per element of k (twice with "split"); the anchors (T) and the
+per-group and per-block references, scales, peaks and factors (B * H * D each per group or block, two per channel
+for the move factors) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E and E * v 256 MiB, the
+group references and scales 16 MiB each and their move factors 32 MiB, the block references, peaks and scales
+4 MiB each and their move factors 8 MiB: 372 MiB in all (660 MiB with "split").
 
 Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
 softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
@@ -168,7 +173,14 @@ SCALE_REACH = tl.constexpr(2.0**-64)
 FORWARD_BLOCK_Q = 128
 BACKWARD_BLOCK_Q = 64
 BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own one group of rows)
-KEY_FACTORS_BLOCK_D = 32  # most channels per program of _key_factors_kernel (B * H * D / 32 programs)
+# Most keys x channels per program of _key_block_stats_kernel and _key_factors_kernel (one key block each, 4 warps;
+# 8 for blocks of 128 keys): 64 x 64 (64 bf16 channels are a 128-byte row segment of k and v). ptxas (sm_90) spills
+# the factor kernel's blocks of 128 keys at 64 channels (8 warps) and at 32 (4 warps), not at 32 with 8 warps.
+KEY_FACTORS_TILE = 64 * 64
+KEY_FACTORS_BLOCK_D = 64
+# _key_prefix_kernel: channels per program, and key blocks per step of its scan.
+PREFIX_BLOCK_D = 32
+PREFIX_SCAN_BLOCKS = 64
 
 OPTIONS = {
     "chunkwise": {
@@ -328,7 +340,7 @@ def _vector_pairs(den_part, num_part):
     return tl.reshape(tl.join(den_part, num_part), [2 * den_part.shape[0]])
 
 
-# Per channel d, walking the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
+# Per channel d, over the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
 #   C16_g = max_i k_id over the keys up to group g's end (a running maximum), P16_g = max_i |exp(k_id - C16_g) v_id|
 #   over group g's own keys (over its block's keys for a block's last group), floored at SCALE_REACH times the
 #   same peak over every key so far, S16_g = the power of two moving P16_g to [2^14, 2^15) (stored as 1 / S16_g),
@@ -337,26 +349,113 @@ def _vector_pairs(den_part, num_part):
 #   per block j, with C(j), S(j) those of its last group: the dot operands E_id = exp(k_id - C(j)) (scaled by
 #   OPERAND_SCALE) and E_id v_id S(j), side by side in [B * H, T, 2 D] (_pairs), and the factors
 #   exp(C(j-1) - C(j)) (den) and that times S(j) / S(j-1) (num) that move sums made so far to block j's reference
-#   and units (0 for the first block), side by side;
-#   per key i, K_id = max of k_d over its group's keys up to i (in k's dtype: a maximum of its values is exact).
-# Every E * v operand relative to some C16_g and scaled by S16_g is then at most 2^15. One program per (head,
-# channel block) walks the key blocks in order, the running maximum and peak its carry.
+#   and units (0 for the first block), side by side.
+# Every E * v operand relative to some C16_g and scaled by S16_g is then at most 2^15.
+#
+# The running maximum and peak are prefixes over the whole sequence, so they take three launches, each parallel
+# over key blocks or channels: _key_block_stats_kernel (each block's own maximum and peak), _key_prefix_kernel
+# (their running values at each block's end, and S(j)), _key_factors_kernel (everything above, per block, from the
+# running values at the block before). A block's scale S(j) is set once, by the prefix launch, since block j's
+# factors and block j + 1's move factors both need it bitwise; the other groups' scales are the factor launch's.
+
+
+# Per key block j and channel d: m_j = max of k_d over the block's keys and q_j = max |exp(k_id - m_j) v_id| over
+# them, its peak of |E * v| relative to its own maximum (no earlier key needed). One program per (key block, head,
+# channel block).
 @triton.jit
-def _key_factors_kernel(
-    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr, group_unscale_ptr, group_move_ptr,
-    own_key_max_ptr, T, H, D,
-    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, OPERAND_SCALE: tl.constexpr,
+def _key_block_stats_kernel(
+    k_ptr, v_ptr, block_ref_ptr, block_peak_ptr, T, H, D,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    keys = pid_j * BLOCK_K + tl.arange(0, BLOCK_K)
+    key_in = keys < T
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_in = offs_d < D
+    mask = key_in[:, None] & d_in[None, :]
+    kv_offsets = kv_base + keys[:, None] * (H * D) + offs_d[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+    k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maximum is finite
+    v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+    block_max = tl.max(k, 0)
+    offsets = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D + pid_j * D + offs_d
+    tl.store(block_ref_ptr + offsets, block_max, mask=d_in)
+    tl.store(block_peak_ptr + offsets, tl.max(tl.abs(tl.exp(k - block_max[None, :]) * v), 0), mask=d_in)
+
+
+@triton.jit
+def _peak_moved(peak, ref, new_ref):
+    """A peak relative to exp(ref) as one relative to exp(new_ref >= ref): unchanged where the references are equal
+    (also both -inf: no key yet)."""
+    return tl.where(ref == new_ref, peak, peak * tl.exp(ref - new_ref))
+
+
+@triton.jit
+def _peak_combine(ref_a, peak_a, ref_b, peak_b):
+    """Combine of (maximum of k, peak of |E * v| relative to it) over two runs of keys (an associative scan)."""
+    ref = tl.maximum(ref_a, ref_b)
+    return ref, tl.maximum(_peak_moved(peak_a, ref_a, ref), _peak_moved(peak_b, ref_b, ref))
+
+
+# Per channel, the block statistics (m_j, q_j) of _key_block_stats_kernel become, in place, the running values at
+# each block's end: C(j) = max of k over the keys so far and the running peak of |E * v| relative to it; and the
+# block's scale, 1 / S(j) (that of its last group: its own peak q_j exp(m_j - C(j)), floored at SCALE_REACH times
+# the running peak). An associative scan over SCAN_BLOCKS blocks at a time, the running values at the last one
+# carried to the next. One program per (head, channel block).
+@triton.jit
+def _key_prefix_kernel(
+    block_ref_ptr, block_peak_ptr, block_unscale_ptr, n_blocks, D,
+    HALF_OPERANDS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_in = offs_d < D
+    offs_j = tl.arange(0, SCAN_BLOCKS)
+    base = pid_bh.to(tl.int64) * n_blocks * D
+    carry_ref = tl.full([BLOCK_D], -float("inf"), tl.float32)
+    carry_peak = tl.zeros([BLOCK_D], tl.float32)
+    for start in range(0, n_blocks, SCAN_BLOCKS):
+        mask = (start + offs_j < n_blocks)[:, None] & d_in[None, :]
+        offsets = base + (start + offs_j)[:, None] * D + offs_d[None, :]
+        block_max = tl.load(block_ref_ptr + offsets, mask=mask, other=-float("inf"))
+        own_peak = tl.load(block_peak_ptr + offsets, mask=mask, other=0.0)
+        ref, peak = tl.associative_scan((block_max, own_peak), 0, _peak_combine)
+        ref, peak = _peak_combine(carry_ref[None, :], carry_peak[None, :], ref, peak)
+        own_peak = _peak_moved(own_peak, block_max, ref)
+        scale, unscale = _values_scale(tl.maximum(own_peak, peak * SCALE_REACH), HALF_OPERANDS)
+        tl.store(block_ref_ptr + offsets, ref, mask=mask)
+        tl.store(block_peak_ptr + offsets, peak, mask=mask)
+        tl.store(block_unscale_ptr + offsets, unscale, mask=mask)
+        # Past n_blocks the scan repeats the last block's values (no key: reference -inf, peak 0).
+        carry_ref = _row(ref, SCAN_BLOCKS - 1, -float("inf"))
+        carry_peak = _row(peak, SCAN_BLOCKS - 1, 0.0)
+
+
+# The factors above for one key block, from the running values at the block before (_key_prefix_kernel's; none
+# before the first block) and the block's own keys. One program per (key block, head, channel block).
+@triton.jit
+def _key_factors_kernel(
+    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr, block_peak_ptr, block_unscale_ptr,
+    group_ref_ptr, group_unscale_ptr, group_move_ptr, T, H, D,
+    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, OPERAND_SCALE: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
     kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
     row_stride = H * D
     factors_base = pid_bh.to(tl.int64) * T * D
     n_groups = tl.cdiv(T, GROUP)
     group_base = pid_bh.to(tl.int64) * n_groups * D
     block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
-    offs_i = tl.arange(0, BLOCK_K)
+    start = pid_j * BLOCK_K
+    keys = start + tl.arange(0, BLOCK_K)
+    key_in = keys < T
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_in = offs_d < D
     GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -364,66 +463,63 @@ def _key_factors_kernel(
     offs_pairs = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)  # (den, num) columns: 2 d, 2 d + 1
     pairs_in = offs_pairs < 2 * D
 
-    running_max = tl.full([BLOCK_D], -float("inf"), tl.float32)
-    running_peak = tl.zeros([BLOCK_D], tl.float32)
-    unscale = tl.full([BLOCK_D], 1.0, tl.float32)
-    for start in range(0, T, BLOCK_K):
-        keys = start + offs_i
-        key_in = keys < T
-        mask = key_in[:, None] & d_in[None, :]
-        kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
-        k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
-        k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maxima stay finite
-        v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
-        # The block's keys by group, [GROUPS, GROUP, BLOCK_D]: per-group maxima and peaks are one reduction each,
-        # and the walk over the groups below handles [GROUPS, BLOCK_D] rows, not the whole block.
-        k_groups = tl.reshape(k, [GROUPS, GROUP, BLOCK_D])
-        own_key_max = tl.reshape(tl.associative_scan(k_groups, 1, _maximum), [BLOCK_K, BLOCK_D])
-        offsets = factors_base + keys[:, None] * D + offs_d[None, :]
-        tl.store(own_key_max_ptr + offsets, own_key_max.to(own_key_max_ptr.dtype.element_ty), mask=mask)
+    # The running maximum, peak and units at the end of the block before.
+    before = d_in & (pid_j > 0)
+    before_offsets = block_base + (pid_j - 1) * D + offs_d
+    running_max = tl.load(block_ref_ptr + before_offsets, mask=before, other=-float("inf"))
+    running_peak = tl.load(block_peak_ptr + before_offsets, mask=before, other=0.0)
+    unscale = tl.load(block_unscale_ptr + before_offsets, mask=before, other=1.0)
+    block_unscale_before = unscale
+    block_unscale = tl.load(block_unscale_ptr + block_base + pid_j * D + offs_d, mask=d_in, other=1.0)
+    block_max_before = running_max
 
-        # Each group's reference C16 (the running maximum at its end), then |E * v| relative to it (one
-        # exponential per element) and its peak per group.
-        group_maxima = tl.max(k_groups, 1)
-        block_max_before = running_max
-        refs = tl.zeros([GROUPS, BLOCK_D], tl.float32)
-        for g in tl.static_range(GROUPS):
-            running_max = tl.maximum(running_max, _row(group_maxima, g, -float("inf")))
-            refs = tl.where(offs_g == g, running_max[None, :], refs)
-        key_ref = tl.reshape(tl.broadcast_to(refs[:, None, :], [GROUPS, GROUP, BLOCK_D]), [BLOCK_K, BLOCK_D])
-        group_peaks = tl.max(tl.reshape(tl.abs(tl.exp(k - key_ref) * v), [GROUPS, GROUP, BLOCK_D]), 1)
-        block_unscale_before = unscale
-        running_max = block_max_before
-        block_peak = tl.zeros([BLOCK_D], tl.float32)
-        for g in tl.static_range(GROUPS):
-            group_max = _row(refs, g, -float("inf"))
-            den_move = tl.exp(running_max - group_max)
-            group_peak = _row(group_peaks, g, 0.0)
-            running_peak = tl.maximum(running_peak * den_move, group_peak)
-            block_peak = tl.maximum(block_peak * den_move, group_peak)
-            # The group's own operands set its scale (the block's, at its last group inside T, whose scale the
-            # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
-            # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
-            ends_block = (g == GROUPS - 1) | (start // GROUP + g >= n_groups - 1)
-            own_peak = tl.where(ends_block, block_peak, group_peak)
-            scale, new_unscale = _values_scale(tl.maximum(own_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
-            group_offsets = group_base + (start // GROUP + g) * D + offs_d
-            group_in = d_in & (start // GROUP + g < n_groups)
-            tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
-            tl.store(group_unscale_ptr + group_offsets, new_unscale, mask=group_in)
-            tl.store(group_move_ptr + 2 * group_base + (start // GROUP + g) * 2 * D + offs_pairs,
-                     _vector_pairs(den_move, _num_move(den_move, scale, unscale)),
-                     mask=pairs_in & (start // GROUP + g < n_groups))
-            running_max = group_max
-            unscale = new_unscale
+    mask = key_in[:, None] & d_in[None, :]
+    kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
+    k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+    k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maxima stay finite
+    v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
+    # The block's keys by group, [GROUPS, GROUP, BLOCK_D]: per-group maxima and peaks are one reduction each,
+    # and the walk over the groups below handles [GROUPS, BLOCK_D] rows, not the whole block.
+    k_groups = tl.reshape(k, [GROUPS, GROUP, BLOCK_D])
+    # Each group's reference C16 (the running maximum at its end), then |E * v| relative to it (one
+    # exponential per element) and its peak per group.
+    group_maxima = tl.max(k_groups, 1)
+    refs = tl.zeros([GROUPS, BLOCK_D], tl.float32)
+    for g in tl.static_range(GROUPS):
+        running_max = tl.maximum(running_max, _row(group_maxima, g, -float("inf")))
+        refs = tl.where(offs_g == g, running_max[None, :], refs)
+    key_ref = tl.reshape(tl.broadcast_to(refs[:, None, :], [GROUPS, GROUP, BLOCK_D]), [BLOCK_K, BLOCK_D])
+    group_peaks = tl.max(tl.reshape(tl.abs(tl.exp(k - key_ref) * v), [GROUPS, GROUP, BLOCK_D]), 1)
+    running_max = block_max_before
+    for g in tl.static_range(GROUPS):
+        group_max = _row(refs, g, -float("inf"))
+        den_move = tl.exp(running_max - group_max)
+        group_peak = _row(group_peaks, g, 0.0)
+        running_peak = tl.maximum(running_peak * den_move, group_peak)
+        # The group's own operands set its scale (the block's, S(j), at its last group inside T, whose scale the
+        # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
+        # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
+        ends_block = (g == GROUPS - 1) | (start // GROUP + g >= n_groups - 1)
+        scale, new_unscale = _values_scale(tl.maximum(group_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
+        scale = tl.where(ends_block, _pow2_inverse(block_unscale), scale)
+        new_unscale = tl.where(ends_block, block_unscale, new_unscale)
+        group_offsets = group_base + (start // GROUP + g) * D + offs_d
+        group_in = d_in & (start // GROUP + g < n_groups)
+        tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
+        tl.store(group_unscale_ptr + group_offsets, new_unscale, mask=group_in)
+        tl.store(group_move_ptr + 2 * group_base + (start // GROUP + g) * 2 * D + offs_pairs,
+                 _vector_pairs(den_move, _num_move(den_move, scale, unscale)),
+                 mask=pairs_in & (start // GROUP + g < n_groups))
+        running_max = group_max
+        unscale = new_unscale
 
-        e = tl.exp(k - running_max[None, :])
-        _store_operand(eev_hi_ptr, eev_lo_ptr, 2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
-                       _pairs(e * OPERAND_SCALE, e * v * scale[None, :]), key_in[:, None] & pairs_in[None, :],
-                       SPLIT, LO_SCALE)
-        den_move = tl.exp(block_max_before - running_max)
-        tl.store(move_ptr + 2 * block_base + (start // BLOCK_K) * 2 * D + offs_pairs,
-                 _vector_pairs(den_move, _num_move(den_move, scale, block_unscale_before)), mask=pairs_in)
+    e = tl.exp(k - running_max[None, :])
+    _store_operand(eev_hi_ptr, eev_lo_ptr, 2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
+                   _pairs(e * OPERAND_SCALE, e * v * scale[None, :]), key_in[:, None] & pairs_in[None, :],
+                   SPLIT, LO_SCALE)
+    den_move = tl.exp(block_max_before - running_max)
+    tl.store(move_ptr + 2 * block_base + pid_j * 2 * D + offs_pairs,
+             _vector_pairs(den_move, _num_move(den_move, scale, block_unscale_before)), mask=pairs_in)
 
 
 @triton.jit
@@ -485,7 +581,7 @@ def _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl
 @triton.jit
 def _aft_fwd_kernel(
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr,
-    group_unscale_ptr, group_move_ptr, own_bias_max_ptr, own_key_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
+    group_unscale_ptr, group_move_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
     o_residual_ptr, fallback_ptr,
     T, H, D, den_floor, fp32_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
@@ -583,8 +679,13 @@ def _aft_fwd_kernel(
         # Row t's own group, keys 16 floor(t / 16) .. t, per key in fp32, in sums of their own relative to the bound
         # W_t + K_td of its logits (the largest w_ti and the largest k_id over those keys).
         own_bias_max = tl.load(own_bias_max_ptr + offs_t, mask=row_in, other=0.0)
-        own_key_max = tl.load(own_key_max_ptr + factors_base + offs_t[:, None] * D + offs_d[None, :], mask=in_tile,
-                              other=0.0).to(tl.float32)
+        # K_td, the running maximum of k_d over the group's keys up to t: the tile's rows are whole groups, and their
+        # keys are the rows' own positions, so it is a scan of the tile's own k by group (no stored K: its write
+        # and read would cost a pass over k's size each).
+        tile_k = tl.load(k_ptr + kv_base + offs_t[:, None] * row_stride + offs_d[None, :], mask=in_tile,
+                         other=0.0).to(tl.float32)
+        own_key_max = tl.reshape(tl.associative_scan(tl.reshape(tile_k, [BLOCK_Q // GROUP, GROUP, BLOCK_D]), 1,
+                                                     _maximum), [BLOCK_Q, BLOCK_D])
         own_num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
         own_den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
         for step in range(0, GROUP):
@@ -755,8 +856,11 @@ def chunkwise(
     eev_hi, eev_lo = operand(B * H, T, 2 * D)  # E and E * v, alternating per channel (_pairs)
     anchor = torch.empty(T, dtype=torch.float32, device=device)
     own_bias_max = torch.empty_like(anchor)
-    own_key_max = torch.empty((B * H, T, D), dtype=k.dtype, device=device)
-    move = torch.empty((B * H, triton.cdiv(T, chunk_size), 2 * D), dtype=torch.float32, device=device)
+    n_blocks = triton.cdiv(T, chunk_size)
+    move = torch.empty((B * H, n_blocks, 2 * D), dtype=torch.float32, device=device)
+    block_ref = torch.empty((B * H, n_blocks, D), dtype=torch.float32, device=device)
+    block_peak = torch.empty_like(block_ref)
+    block_unscale = torch.empty_like(block_ref)
     group_ref = torch.empty((B * H, triton.cdiv(T, GROUP.value), D), dtype=torch.float32, device=device)
     group_unscale = torch.empty_like(group_ref)
     group_move = torch.empty((B * H, triton.cdiv(T, GROUP.value), 2 * D), dtype=torch.float32, device=device)
@@ -773,18 +877,26 @@ def chunkwise(
     fallback = torch.empty(math.prod(grid), dtype=torch.int32, device=device)
     stores = dict(STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
                   STORE_O_RESIDUAL=saved is not None and half_operands)
-    key_block_d = min(block_size(D), KEY_FACTORS_BLOCK_D)
+    key_block_d = min(block_size(D), KEY_FACTORS_BLOCK_D, KEY_FACTORS_TILE // chunk_size)
+    key_warps = 8 if chunk_size > 64 else 4
+    prefix_block_d = min(block_size(D), PREFIX_BLOCK_D)
     launch_after_checks(
         await_checks,
         Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), w, a_hi, a_lo, anchor, own_bias_max, T,
                CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4),
-        Launch(_key_factors_kernel, (B * H, triton.cdiv(D, key_block_d)),
-               k, v, eev_hi, eev_lo, move, group_ref, group_unscale, group_move, own_key_max, T, H, D,
+        Launch(_key_block_stats_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
+               k, v, block_ref, block_peak, T, H, D, BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
+        Launch(_key_prefix_kernel, (B * H, triton.cdiv(D, prefix_block_d)),
+               block_ref, block_peak, block_unscale, n_blocks, D,
+               HALF_OPERANDS=half_operands, SCAN_BLOCKS=PREFIX_SCAN_BLOCKS, BLOCK_D=prefix_block_d, num_warps=4),
+        Launch(_key_factors_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
+               k, v, eev_hi, eev_lo, move, block_ref, block_peak, block_unscale, group_ref, group_unscale, group_move,
+               T, H, D,
                SPLIT=split, HALF_OPERANDS=half_operands, OPERAND_SCALE=operand_scale,
-               BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=4),
+               BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
         Launch(_aft_fwd_kernel, grid,
                w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, group_ref, group_unscale, group_move,
-               own_bias_max, own_key_max, o, lse, lse_residual, o_residual, fallback,
+               own_bias_max, o, lse, lse_residual, o_residual, fallback,
                T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
                CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
                DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,

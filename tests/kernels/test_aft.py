@@ -415,19 +415,21 @@ COMPILE = textwrap.dedent("""
     from attnlab.kernels import aft
 
     OPTIONS = {name: default for name, (default, _) in aft.OPTIONS["chunkwise"].items()}
-    FP32 = ("anchor", "own_bias_max", "move", "group_ref", "group_unscale", "group_move", "lse", "lse_residual")
+    FP32 = ("anchor", "own_bias_max", "move", "block_ref", "block_peak", "block_unscale", "group_ref", "group_unscale",
+            "group_move", "lse", "lse_residual")
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "den_floor": "fp32", "fp32_floor": "fp32"}
+        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32", "den_floor": "fp32",
+                 "fp32_floor": "fp32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
-        types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual", "own_key_max")}
+        types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual")}
         types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev") for part in ("hi", "lo")}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         constexprs = {n: value for n, value in constexprs.items() if n in kernel.arg_names}
-        # What the JIT infers at the bench shape: 16-byte aligned pointers, T, H and D multiples of 16.
+        # What the JIT infers at the bench shape: 16-byte aligned pointers, T, H, D and n_blocks multiples of 16.
         attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-                 if t.startswith("*") or n in ("T", "H", "D")}
+                 if t.startswith("*") or n in ("T", "H", "D", "n_blocks")}
         try:
             source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -447,6 +449,11 @@ COMPILE = textwrap.dedent("""
             BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
         what = f"{inputs} {'causal' if causal else 'noncausal'}"
         compile_one(aft._bias_factors_kernel, inputs, constexprs, 4, 3, f"bias factors {what}")
+        compile_one(aft._key_block_stats_kernel, inputs, dict(constexprs, BLOCK_D=aft.KEY_FACTORS_BLOCK_D), 4, 3,
+                    f"key block statistics {what}")
+        compile_one(aft._key_prefix_kernel, inputs,
+                    dict(constexprs, BLOCK_D=aft.PREFIX_BLOCK_D, SCAN_BLOCKS=aft.PREFIX_SCAN_BLOCKS), 4, 3,
+                    f"key prefix {what}")
         compile_one(aft._key_factors_kernel, inputs, dict(constexprs, BLOCK_D=aft.KEY_FACTORS_BLOCK_D), 4, 3,
                     f"key factors {what}")
         compile_one(aft._aft_fwd_kernel, inputs, constexprs, OPTIONS["num_warps"], OPTIONS["num_stages"],
@@ -460,7 +467,7 @@ def test_the_forward_compiles_for_hopper_at_the_default_tiles_in_every_arithmeti
                           env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 16 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert len(lines) == 24 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
     assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
 
 
