@@ -23,7 +23,8 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
    E * v S(j) (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors
    that move sums made so far from one block (or group) to the next. E and E * v are stored side by side,
    channel d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand, and so are the two sums' move
-   factors. The running values are prefixes over the sequence, so three launches, each parallel over key blocks or channels, make them:
+   factors. The running values are prefixes over the sequence, so three launches, each parallel over key
+   blocks or channels, make them:
    _key_block_stats_kernel (each block's own maximum of k and peak of |E * v| relative to it, per channel),
    _key_prefix_kernel (an associative scan over the blocks per channel: the running maximum and peak at each
    block's end, and S(j)), _key_factors_kernel (the rest, per block, from the running values at the block
