@@ -254,9 +254,9 @@ def _dot_into(a_hi, a_lo, b_hi, b_lo, acc, SPLIT: tl.constexpr, DOT_PRECISION: t
 
 
 @triton.jit
-def _values_scale(peaks, HALF_OPERANDS: tl.constexpr):
+def _operand_scale(peaks, HALF_OPERANDS: tl.constexpr):
     """(2^s, 2^-s) per peak (>= 0) moving it to [2^14, 2^15) for fp16 operands (exact both ways); (1, 1) for fp32
-    operands."""
+    operands. The forward's E * v scales and the backward's operand scales."""
     if HALF_OPERANDS:
         scale, unscale = pow2_scale(peaks, 14)
     else:
@@ -427,7 +427,7 @@ def _key_prefix_kernel(
         ref, peak = tl.associative_scan((block_max, own_peak), 0, _peak_combine)
         ref, peak = _peak_combine(carry_ref[None, :], carry_peak[None, :], ref, peak)
         own_peak = _peak_moved(own_peak, block_max, ref)
-        scale, unscale = _values_scale(tl.maximum(own_peak, peak * SCALE_REACH), HALF_OPERANDS)
+        scale, unscale = _operand_scale(tl.maximum(own_peak, peak * SCALE_REACH), HALF_OPERANDS)
         tl.store(block_ref_ptr + offsets, ref, mask=mask)
         tl.store(block_peak_ptr + offsets, peak, mask=mask)
         tl.store(block_unscale_ptr + offsets, unscale, mask=mask)
@@ -501,7 +501,7 @@ def _key_factors_kernel(
         # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
         # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
         ends_block = (g == GROUPS - 1) | (start // GROUP + g >= n_groups - 1)
-        scale, new_unscale = _values_scale(tl.maximum(group_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
+        scale, new_unscale = _operand_scale(tl.maximum(group_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
         scale = tl.where(ends_block, _pow2_inverse(block_unscale), scale)
         new_unscale = tl.where(ends_block, block_unscale, new_unscale)
         group_offsets = group_base + (start // GROUP + g) * D + offs_d
@@ -937,17 +937,6 @@ def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.cons
         cross = tl.dot(a_lo, b_hi, cross, input_precision=DOT_PRECISION)
         product += cross * (1.0 / LO_SCALE)
     return product
-
-
-@triton.jit
-def _operand_scale(peaks, HALF_OPERANDS: tl.constexpr):
-    """(2^s, 2^-s) per peak moving it to [2^14, 2^15) for fp16 operands (exact); (1, 1) for fp32 operands."""
-    if HALF_OPERANDS:
-        scale, unscale = pow2_scale(peaks, 14)
-    else:
-        scale = tl.full(peaks.shape, 1.0, tl.float32)
-        unscale = scale
-    return scale, unscale
 
 
 @triton.jit
