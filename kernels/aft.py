@@ -159,7 +159,7 @@ import triton.language as tl
 from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
 
-# fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); the lo part of the backward's split is scaled by 2^11.
+# fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); a split's lo part is scaled by 2^11 (_operand_parts).
 OPERAND_MAX = tl.constexpr(32768.0)
 LO_SCALE = tl.constexpr(2048.0)
 DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
@@ -208,10 +208,11 @@ def _two_sum(a, b):
 
 @triton.jit
 def _operand_parts(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr, LO_UNIT: tl.constexpr):
-    """x (fp32, within the operand dtype's range) as forward dot operands (hi, lo): hi is x rounded, lo what that
-    dropped times LO_UNIT, rounded in turn; lo is hi unless SPLIT. Right operands (E, E * v) take LO_UNIT =
-    LO_SCALE, which keeps lo out of fp16's subnormals down to 2^-14 of hi's unit (_dot_into scales the left
-    operand down to match); left operands (A, whose row peak is OPERAND_MAX) take 1."""
+    """x (fp32, within the operand dtype's range) as dot operands (hi, lo): hi is x rounded, lo what that dropped
+    times LO_UNIT, rounded in turn; lo is hi unless SPLIT. The forward's right operands (E, E * v) and every
+    backward operand take LO_UNIT = LO_SCALE, which keeps lo out of fp16's subnormals down to 2^-14 of hi's unit
+    (_dot_into and _product scale their cross products to match); the forward's left operand (A, whose row peak
+    is OPERAND_MAX) takes 1."""
     hi = x.to(OP_DTYPE)
     if SPLIT:
         lo = ((x - hi.to(tl.float32)) * LO_UNIT).to(OP_DTYPE)
@@ -918,17 +919,6 @@ LOG_FACTOR_LIMIT = {half: -math.log(floor) for half, floor in DEN_FLOOR.items()}
 
 
 @triton.jit
-def _to_operand(x, SPLIT: tl.constexpr, OP_DTYPE: tl.constexpr):
-    """x (fp32, within fp16's range) as a backward dot operand: (hi, lo * LO_SCALE), lo zero unless SPLIT."""
-    hi = x.to(OP_DTYPE)
-    if SPLIT:
-        lo = ((x - hi.to(tl.float32)) * LO_SCALE).to(OP_DTYPE)
-    else:
-        lo = hi
-    return hi, lo
-
-
-@triton.jit
 def _product(a_hi, a_lo, b_hi, b_lo, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a @ b in fp32; with SPLIT, (a_hi + a_lo / LO_SCALE) @ (b_hi + b_lo / LO_SCALE) without the lo.lo term."""
     product = tl.dot(a_hi, b_hi, input_precision=DOT_PRECISION)
@@ -944,8 +934,8 @@ def _scaled_product(a, a_scale, b, b_scale, SPLIT: tl.constexpr, OP_DTYPE: tl.co
                     DOT_PRECISION: tl.constexpr):
     """a @ b of fp32 tiles whose rows of a (a_scale, [M]) and columns of b (b_scale, [N]) are already scaled into
     the operand range; returns the product with both scales divided out (a_scale, b_scale are the inverses)."""
-    a_hi, a_lo = _to_operand(a, SPLIT, OP_DTYPE)
-    b_hi, b_lo = _to_operand(b, SPLIT, OP_DTYPE)
+    a_hi, a_lo = _operand_parts(a, SPLIT, OP_DTYPE, LO_SCALE)
+    b_hi, b_lo = _operand_parts(b, SPLIT, OP_DTYPE, LO_SCALE)
     return _product(a_hi, a_lo, b_hi, b_lo, SPLIT, DOT_PRECISION) * a_scale[:, None] * b_scale[None, :]
 
 

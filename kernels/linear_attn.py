@@ -386,9 +386,7 @@ def _feature_mode(dtype: torch.dtype, feature_map: str, feature_precision: str) 
     exact fp32 features), "fp32" ("split": fp32 features as hi + lo) or "fp16" (rounded to fp16, scaled per row;
     on fp32 inputs only when asked for by name). "auto" is "fp16" for bf16 inputs, "split" for fp16, exact for
     fp32."""
-    modes = {"auto": None, "fp16": "fp16", "split": "fp32", "round": "input"}
-    if feature_precision not in modes:
-        raise ValueError(f"feature_precision must be one of {', '.join(map(repr, modes))}; got {feature_precision!r}")
+    modes = {"fp16": "fp16", "split": "fp32", "round": "input"}  # the value is checked against OPTIONS before
     if feature_map != "elu1":
         return "input"
     if feature_precision == "auto":
