@@ -44,7 +44,7 @@ and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's in
 equations rounded to fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
 (_numerics.unit_lower_inverse), refined for fp64 by one Newton step, X + X (I - (I + L) X), which squares its error.
 
-Four launches, six with per-channel gates:
+Five launches, seven with per-channel gates:
 
 - ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
 - ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
@@ -55,14 +55,24 @@ Four launches, six with per-channel gates:
   recomputing costs one sequential pass).
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
   cotangent leaving it; the last dS is the initial state's gradient.
-- ``_gradients_kernel`` (grid (chunks, B*H), parallel): the sums over V above (each program walks its chunk's V
-  blocks, its five accumulators its only large live tiles), then the chunk's dv and dbeta and, with a gate per
-  head or none, dq, dk and dg, written once each in the input dtype; kda's go to scratch as the row factors' parts
-  and the grams' cotangents.
+- ``_sums_kernel`` (grid (K blocks + 1, chunks, B*H), parallel): the sums over V above, stored in ACC: each key
+  block's program dQg, -dW, dKd ([C, KEY_BLOCK] each) and <S, dS'> on its keys, the last program dA (unmasked) and
+  dDelta V^T ([C, C] each), and dv.
+- ``_gradients_kernel`` (grid (chunks, B*H), parallel): from those, the chunk algebra, key block by key block: dT,
+  dL, the chunk's dbeta and, with a gate per head or none, dq, dk and dg, written once each in the input dtype;
+  kda's go to scratch as the row factors' parts and the grams' cotangents.
 - ``_channel_cotangents_kernel`` (kda only; grid (chunks, B*H)): dq, dk and dg from those, by anchors, the blocks
   last first (dg's reverse sum carries into earlier blocks).
 
 S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
+
+The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at
+C = 64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB
+a thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, neither holds more than [C, KEY_BLOCK] tiles on the keys' side, and
+neither spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the sums'
+round trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of
+scratch (dQg and dKd 512 MiB, dA and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel
+reads after the reverse pass), written once and read once (-dW twice, once for dT and once for dKg).
 """
 
 from __future__ import annotations
@@ -80,12 +90,16 @@ from attnlab.kernels._util import block_size, state_block
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
-# The gradients kernel's five accumulators ([C, K] x 3, [C, C] x 2 in fp32) need twice the threads to stay in registers.
+# Key channels a program of the sums kernel (its three [C, KEY_BLOCK] fp32 sums) and a step of the gradients
+# kernel; the sums kernel's V step (the [KEY_BLOCK, SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO, Delta
+# and dDelta); the two kernels' warps: at C = 64, K = V = 128 the fewest at which ptxas (sm_90a) spills nothing
+# (the sums kernel at 4 warps: 246 registers a thread; the gradients kernel at 4 spills 0.25 to 1 KB, at 8 none).
+KEY_BLOCK = 64
+SUMS_BV = 16
+SUMS_NUM_WARPS = 4
 GRADIENTS_NUM_WARPS = 8
-# At most this many V columns a step in the gradients kernel, beside its [C, K] sums; and one pipeline stage
-# everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB for the reverse pass
-# in fp64 at K = 128, 508 KB for the gradients kernel at K = 32).
-GRADIENTS_BV = 64
+# One pipeline stage everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB
+# for the reverse pass in fp64 at K = 128).
 # Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
 CHANNEL_SLICE = 32
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
@@ -450,102 +464,152 @@ def _reverse_kernel(
 
 
 @triton.jit
-def _gradients_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, states_ptr, d_states_ptr,
-    delta_ptr, d_delta_ptr, do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
-    T, H, K, V, scale_hi, scale_lo,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+def _sums_kernel(
+    v_ptr, beta_ptr, x_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr, do_ptr, dv_ptr, key_sums_ptr,
+    dw_ptr, value_sums_ptr, pairing_ptr, T, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """One chunk of one head: the sums over V of the module docstring's dual (dQg, dW, dKd, dA, dDelta V^T,
-    <S, dS'>) and dv, V block by V block; then dq, dk, dbeta and dg of the chunk's rows. The loop over V comes
-    first, with only X and beta beside its five accumulators (the rest is loaded after it: fewer live registers)."""
+    """One chunk of one head (grid (key blocks + 1, chunks, B*H)): the sums over V of the module docstring's dual,
+    V block by V block, stored in ACC for _gradients_kernel. A key block's program: dO S^T (= dQg), dDelta S^T
+    (= -dW), Delta dS'^T (= dKd) on its BK keys, [C, BK] each, and <S, dS'> per key channel; the last program:
+    dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta."""
+    chunk = tl.program_id(1)
+    bh = tl.program_id(2)
+    chunks = tl.num_programs(1)
+    valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
+    rows = tl.arange(0, C)
+    key_block = tl.program_id(0)
+    if key_block < tl.cdiv(K, BK):
+        keys = key_block * BK + tl.arange(0, BK)
+        key_ok = keys < K
+        d_qg = tl.zeros([C, BK], dtype=ACC)
+        minus_dw = tl.zeros([C, BK], dtype=ACC)
+        d_kd = tl.zeros([C, BK], dtype=ACC)
+        state_pairing = tl.zeros([BK], dtype=ACC)
+        for value_start in range(0, V, BV):
+            values = value_start + tl.arange(0, BV)
+            value_ok = values < V
+            S_offsets = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
+            S_mask = key_ok[:, None] & value_ok[None, :]
+            S = tl.load(states_ptr + S_offsets, mask=S_mask, other=0.0)
+            dS = tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0)
+            scratch = scratch_row[:, None] * V + values[None, :]
+            do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
+                         other=0.0)
+            d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION)
+            d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
+            minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION)
+            delta = tl.load(delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
+            d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION)
+            state_pairing += tl.sum(S * dS, axis=1)
+        key_sums = scratch_row[:, None] * (2 * K) + keys[None, :]
+        tl.store(key_sums_ptr + key_sums, d_qg, mask=key_ok[None, :])
+        tl.store(key_sums_ptr + key_sums + K, d_kd, mask=key_ok[None, :])
+        tl.store(dw_ptr + scratch_row[:, None] * K + keys[None, :], minus_dw, mask=key_ok[None, :])
+        tl.store(pairing_ptr + (bh.to(tl.int64) * chunks + chunk) * K + keys, state_pairing, mask=key_ok)
+    else:
+        X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
+        beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
+        dA = tl.zeros([C, C], dtype=ACC)
+        dT = tl.zeros([C, C], dtype=ACC)
+        for value_start in range(0, V, BV):
+            values = value_start + tl.arange(0, BV)
+            in_values = valid[:, None] & (values < V)[None, :]
+            scratch = scratch_row[:, None] * V + values[None, :]
+            d_delta = tl.load(d_delta_ptr + scratch, mask=(values < V)[None, :], other=0.0)
+            v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
+            dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION)
+            dv = _mm(tl.trans(X), d_delta, ACC, PRECISION) * beta[:, None]  # T^T dDelta
+            tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
+            delta = tl.load(delta_ptr + scratch, mask=(values < V)[None, :], other=0.0)
+            do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
+            dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION)
+        value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
+        tl.store(value_sums_ptr + value_sums, dA)
+        tl.store(value_sums_ptr + value_sums + C, dT)
+
+
+@triton.jit
+def _gradients_kernel(
+    q_ptr, k_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, key_sums_ptr, dw_ptr,
+    value_sums_ptr, pairing_ptr, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
+    T, H, K, scale_hi, scale_lo,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One chunk of one head: from _sums_kernel's sums, the chunk algebra of the module docstring's dual, key block
+    by key block of BK channels: dT (its dW Kg^T a sum over the blocks), dX and dL, then dbeta and, with a gate per
+    head or none, dq, dk and dg of the chunk's rows (per-channel gates: the row factors' parts and the grams'
+    cotangents, for _channel_cotangents_kernel). Only [C, BK] tiles of the keys' side are live at once."""
     scale = _scale_in(scale_hi, scale_lo, ACC)
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
-    chunks = tl.num_programs(0)
-    keys = tl.arange(0, BK)
-    key_ok = keys < K
-    in_keys = valid[:, None] & key_ok[None, :]
+    chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
+    value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
     X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
-
-    d_qg = tl.zeros([C, BK], dtype=ACC)
-    minus_dw = tl.zeros([C, BK], dtype=ACC)
-    d_kd = tl.zeros([C, BK], dtype=ACC)
-    dA = tl.zeros([C, C], dtype=ACC)
-    dT = tl.zeros([C, C], dtype=ACC)
-    state_pairing = tl.zeros([BK], dtype=ACC)  # <S, dS'> per key channel
-    for value_start in range(0, V, BV):
-        values = value_start + tl.arange(0, BV)
-        value_ok = values < V
-        S_offsets = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
-        S_mask = key_ok[:, None] & value_ok[None, :]
-        S = tl.load(states_ptr + S_offsets, mask=S_mask, other=0.0)
-        dS = tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0)
-        in_values = valid[:, None] & value_ok[None, :]
-        scratch = scratch_row[:, None] * V + values[None, :]
-        delta = tl.load(delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
-        d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
-        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-        d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION)
-        minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION)
-        d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION)
-        dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION)
-        dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION)
-        state_pairing += tl.sum(S * dS, axis=1)
-        dv = _mm(tl.trans(X), d_delta, ACC, PRECISION) * beta[:, None]  # T^T dDelta
-        tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
-
-    q = _rows_of(q_ptr, token, valid, keys, K)
-    k = _rows_of(k_ptr, token, valid, keys, K)
-    A = tl.load(a_ptr + gram_offsets)
-    kk = tl.load(kk_ptr + gram_offsets)
-    decay, from_start, to_end, chunk_decay = _stored_gate_factors(
-        g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K, GATED,
-        CHANNEL, C, BK, ACC)
-    dA = tl.where(rows[:, None] >= rows[None, :], dA, 0.0)
-    qf = q.to(ACC)
-    kf = k.to(ACC)
-    ut = X * beta[None, :]
-    dT = _dot(-minus_dw, tl.trans(kf * from_start), dT, ACC, PRECISION)
-    d_kg = _mm(tl.trans(ut), -minus_dw, ACC, PRECISION)
+    dT = tl.load(value_sums_ptr + value_sums + C)  # dDelta V^T
+    for key_start in range(0, K, BK):  # + dW Kg^T
+        keys = key_start + tl.arange(0, BK)
+        _decay, from_start, _to_end, _chunk_decay = _stored_gate_factors(
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        dw = -tl.load(dw_ptr + scratch_row[:, None] * K + keys[None, :], mask=(keys < K)[None, :], other=0.0)
+        dT = _dot(dw, tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), dT, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
     # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
     dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
+    kk = tl.load(kk_ptr + gram_offsets)
     dbeta += tl.sum(dL * kk, axis=1)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
-    # The row factors' parts: Qg = scale exp(G) Q, Kg = exp(G) K, Kd = exp(G_C - G) K, and G_C's (the last row's).
-    dq_rows = scale * from_start * d_qg
-    dk_rows = from_start * d_kg + to_end * d_kd
-    to_end_terms = to_end * kf * d_kd
-    dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
-    d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per key channel
-    dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: the last row is G_C
-    if CHANNEL:
-        # The grams' cotangents and the row factors' parts go to _channel_cotangents_kernel.
-        part = scratch_row[:, None] * (3 * K) + keys[None, :]
-        tl.store(parts_ptr + part, dq_rows, mask=key_ok[None, :])
-        tl.store(parts_ptr + part + K, dk_rows, mask=key_ok[None, :])
-        tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok[None, :])
+    dA = tl.where(rows[:, None] >= rows[None, :], tl.load(value_sums_ptr + value_sums), 0.0)
+    decay, _from_start, _to_end, _chunk_decay = _stored_gate_factors(
+        g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, tl.arange(0, BK), K, GATED, CHANNEL, C,
+        BK, ACC)
+    dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
+    dE += tl.trans(dE)  # E = K K^T is symmetric
+    dP = scale * dA * decay  # the cotangent of Q K^T through A
+    if CHANNEL:  # the grams' cotangents go to _channel_cotangents_kernel
         tl.store(d_kk_ptr + gram_offsets, beta[:, None] * dL)
         tl.store(d_a_ptr + gram_offsets, scale * dA)
-    else:
-        dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
-        dP = scale * dA * decay  # the cotangent of Q K^T through A
-        dq = _dot(dP, kf, dq_rows, ACC, PRECISION)
-        dk = _dot(dE + tl.trans(dE), kf, dk_rows, ACC, PRECISION)  # E = K K^T is symmetric
-        dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION)
-        tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
-        tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
-        if GATED:
-            through_L = beta[:, None] * dL * kk  # dL * L
-            through_A = dA * A
-            dG = (tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1)
-                  - tl.sum(through_A, axis=0) + tl.sum(dG_rows, axis=1))
-            tl.store(dg_ptr + token, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=valid)
+    through_L = beta[:, None] * dL * kk  # dL * L
+    through_A = dA * tl.load(a_ptr + gram_offsets)  # (a gate per head) the pairwise decays' parts of dG
+    dG = tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1) - tl.sum(through_A, axis=0)
+    ut = X * beta[None, :]
+    for key_start in range(0, K, BK):
+        keys = key_start + tl.arange(0, BK)
+        key_ok = keys < K
+        _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        kf = _rows_of(k_ptr, token, valid, keys, K).to(ACC)
+        qf = _rows_of(q_ptr, token, valid, keys, K).to(ACC)
+        key_rows = scratch_row[:, None] * K + keys[None, :]
+        key_sums = scratch_row[:, None] * (2 * K) + keys[None, :]
+        d_kg = _mm(tl.trans(ut), -tl.load(dw_ptr + key_rows, mask=key_ok[None, :], other=0.0), ACC, PRECISION)
+        d_kd = tl.load(key_sums_ptr + key_sums + K, mask=key_ok[None, :], other=0.0)
+        # The row factors' parts: Qg = scale exp(G) Q, Kg = exp(G) K, Kd = exp(G_C - G) K, and G_C's (the last row's).
+        dq_rows = scale * from_start * tl.load(key_sums_ptr + key_sums, mask=key_ok[None, :], other=0.0)
+        dk_rows = from_start * d_kg + to_end * d_kd
+        to_end_terms = to_end * kf * d_kd
+        dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
+        state_pairing = tl.load(pairing_ptr + chunk_row * K + keys, mask=key_ok, other=0.0)
+        d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per key channel
+        dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: the last is G_C
+        if CHANNEL:
+            part = scratch_row[:, None] * (3 * K) + keys[None, :]
+            tl.store(parts_ptr + part, dq_rows, mask=key_ok[None, :])
+            tl.store(parts_ptr + part + K, dk_rows, mask=key_ok[None, :])
+            tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok[None, :])
+        else:
+            in_keys = valid[:, None] & key_ok[None, :]
+            dq = _dot(dP, kf, dq_rows, ACC, PRECISION)
+            tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
+            dk = _dot(dE, kf, dk_rows, ACC, PRECISION)
+            dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION)
+            tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
+            dG += tl.sum(dG_rows, axis=1)
+    if GATED and not CHANNEL:
+        tl.store(dg_ptr + token, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=valid)
 
 
 @triton.jit
@@ -626,22 +690,21 @@ def _channel_cotangents_kernel(
 
 
 def products_precision(dtype: torch.dtype) -> str:
-    """PRECISION of the sequential passes' and the gradients kernel's dots for inputs of ``dtype`` (the module
-    docstring): "fp16" for bf16 inputs, "tf32x3" for fp16 (whose own floor "fp16" would reach), fp32 inputs
-    fp64 whatever it says; the interpreter's emulation of "fp16" under it (_numerics.dot_precision)."""
+    """PRECISION of the sequential passes', the sums kernel's and the gradients kernel's dots for inputs of
+    ``dtype`` (the module docstring): "fp16" for bf16 inputs, "tf32x3" for fp16 (whose own floor "fp16" would
+    reach), fp32 inputs fp64 whatever it says; the interpreter's emulation of "fp16" under it
+    (_numerics.dot_precision)."""
     return dot_precision("fp16" if dtype == torch.bfloat16 else "tf32x3", dtype)
 
 
-def tiles(K: int, V: int) -> tuple[int, int, int, int]:
-    """(C, BK, BV of the sequential passes and the local kernel, BV of the gradients kernel) for head dims K, V.
+def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
+    """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel) for head dims K, V.
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
-    where the gradients kernel's three [C, K] fp32 sums at C = 64 would take 192 KB of registers (its 8 warps hold
-    at most 255 KB; ptxas spills 1.7 to 3.8 KB a thread already at K = 128), and its V steps shrink to 32 columns."""
+    where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
-    wide = BK > 128
-    return (32 if wide else 64), BK, BV, min(BV, 32 if wide else GRADIENTS_BV)
+    return (32 if BK > 128 else 64), BK, BV, min(BK, KEY_BLOCK), min(block_size(V), SUMS_BV)
 
 
 def chunkwise_backward(
@@ -649,12 +712,12 @@ def chunkwise_backward(
     state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None, **forward_options,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
     """Gradients of q, k, v, beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in
-    fp32, by the four launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K]
+    fp32, by the launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K]
     kda (per-channel gates). The forward's options (its chunk size, the state pass's precision and tiles) do not apply:
     the backward takes its own tiles (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BK, BV, gradients_BV = tiles(K, V)
+    C, BK, BV, key_block, sums_BV = tiles(K, V)
     channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
@@ -697,10 +760,18 @@ def chunkwise_backward(
         q, k, gate, factors, decays, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
         d_initial if d_initial is not None else w, T, H, K, V, scale_hi, scale_lo,
         HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
+    # The sums over V: dQg and dKd beside each other, -dW in W's buffer (no kernel reads W after the reverse
+    # pass), dA and dDelta V^T beside each other, <S, dS'> per chunk and key channel.
+    key_sums = torch.empty((B * H * chunks * C, 2 * K), **acc)
+    value_sums = torch.empty((B * H * chunks * C, 2 * C), **acc)
+    pairing = torch.empty((B * H * chunks, K), **acc)
+    _sums_kernel[(triton.cdiv(K, key_block) + 1, chunks, B * H)](
+        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, T, H, K, V, C=C,
+        BK=key_block, BV=sums_BV, PRECISION=common["PRECISION"], ACC=ACC, num_warps=SUMS_NUM_WARPS, num_stages=1)
     _gradients_kernel[(chunks, B * H)](
-        q, k, v, beta, gate, factors, decays, X, A, kk, states, d_states, delta, d_delta, do, dq, dk, dv, dbeta,
-        dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, V, scale_hi, scale_lo, BV=gradients_BV,
-        **common | dict(num_warps=GRADIENTS_NUM_WARPS))
+        q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, dq, dk, dbeta,
+        dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
+        **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H)](q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C,
                                                     PRECISION=common["PRECISION"], **channel_slice)

@@ -2,13 +2,13 @@
 
 Its gradients are tested under the interpreter with every other backward (tests/test_kernel_gradients.py), but the
 interpreter runs code the compiler rejects (a name carried through a loop at another type, an early return from a
-constexpr branch) and knows no register or shared-memory limit. So each of the six kernels is compiled for Hopper
-here, in both of its arithmetics (fp32 for 16-bit inputs, fp64 for fp32 inputs), ungated, with a gate per head and
-with one per key channel (kda; the two anchored kernels only there), at the smallest tiles (quick); and the
-gradients kernel, the largest, at the tiles the launcher takes (``tiles``) for the widest head dims (K = V = 256)
-in its widest arithmetic (fp64, for fp32 inputs), within sm_90's 227 KB of shared memory a block (the bench's
-K = V = 128 in bf16 takes 64 KB). The compiles run in a process of their own, with the
-interpreter off (this suite's processes run under it).
+constexpr branch) and knows no register or shared-memory limit. So each of the seven kernels is compiled for
+Hopper here, in both of its arithmetics (fp32 for 16-bit inputs, fp64 for fp32 inputs), ungated, with a gate per
+head and with one per key channel (kda; the two anchored kernels only there; the sums kernel, which reads no gate,
+once), at the smallest tiles (quick); and the sums and gradients kernels, the largest, at the tiles the launcher
+takes (``tiles``) for the widest head dims (K = V = 256) in their widest arithmetic (fp64, for fp32 inputs), within
+sm_90's 227 KB of shared memory a block (the bench's K = V = 128 in bf16 takes 16 KB and 64 KB). The compiles run
+in a process of their own, with the interpreter off (this suite's processes run under it).
 """
 
 from __future__ import annotations
@@ -33,15 +33,19 @@ COMPILE = textwrap.dedent("""
         "states": (backward._states_kernel, "k g", "factors decays w u s0 states delta", dict(HAS_INITIAL=True)),
         "reverse": (backward._reverse_kernel, "q k g do", "factors decays w a d_final d_states d_delta d_initial",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
-        "gradients": (backward._gradients_kernel, "q k v beta g do dq dk dv dbeta dg",
-                      "factors decays x a kk states d_states delta d_delta parts d_kk d_a", {}),
+        "sums": (backward._sums_kernel, "v beta do dv",
+                 "x states d_states delta d_delta key_sums dw value_sums pairing", {}),
+        "gradients": (backward._gradients_kernel, "q k beta g dq dk dbeta dg",
+                      "factors decays x a kk key_sums dw value_sums pairing parts d_kk d_a", {}),
         "channel_grams": (backward._channel_grams_kernel, "q k g", "a kk", {}),
         "channel_cotangents": (backward._channel_cotangents_kernel, "q k g dq dk dg", "parts d_kk d_a", {}),
     }
     CHANNEL_ONLY = ("channel_grams", "channel_cotangents")
+    GATELESS = ("sums",)  # no gate argument: one compile per arithmetic
 
     DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"gradients": backward.GRADIENTS_NUM_WARPS}
+    WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"sums": backward.SUMS_NUM_WARPS,
+                                                          "gradients": backward.GRADIENTS_NUM_WARPS}
     WARPS |= dict.fromkeys(CHANNEL_ONLY, backward.CHANNEL_NUM_WARPS)
 
     def compile_one(name, inputs, gates, C, BK, BV):
@@ -68,12 +72,13 @@ COMPILE = textwrap.dedent("""
     if sys.argv[1] == "smallest":
         for name in KERNELS:
             for inputs in ("bf16", "fp32"):
-                for gates in ("channel",) if name in CHANNEL_ONLY else ("ungated", "head", "channel"):
+                for gates in ("channel",) if name in CHANNEL_ONLY + GATELESS else ("ungated", "head", "channel"):
                     compile_one(name, inputs, gates, 16, 16, 16)
     else:
         inputs, K = sys.argv[2], int(sys.argv[3])
-        C, BK, _, gradients_BV = backward.tiles(K, K)
-        compile_one("gradients", inputs, "channel", C, BK, gradients_BV)
+        C, _, _, key_block, sums_BV = backward.tiles(K, K)
+        compile_one("sums", inputs, "channel", C, key_block, sums_BV)
+        compile_one("gradients", inputs, "channel", C, key_block, sums_BV)
 """)
 
 
@@ -86,11 +91,13 @@ def compiled(*args: str) -> list[str]:
 
 def test_every_kernel_compiles_for_hopper_in_every_arithmetic_and_gate_mode() -> None:
     lines = compiled("smallest")
-    assert len(lines) == 28 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert len(lines) == 30 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
 
 
-def test_the_gradients_kernel_fits_hopper_at_the_launchers_tiles() -> None:
+def test_the_sums_and_gradients_kernels_fit_hopper_at_the_launchers_tiles() -> None:
     for inputs, K in (("fp32", "256"),):
-        (line,) = compiled("launch", inputs, K)
-        assert line.startswith("compiled"), line
-        assert int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK, line
+        lines = compiled("launch", inputs, K)
+        assert len(lines) == 2, lines
+        for line in lines:
+            assert line.startswith("compiled"), line
+            assert int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK, line
