@@ -39,6 +39,14 @@ use PRECISION: for bf16 inputs "fp16", each fp32 operand scaled by a power of tw
 relative, 4x below bf16's floor; one tensor-core product instead of tf32x3's three TF32 ones: reports/bench.md
 has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
 
+On the "fp16" path the sequential passes store what the sums kernel multiplies, S and Delta (_states_kernel), dS'
+and dDelta (_reverse_kernel), as _numerics.to_scratch makes them: fp16, each [K, BV] or [C, BV] tile of a chunk and
+V block scaled by the power of two of its peak (_bound, one max-reduction where the tile is made, which is also the
+scale of that pass's own product with it), the peaks stored beside them (``peaks``, with dO's and v's): exactly the
+rounding each of their "fp16" products did before (2^-11 relative down to 2^-27 of the tile's peak), at half the
+bytes, and the sums kernel feeds the stored tiles to the tensor cores as they are, no reduction per step. The other
+paths store them in ACC, unrounded.
+
 For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X),
 and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these
 equations rounded to fp32 does the same), where the recurrent backward sits at 1. X comes from the fp32 inverse
@@ -49,15 +57,16 @@ Five launches, seven with per-channel gates:
 - ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
 - ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
   ACC; kda's row factors exp(G), exp(G_C - G) and exp(G_C), which every later kernel reads instead of repeating
-  their scans.
+  their scans; the peak of each [C, BV] block of v.
 - ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk and its Delta,
-  recomputed from W and U (the forward keeps no chunk states: [B, H, T/C, K, V] in ACC, K/C times v's size;
-  recomputing costs one sequential pass).
+  recomputed from W and U (the forward keeps no chunk states: [B, H, T/C, K, V], K/C times v's size; recomputing
+  costs one sequential pass); "fp16": stored in fp16 with their peaks.
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
-  cotangent leaving it; the last dS is the initial state's gradient.
-- ``_sums_kernel`` (grid (K blocks + 1, chunks, B*H), parallel): the sums over V above, stored in ACC: each key
-  block's program dQg, -dW, dKd ([C, KEY_BLOCK] each) and <S, dS'> on its keys, the last program dA (unmasked) and
-  dDelta V^T ([C, C] each), and dv.
+  cotangent leaving it; the last dS is the initial state's gradient; "fp16": stored in fp16 with their peaks and
+  dO's.
+- ``_sums_kernel`` (grid (K blocks of SUMS_KEY_BLOCK + 1, chunks, B*H), parallel): the sums over V above, stored
+  in ACC: each key block's program (two at K = 128) dQg, -dW, dKd ([C, SUMS_KEY_BLOCK] each) and <S, dS'> on
+  its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each), and dv; every product of stored tiles.
 - ``_gradients_kernel`` (grid (chunks, B*H), parallel): from those, the chunk algebra, key block by key block: dT,
   dL, the chunk's dbeta and, with a gate per head or none, dq, dk and dg, written once each in the input dtype;
   kda's go to scratch as the row factors' parts and the grams' cotangents.
@@ -68,11 +77,16 @@ S and dS, columns of V apart, never mix: the two sequential passes split V into 
 
 The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at
 C = 64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB
-a thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, neither holds more than [C, KEY_BLOCK] tiles on the keys' side, and
-neither spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the sums'
-round trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of
-scratch (dQg and dKd 512 MiB, dA and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel
-reads after the reverse pass), written once and read once (-dW twice, once for dT and once for dKg).
+a thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and
+[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, GRADIENTS_KEY_BLOCK] tiles on the keys' side, and
+neither spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the
+sums' round trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of scratch (dQg and dKd 512 MiB, dA
+and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel reads after the reverse pass),
+written once and read once (-dW twice, once for dT and once for dKg). The sequential passes' outputs there: S and
+dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16
+inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and Delta,
+dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead of
+2.9 (fp32 tiles).
 """
 
 from __future__ import annotations
@@ -83,19 +97,24 @@ import triton.language as tl
 
 from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate, _two_sum
 from attnlab.kernels._numerics import (
-    dot_precision, native_gates, scaled_dot, span_sums, split_dot_into, unit_lower_inverse,
+    dot_precision, dot_scratches, from_scratch, native_gates, peak, scaled_dot, scaled_dot_within, span_sums,
+    split_dot_into, to_scratch, unit_lower_inverse,
 )
 from attnlab.kernels._util import block_size, state_block
 
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
-# Key channels a program of the sums kernel (its three [C, KEY_BLOCK] fp32 sums) and a step of the gradients
-# kernel; the sums kernel's V step (the [KEY_BLOCK, SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO, Delta
-# and dDelta); the two kernels' warps: at C = 64, K = V = 128 the fewest at which ptxas (sm_90a) spills nothing
-# (the sums kernel at 4 warps: 246 registers a thread; the gradients kernel at 4 spills 0.25 to 1 KB, at 8 none).
-KEY_BLOCK = 64
-SUMS_BV = 16
+# Key channels a program of the sums kernel (its three [C, SUMS_KEY_BLOCK] fp32 sums) and a step of the gradients
+# kernel; the sums kernel's V step (the [SUMS_KEY_BLOCK, SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO,
+# Delta and dDelta; it divides the sequential passes' BV, whose blocks' bounds it takes); the two kernels' warps.
+# At C = 64, K = V = 128 (sm_90a ptxas) 64 keys at 4 warps and a V step of 32 spill nothing. All 128 keys in one
+# program at 8 warps (Delta, dDelta and dO read once, not twice) is slower (reports/bench.md) and faults on an H100
+# with tf32x3 products (an illegal memory access the interpreter does not reproduce). The gradients kernel at 4
+# warps spills 0.25 to 1 KB, at 8 none.
+SUMS_KEY_BLOCK = 64
+GRADIENTS_KEY_BLOCK = 64
+SUMS_BV = 32
 SUMS_NUM_WARPS = 4
 GRADIENTS_NUM_WARPS = 8
 # One pipeline stage everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB
@@ -106,6 +125,16 @@ CHANNEL_SLICE = 32
 CHANNEL_NUM_WARPS = 1
 # Halvings of a SUB-row block down to single rows (_level_factors).
 SUB_LEVELS = tl.constexpr(SUB.value.bit_length() - 1)
+# The "fp16" path's bounds (_bound), one per (chunk, V block of the sequential passes' BV columns) and operand, in
+# ``peaks`` [B*H*chunks*V blocks, PEAKS]: S, Delta (_states_kernel), dS', dDelta, dO (_reverse_kernel), V
+# (_local_kernel).
+PEAK_S = tl.constexpr(0)
+PEAK_DELTA = tl.constexpr(1)
+PEAK_D_S = tl.constexpr(2)
+PEAK_D_DELTA = tl.constexpr(3)
+PEAK_DO = tl.constexpr(4)
+PEAK_V = tl.constexpr(5)
+PEAKS = tl.constexpr(6)
 
 
 @triton.jit
@@ -150,6 +179,45 @@ def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def _mm(a, b, ACC: tl.constexpr, PRECISION: tl.constexpr):
     return _dot(a, b, tl.zeros([a.shape[0], b.shape[1]], dtype=ACC), ACC, PRECISION)
+
+
+@triton.jit
+def _bound(x, PRECISION: tl.constexpr):
+    """The bound a tile is rounded against on the "fp16" path: its peak (one max-reduction, taken once where the
+    tile is made); on the other paths 0, unused (no reduction)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        return peak(x.to(tl.float32))
+    else:
+        return tl.full([], 0.0, tl.float32)
+
+
+@triton.jit
+def _dot_within(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """_dot of fp32 tiles with their bounds (_bound) given: on the "fp16" path _numerics.scaled_dot_within, the
+    rounding _dot's scaled_dot does with these bounds as its peaks, without its two max-reductions."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        acc += scaled_dot_within(a.to(tl.float32), a_bound, b.to(tl.float32), b_bound, PRECISION)
+    else:
+        acc = _dot(a, b, acc, ACC, PRECISION)
+    return acc
+
+
+@triton.jit
+def _dot_stored(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b of operands as _numerics.to_scratch stores them with these bounds: on the "fp16" path one fp16
+    product of the tiles as they are (_numerics.dot_scratches: no scale taken from them); otherwise _dot (ACC
+    tiles, stored unrounded)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        acc += dot_scratches(a, a_bound, b, b_bound, PRECISION)
+    else:
+        acc = _dot(a, b, acc, ACC, PRECISION)
+    return acc
+
+
+@triton.jit
+def _peaks_at(chunk_row, v_block, V, BV: tl.constexpr):
+    """The first of the PEAKS bounds of chunk ``chunk_row`` (bh * chunks + chunk) and V block ``v_block``."""
+    return (chunk_row * tl.cdiv(V, BV) + v_block) * PEAKS
 
 
 @triton.jit
@@ -343,14 +411,16 @@ def _channel_grams_kernel(
 
 @triton.jit
 def _local_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr, T, H, K, V,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr, peaks_ptr,
+    T, H, K, V,
     scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
     given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
-    gates' row factors for the kernels after it (_stored_gate_factors)."""
+    gates' row factors for the kernels after it (_stored_gate_factors); the peak of each [C, BV] block of v, V's
+    bound (PEAK_V) in _sums_kernel's "fp16" products (the other paths do not read it)."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     keys = tl.arange(0, BK)
     k = _rows_of(k_ptr, token, valid, keys, K)
@@ -383,6 +453,8 @@ def _local_kernel(
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
         tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION),
                  mask=value_ok[None, :])
+        chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
+        tl.store(peaks_ptr + _peaks_at(chunk_row, value_start // BV, V, BV) + PEAK_V, peak(v.to(tl.float32)))
 
 
 @triton.jit
@@ -403,79 +475,131 @@ def _state_tile(ptr, offsets, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV:
 
 @triton.jit
 def _states_kernel(
-    k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, T, H, K, V,
+    k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, peaks_ptr, T, H, K, V,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk and its Delta, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in
-    ACC)."""
-    _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
+    ACC). S and Delta are stored as to_scratch makes them against their peaks (_bound; stored in ``peaks``), which
+    are also the scales of this pass's own "fp16" products with them: the rounding the later products need, made
+    once."""
+    v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     S = _state_tile(s0_ptr, S_offsets, S_mask, HAS_INITIAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for chunk in range(0, chunks):
-        tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S, mask=S_mask)
+        chunk_row = bh.to(tl.int64) * chunks + chunk
+        peaks = peaks_ptr + _peaks_at(chunk_row, v_block, V, BV)
+        s_bound = _bound(S, PRECISION)
+        tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values),
+                 to_scratch(S, s_bound, PRECISION), mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
         scratch = scratch_row[:, None] * V + values[None, :]
         u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
-        delta = u - _mm(w, S, ACC, PRECISION)
-        tl.store(delta_ptr + scratch, delta, mask=value_ok[None, :])
+        delta = u - _dot_within(w, _bound(w, PRECISION), S, s_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
+        delta_bound = _bound(delta, PRECISION)
+        tl.store(delta_ptr + scratch, to_scratch(delta, delta_bound, PRECISION), mask=value_ok[None, :])
+        if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+            tl.store(peaks + PEAK_S, s_bound)
+            tl.store(peaks + PEAK_DELTA, delta_bound)
         _decay, _from_start, to_end, chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K,
-            GATED, CHANNEL, C, BK, ACC)
-        k = _rows_of(k_ptr, token, valid, keys, K)
-        S = _dot(tl.trans(k.to(ACC) * to_end), delta, S * chunk_decay[:, None], ACC, PRECISION)
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        kd_t = tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * to_end)
+        S = _dot_within(kd_t, _bound(kd_t, PRECISION), delta, delta_bound, S * chunk_decay[:, None], ACC, PRECISION)
 
 
 @triton.jit
 def _reverse_kernel(
     q_ptr, k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr,
-    d_initial_ptr, T, H, K, V, scale_hi, scale_lo,
+    d_initial_ptr, peaks_ptr, T, H, K, V, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
-    leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta."""
+    leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta. dS and dDelta
+    are stored as to_scratch makes them against their peaks (_bound), stored with dO's in ``peaks``: the scales of
+    this pass's own "fp16" products with them, and of _sums_kernel's."""
     scale = _scale_in(scale_hi, scale_lo, ACC)
-    _v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
+    v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     dS = _state_tile(d_final_ptr, S_offsets, S_mask, HAS_D_FINAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for i in range(0, chunks):
         chunk = chunks - 1 - i
-        tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS, mask=S_mask)
+        chunk_row = bh.to(tl.int64) * chunks + chunk
+        peaks = peaks_ptr + _peaks_at(chunk_row, v_block, V, BV)
+        chunk_state = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
+        ds_bound = _bound(dS, PRECISION)
+        tl.store(d_states_ptr + chunk_state, to_scratch(dS, ds_bound, PRECISION), mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         q = _rows_of(q_ptr, token, valid, keys, K)
         k = _rows_of(k_ptr, token, valid, keys, K)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
+        do_bound = _bound(do, PRECISION)
         _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, bh.to(tl.int64) * chunks + chunk, keys, K,
-            GATED, CHANNEL, C, BK, ACC)
+            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
         A = tl.load(a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
-        d_delta = _mm(tl.trans(A), do, ACC, PRECISION)
-        d_delta = _dot(k.to(ACC) * to_end, dS, d_delta, ACC, PRECISION)
-        tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta, mask=value_ok[None, :])
+        d_delta = _dot_within(tl.trans(A), _bound(A, PRECISION), do, do_bound, tl.zeros([C, BV], dtype=ACC), ACC,
+                              PRECISION)
+        kd = k.to(ACC) * to_end
+        d_delta = _dot_within(kd, _bound(kd, PRECISION), dS, ds_bound, d_delta, ACC, PRECISION)
+        dd_bound = _bound(d_delta, PRECISION)
+        tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], to_scratch(d_delta, dd_bound, PRECISION),
+                 mask=value_ok[None, :])
+        if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+            tl.store(peaks + PEAK_D_S, ds_bound)
+            tl.store(peaks + PEAK_D_DELTA, dd_bound)
+            tl.store(peaks + PEAK_DO, do_bound)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-        qg = q.to(ACC) * scale * from_start
-        dS = _dot(tl.trans(qg), do, dS * chunk_decay[:, None], ACC, PRECISION)
-        dS = _dot(tl.trans(-w), d_delta, dS, ACC, PRECISION)
+        qg_t = tl.trans(q.to(ACC) * scale * from_start)
+        dS = _dot_within(qg_t, _bound(qg_t, PRECISION), do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
+        dS = _dot_within(tl.trans(-w), _bound(w, PRECISION), d_delta, dd_bound, dS, ACC, PRECISION)
     if STORE_D_INITIAL:
         tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
 
 
 @triton.jit
+def _load_bound(bound_ptr, PRECISION: tl.constexpr):
+    """A bound from ``peaks`` on the "fp16" path (0, unused, on the others, which store no bounds)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        return tl.load(bound_ptr)
+    else:
+        return tl.full([], 0.0, tl.float32)
+
+
+@triton.jit
+def _from_stored(x, bound, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """A tile as to_scratch stored it with this bound, in ACC: on the "fp16" path unscaled (from_scratch)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        return from_scratch(x, bound, PRECISION)
+    else:
+        return x.to(ACC)
+
+
+@triton.jit
 def _sums_kernel(
     v_ptr, beta_ptr, x_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr, do_ptr, dv_ptr, key_sums_ptr,
-    dw_ptr, value_sums_ptr, pairing_ptr, T, H, K, V,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    dw_ptr, value_sums_ptr, pairing_ptr, peaks_ptr, T, H, K, V,
+    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STATE_BV: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """One chunk of one head (grid (key blocks + 1, chunks, B*H)): the sums over V of the module docstring's dual,
     V block by V block, stored in ACC for _gradients_kernel. A key block's program: dO S^T (= dQg), dDelta S^T
     (= -dW), Delta dS'^T (= dKd) on its BK keys, [C, BK] each, and <S, dS'> per key channel; the last program:
-    dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta."""
+    dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta.
+
+    Every product is of stored tiles: on the "fp16" path S, dS', Delta and dDelta as the sequential passes stored
+    them (fp16, scaled by their bounds) and dO and v scaled by theirs into fp16 (exact: 16-bit inputs), the bounds
+    those of the sequential passes' V blocks of STATE_BV columns (BV divides STATE_BV), so that no step reduces
+    over a tile (_dot_stored); X, the one fp32 operand, is rounded once, before the V loop. <S, dS'>, the one
+    elementwise sum, is taken from the same stored tiles: on the "fp16" path each of S and dS' rounded once (2^-11),
+    their products exact in fp32, the roundings of a product of fp16 operands; its terms accumulate elementwise, one
+    reduction after the loop. (_reverse_kernel, which holds dS' unrounded, could pair it with the stored S at one
+    rounding instead of two, but at 255 registers it spills 100 to 200 bytes a thread more with S's tile.)"""
     chunk = tl.program_id(1)
     bh = tl.program_id(2)
     chunks = tl.num_programs(1)
+    chunk_row = bh.to(tl.int64) * chunks + chunk
     valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
     rows = tl.arange(0, C)
     key_block = tl.program_id(0)
@@ -485,45 +609,62 @@ def _sums_kernel(
         d_qg = tl.zeros([C, BK], dtype=ACC)
         minus_dw = tl.zeros([C, BK], dtype=ACC)
         d_kd = tl.zeros([C, BK], dtype=ACC)
-        state_pairing = tl.zeros([BK], dtype=ACC)
+        pairing = tl.zeros([BV, BK], dtype=ACC)  # S^T * dS'^T, summed over the V steps
         for value_start in range(0, V, BV):
             values = value_start + tl.arange(0, BV)
             value_ok = values < V
+            peaks = peaks_ptr + _peaks_at(chunk_row, value_start // STATE_BV, V, STATE_BV)
+            s_bound = _load_bound(peaks + PEAK_S, PRECISION)
             S_offsets = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
             S_mask = key_ok[:, None] & value_ok[None, :]
-            S = tl.load(states_ptr + S_offsets, mask=S_mask, other=0.0)
-            dS = tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0)
+            S_t = tl.trans(tl.load(states_ptr + S_offsets, mask=S_mask, other=0.0))
             scratch = scratch_row[:, None] * V + values[None, :]
-            do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
-                         other=0.0)
-            d_qg = _dot(do, tl.trans(S), d_qg, ACC, PRECISION)
+            do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
+            do = to_scratch(tl.load(do_ptr + token[:, None] * V + values[None, :],
+                                    mask=valid[:, None] & value_ok[None, :], other=0.0).to(tl.float32), do_bound,
+                            PRECISION)
+            d_qg = _dot_stored(do, do_bound, S_t, s_bound, d_qg, ACC, PRECISION)
             d_delta = tl.load(d_delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
-            minus_dw = _dot(d_delta, tl.trans(S), minus_dw, ACC, PRECISION)
+            minus_dw = _dot_stored(d_delta, _load_bound(peaks + PEAK_D_DELTA, PRECISION), S_t, s_bound, minus_dw,
+                                   ACC, PRECISION)
             delta = tl.load(delta_ptr + scratch, mask=value_ok[None, :], other=0.0)
-            d_kd = _dot(delta, tl.trans(dS), d_kd, ACC, PRECISION)
-            state_pairing += tl.sum(S * dS, axis=1)
+            dS_t = tl.trans(tl.load(d_states_ptr + S_offsets, mask=S_mask, other=0.0))
+            ds_bound = _load_bound(peaks + PEAK_D_S, PRECISION)
+            d_kd = _dot_stored(delta, _load_bound(peaks + PEAK_DELTA, PRECISION), dS_t, ds_bound, d_kd, ACC,
+                               PRECISION)
+            pairing += _from_stored(S_t, s_bound, ACC, PRECISION) * _from_stored(dS_t, ds_bound, ACC, PRECISION)
         key_sums = scratch_row[:, None] * (2 * K) + keys[None, :]
         tl.store(key_sums_ptr + key_sums, d_qg, mask=key_ok[None, :])
         tl.store(key_sums_ptr + key_sums + K, d_kd, mask=key_ok[None, :])
         tl.store(dw_ptr + scratch_row[:, None] * K + keys[None, :], minus_dw, mask=key_ok[None, :])
-        tl.store(pairing_ptr + (bh.to(tl.int64) * chunks + chunk) * K + keys, state_pairing, mask=key_ok)
+        tl.store(pairing_ptr + chunk_row * K + keys, tl.sum(pairing, axis=0), mask=key_ok)
     else:
         X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
+        x_bound = _bound(X, PRECISION)
+        X_t = to_scratch(tl.trans(X), x_bound, PRECISION)
         beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
         dA = tl.zeros([C, C], dtype=ACC)
         dT = tl.zeros([C, C], dtype=ACC)
         for value_start in range(0, V, BV):
             values = value_start + tl.arange(0, BV)
             in_values = valid[:, None] & (values < V)[None, :]
+            peaks = peaks_ptr + _peaks_at(chunk_row, value_start // STATE_BV, V, STATE_BV)
             scratch = scratch_row[:, None] * V + values[None, :]
             d_delta = tl.load(d_delta_ptr + scratch, mask=(values < V)[None, :], other=0.0)
-            v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-            dT = _dot(d_delta, tl.trans(v), dT, ACC, PRECISION)
-            dv = _mm(tl.trans(X), d_delta, ACC, PRECISION) * beta[:, None]  # T^T dDelta
+            dd_bound = _load_bound(peaks + PEAK_D_DELTA, PRECISION)
+            v_bound = _load_bound(peaks + PEAK_V, PRECISION)
+            v = to_scratch(tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values,
+                                   other=0.0).to(tl.float32), v_bound, PRECISION)
+            dT = _dot_stored(d_delta, dd_bound, tl.trans(v), v_bound, dT, ACC, PRECISION)
+            dv = _dot_stored(X_t, x_bound, d_delta, dd_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
+            dv = dv * beta[:, None]  # T^T dDelta
             tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
             delta = tl.load(delta_ptr + scratch, mask=(values < V)[None, :], other=0.0)
-            do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values, other=0.0)
-            dA = _dot(do, tl.trans(delta), dA, ACC, PRECISION)
+            do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
+            do = to_scratch(tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values,
+                                    other=0.0).to(tl.float32), do_bound, PRECISION)
+            dA = _dot_stored(do, do_bound, tl.trans(delta), _load_bound(peaks + PEAK_DELTA, PRECISION), dA, ACC,
+                             PRECISION)
         value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
         tl.store(value_sums_ptr + value_sums, dA)
         tl.store(value_sums_ptr + value_sums + C, dT)
@@ -697,14 +838,15 @@ def products_precision(dtype: torch.dtype) -> str:
     return dot_precision("fp16" if dtype == torch.bfloat16 else "tf32x3", dtype)
 
 
-def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
-    """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel) for head dims K, V.
+def tiles(K: int, V: int) -> tuple[int, int, int, int, int, int]:
+    """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel, BK of the gradients
+    kernel) for head dims K, V. The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes).
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
     where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
-    return (32 if BK > 128 else 64), BK, BV, min(BK, KEY_BLOCK), min(block_size(V), SUMS_BV)
+    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV), min(BK, GRADIENTS_KEY_BLOCK)
 
 
 def chunkwise_backward(
@@ -717,19 +859,24 @@ def chunkwise_backward(
     the backward takes its own tiles (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BK, BV, key_block, sums_BV = tiles(K, V)
+    C, BK, BV, key_block, sums_BV, gradients_key_block = tiles(K, V)
     channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
+    precision = products_precision(q.dtype)
+    # The sequential passes' outputs, S, dS', Delta and dDelta: fp16 on the "fp16" path (to_scratch, each
+    # (chunk, V block) tile against its bound in ``peaks``), else ACC.
+    stored = dict(acc, dtype=torch.float16) if precision in ("fp16", "fp16_emulated") else acc
     X = torch.empty((B * H * chunks * C, C), **acc)
     A, kk = torch.empty_like(X), torch.empty_like(X)
     w = torch.empty((B * H * chunks * C, K), **acc)
     u = torch.empty((B * H * chunks * C, V), **acc)
-    delta = torch.empty_like(u)
-    states = torch.empty((B * H, chunks, K, V), **acc)
+    delta = torch.empty((B * H * chunks * C, V), **stored)
+    states = torch.empty((B * H, chunks, K, V), **stored)
     d_states = torch.empty_like(states)
-    d_delta = torch.empty_like(u)
+    d_delta = torch.empty_like(delta)
+    peaks = torch.empty((B * H * chunks * triton.cdiv(V, BV), PEAKS.value), dtype=torch.float32, device=q.device)
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g) if g is not None else None
     d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
@@ -749,16 +896,16 @@ def chunkwise_backward(
                                                PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
-    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, T, H, K, V, scale_hi,
-                                   scale_lo, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3",
-                                   **common)
-    common["PRECISION"] = products_precision(q.dtype)
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, peaks, T, H, K, V,
+                                   scale_hi, scale_lo, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
+                                   PRECISION="tf32x3", **common)
+    common["PRECISION"] = precision
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, T, H, K, V,
+        k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
         HAS_INITIAL=state is not None, BV=BV, **common)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, gate, factors, decays, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
-        d_initial if d_initial is not None else w, T, H, K, V, scale_hi, scale_lo,
+        d_initial if d_initial is not None else w, peaks, T, H, K, V, scale_hi, scale_lo,
         HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
     # The sums over V: dQg and dKd beside each other, -dW in W's buffer (no kernel reads W after the reverse
     # pass), dA and dDelta V^T beside each other, <S, dS'> per chunk and key channel.
@@ -766,12 +913,14 @@ def chunkwise_backward(
     value_sums = torch.empty((B * H * chunks * C, 2 * C), **acc)
     pairing = torch.empty((B * H * chunks, K), **acc)
     _sums_kernel[(triton.cdiv(K, key_block) + 1, chunks, B * H)](
-        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, T, H, K, V, C=C,
-        BK=key_block, BV=sums_BV, PRECISION=common["PRECISION"], ACC=ACC, num_warps=SUMS_NUM_WARPS, num_stages=1)
+        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, peaks, T, H, K, V,
+        C=C,
+        BK=key_block, BV=sums_BV, STATE_BV=BV, PRECISION=precision, ACC=ACC, num_warps=SUMS_NUM_WARPS,
+        num_stages=1)
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
+        **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H)](q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C,
                                                     PRECISION=common["PRECISION"], **channel_slice)

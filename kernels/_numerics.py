@@ -129,6 +129,23 @@ def dot_scratch(a, a_bound, b, b_peak, PRECISION: tl.constexpr):
         return scaled_dot(a, b, PRECISION)
 
 
+@triton.jit
+def dot_scratches(a, a_bound, b, b_bound, PRECISION: tl.constexpr):
+    """a @ b for two operands as to_scratch made them (with these bounds): for "fp16" one fp16 product of the
+    stored tiles as they are, no scale taken from the tiles (no max-reduction), the two bounds' powers of two
+    applied to the fp32 result; otherwise scaled_dot of the fp32 operands."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        _, a_down = pow2_scale(a_bound, 13)
+        _, b_down = pow2_scale(b_bound, 13)
+        if PRECISION == "fp16":
+            product = tl.dot(a, b)
+        else:
+            product = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return product * (a_down * b_down)
+    else:
+        return scaled_dot(a, b, PRECISION)
+
+
 def dot_precision(precision: str, dtype: torch.dtype) -> str:
     """The PRECISION of scaled_dot and the scratch helpers for a ``precision`` option and inputs of ``dtype``:
     "auto" is "fp16" for bf16 inputs, "bf16x3" for fp16 and "ieee" for fp32; under the interpreter "bf16" and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -63,6 +64,22 @@ def launch_after_checks(await_checks: Callable[[], None], *launches: Launch) -> 
     await_checks()
     for launch in launches:
         launch()
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None, *, device: torch.device) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def allow_device_descriptors(device: torch.device) -> None:
+    """Give the kernels that build tensor descriptors on the device (tl.make_tensor_descriptor: TMA on sm_90) the
+    global scratch they need (triton.set_allocator; process-wide)."""
+    triton.set_allocator(functools.partial(_descriptor_scratch, device=device))
+
+
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base addresses and row strides: each row of the tensors (their last dim,
+    contiguous) starts on a 16-byte boundary."""
+    return all(t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
 
 
 def block_size(n: int, minimum: int = 16) -> int:

@@ -32,7 +32,8 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
 3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
    blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal. den and
    num are likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
-   (A @ [E, E * v]) and one per-column rescale; a block's move factors, and a diagonal group's keys, values and
+   (A @ [E, E * v]) and one per-column rescale, its operand tiles read through tensor descriptors (TMA on sm_90;
+   option tma) where their rows are 16-byte aligned; a block's move factors, and a diagonal group's keys, values and
    move factors, are loaded during the block (group) before, so the rescale never waits on memory. Causal,
    K_td = max of k_d over row t's own group up to t, a scan of the tile's own keys.
 4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
@@ -157,7 +158,9 @@ import triton
 import triton.language as tl
 
 from attnlab.kernels._numerics import pow2_scale
-from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks
+from attnlab.kernels._util import (
+    Launch, allow_device_descriptors, block_size, launch_after_checks, no_pending_checks, tma_fits,
+)
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); a split's lo part is scaled by 2^11 (_operand_parts).
 OPERAND_MAX = tl.constexpr(32768.0)
@@ -169,10 +172,13 @@ GROUP = tl.constexpr(16)
 # How far below the running peak of |E * v| a group's own peak may set its scale: num, carried in the units of
 # the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_factors_kernel).
 SCALE_REACH = tl.constexpr(2.0**-64)
-# Queries per program where the caller gives no block_q: the forward's products want tall tiles (A is read once
-# per channel block, E and E * v once per query block), the backward's kernels hold more tiles per program.
-FORWARD_BLOCK_Q = 128
+# Queries per program and warps where the caller gives none: the forward's main kernel at 64 queries on 4 warps
+# (one warpgroup, [64, 2 BLOCK_D] products; faster than 128 on 8, reports/bench.md), the backward's kernels at 64
+# on 8 (they hold more tiles per program).
+FORWARD_BLOCK_Q = 64
 BACKWARD_BLOCK_Q = 64
+FORWARD_NUM_WARPS = 4
+BACKWARD_NUM_WARPS = 8
 BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own one group of rows)
 # Most keys x channels per program of _key_block_stats_kernel and _key_factors_kernel (one key block each, 4 warps;
 # 8 for blocks of 128 keys): 64 x 64 (64 bf16 channels are a 128-byte row segment of k and v). ptxas (sm_90) spills
@@ -188,9 +194,12 @@ OPTIONS = {
         "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block of the products
         "block_q": (None, (None, 16, 32, 64, 128)),  # queries per program; None: FORWARD_ / BACKWARD_BLOCK_Q
         "block_d": (64, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
-        "num_warps": (8, (1, 2, 4, 8, 16)),
+        "num_warps": (None, (None, 1, 2, 4, 8, 16)),  # None: FORWARD_ / BACKWARD_NUM_WARPS
         "num_stages": (3, (1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "single", "split")),
+        # The forward's main loop reads its operand tiles through tensor descriptors (TMA on sm_90) where the
+        # shapes allow it (_util.tma_fits); False: pointer loads.
+        "tma": (True, (False, True)),
     }
 }
 
@@ -236,6 +245,30 @@ def _load_operand(hi_ptr, lo_ptr, offsets, mask, SPLIT: tl.constexpr):
     hi = tl.load(hi_ptr + offsets, mask=mask, other=0.0)
     if SPLIT:
         lo = tl.load(lo_ptr + offsets, mask=mask, other=0.0)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _operand_descriptors(hi_ptr, lo_ptr, rows, columns, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                         SPLIT: tl.constexpr):
+    """Tensor descriptors of a stored [rows, columns] operand (row-major) in [BLOCK_R, BLOCK_C] tiles: (hi, lo),
+    lo hi's unless SPLIT."""
+    hi = tl.make_tensor_descriptor(hi_ptr, [rows, columns], [columns, 1], [BLOCK_R, BLOCK_C])
+    if SPLIT:
+        lo = tl.make_tensor_descriptor(lo_ptr, [rows, columns], [columns, 1], [BLOCK_R, BLOCK_C])
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _load_descriptor_operand(src, row, column, SPLIT: tl.constexpr):
+    """The tile at (row, column) of _operand_descriptors' operand, as _load_operand's (hi, lo)."""
+    hi = src[0].load([row, column])
+    if SPLIT:
+        lo = src[1].load([row, column])
     else:
         lo = hi
     return hi, lo
@@ -588,7 +621,7 @@ def _aft_fwd_kernel(
     T, H, D, den_floor, fp32_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    OPERAND_SCALE: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -623,17 +656,27 @@ def _aft_fwd_kernel(
     # Block j's move factors are loaded during block j - 1, so that the rescale never waits on a global load.
     offs_k = tl.arange(0, BLOCK_K)
     move = tl.load(move_ptr + 2 * block_base + offs_pairs, mask=pairs_in & (n_blocks > 0), other=0.0)
+    if TMA:
+        # The operand tiles through tensor descriptors: no address or mask registers per entry, and TMA zero-fills
+        # the rows past T (A's) and the keys past T (causal=False) as the pointer loads' masks do.
+        a_src = _operand_descriptors(a_hi_ptr, a_lo_ptr, T, T, BLOCK_Q, BLOCK_K, SPLIT)
+        eev_src = _operand_descriptors(eev_hi_ptr + 2 * factors_base, eev_lo_ptr + 2 * factors_base, T, 2 * D,
+                                       BLOCK_K, 2 * BLOCK_D, SPLIT)
     for block in range(0, n_blocks):
-        keys = block * BLOCK_K + offs_k
-        if CAUSAL:
-            key_in = offs_k >= 0  # all: these blocks end before the tile's first query, inside T
+        if TMA:
+            a_hi, a_lo = _load_descriptor_operand(a_src, tile * BLOCK_Q, block * BLOCK_K, SPLIT)
+            eev_hi, eev_lo = _load_descriptor_operand(eev_src, block * BLOCK_K, 2 * pid_d * BLOCK_D, SPLIT)
         else:
-            key_in = keys < T
-        a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], row_in[:, None] & key_in[None, :],
-                                   SPLIT)
-        eev_hi, eev_lo = _load_operand(eev_hi_ptr, eev_lo_ptr,
-                                       2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
-                                       key_in[:, None] & pairs_in[None, :], SPLIT)
+            keys = block * BLOCK_K + offs_k
+            if CAUSAL:
+                key_in = offs_k >= 0  # all: these blocks end before the tile's first query, inside T
+            else:
+                key_in = keys < T
+            a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :],
+                                       row_in[:, None] & key_in[None, :], SPLIT)
+            eev_hi, eev_lo = _load_operand(eev_hi_ptr, eev_lo_ptr,
+                                           2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
+                                           key_in[:, None] & pairs_in[None, :], SPLIT)
         sums = _dot_into(a_hi, a_lo, eev_hi, eev_lo, sums * move[None, :], SPLIT, DOT_PRECISION)
         move = tl.load(move_ptr + 2 * block_base + (block + 1) * 2 * D + offs_pairs,
                        mask=pairs_in & (block + 1 < n_blocks), other=0.0)
@@ -829,9 +872,10 @@ def chunkwise(
     chunk_size: int = 64,
     block_q: int | None = None,
     block_d: int = 64,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = 3,
     precision: str = "auto",
+    tma: bool = True,
     saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
@@ -845,6 +889,7 @@ def chunkwise(
         precision = "split" if k.dtype == torch.float16 else "single"
     split = half_operands and precision == "split"
     block_q = FORWARD_BLOCK_Q if block_q is None else block_q
+    num_warps = FORWARD_NUM_WARPS if num_warps is None else num_warps
     BLOCK_D = min(block_size(D), block_d)
     operand_dtype = torch.float16 if half_operands else torch.float32
     operand_scale = OPERAND_MAX.value if half_operands else 1.0
@@ -867,6 +912,9 @@ def chunkwise(
     group_unscale = torch.empty_like(group_ref)
     group_move = torch.empty((B * H, triton.cdiv(T, GROUP.value), 2 * D), dtype=torch.float32, device=device)
 
+    use_tma = tma and tma_fits(a_hi, eev_hi)
+    if use_tma:
+        allow_device_descriptors(device)
     o = torch.empty_like(v)
     lse = lse_residual = o_residual = o
     if saved is not None:
@@ -901,7 +949,7 @@ def chunkwise(
                own_bias_max, o, lse, lse_residual, o_residual, fallback,
                T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
                CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
-               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
+               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale, TMA=use_tma,
                BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
                num_warps=num_warps, num_stages=num_stages, **stores),
         Launch(_aft_fallback_kernel, grid,
@@ -1165,7 +1213,7 @@ def chunkwise_backward(
     chunk_size: int = 64,
     block_q: int | None = None,
     block_d: int = 64,
-    num_warps: int = 8,
+    num_warps: int | None = None,
     num_stages: int = 3,
     precision: str = "auto",
     **ignored: object,
@@ -1173,6 +1221,7 @@ def chunkwise_backward(
     """Gradients of <do, o> for the chunkwise forward: {"w": dw [T, T], "k": dk, "v": dv}, in the input dtype."""
     B, T, H, D = k.shape
     block_q = BACKWARD_BLOCK_Q if block_q is None else block_q
+    num_warps = BACKWARD_NUM_WARPS if num_warps is None else num_warps
     if T == 1:
         # One key, weight 1 whatever w and k are: o = v. The factorized sums would leave a rounding residue
         # where the exact gradients of w and k are 0 (an infinite relative error).

@@ -123,7 +123,6 @@ tile shapes come from _BACKWARD_CONFIGS. Gradients come back in the input dtype,
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -134,7 +133,7 @@ import triton.language as tl
 from attnlab.kernels import _softmax_sm90
 from attnlab.kernels._numerics import dot_f32_lowp, pow2_scale, split
 from attnlab.kernels._online_softmax import block_softmax, key_range, program_head
-from attnlab.kernels._util import block_size, no_pending_checks
+from attnlab.kernels._util import allow_device_descriptors, block_size, no_pending_checks, tma_fits
 from attnlab.runtime import interpreter_active
 
 LOG2E = math.log2(math.e)
@@ -148,7 +147,7 @@ OPTIONS = {
         "num_warps": (None, (None, 1, 2, 4, 8, 16)),
         "num_stages": (None, (None, 1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "input", "split", "fp16")),
-        # Q, K and V tiles through tensor descriptors (TMA on sm_90) where the head dims allow it, see _tma_fits.
+        # Q, K and V tiles through tensor descriptors (TMA on sm_90) where the head dims allow it, see _util.tma_fits.
         "tma": (True, (False, True)),
         # On sm_90, the warp-specialized Gluon kernel of _softmax_sm90 where it applies, see _warp_specialized_fits.
         "warp_specialize": (True, (False, True)),
@@ -382,17 +381,6 @@ def _v_to_fp16(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return v16, inverse
 
 
-def _descriptor_scratch(size: int, alignment: int, stream: int | None, *, device: torch.device) -> torch.Tensor:
-    """Global memory for the tensor descriptors the kernel builds on the device (triton.set_allocator)."""
-    return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def _tma_fits(*tensors: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base addresses and row strides: each head's row of the [B, T, H, D] tensors
-    starts on a 16-byte boundary."""
-    return all(t.data_ptr() % 16 == 0 and t.shape[-1] * t.element_size() % 16 == 0 for t in tensors)
-
-
 def _warp_specialized_fits(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str, capability: tuple[int, int] | None,
     launch_options: tuple[int | None, ...],
@@ -408,7 +396,7 @@ def _warp_specialized_fits(
         and q.shape[-1] in _softmax_sm90.HEAD_DIMS
         and v.shape[-1] in _softmax_sm90.HEAD_DIMS
         and launch_options == DEFAULT_LAUNCH_OPTIONS
-        and _tma_fits(q, k, v)
+        and tma_fits(q, k, v)
     )
 
 
@@ -458,9 +446,9 @@ def chunkwise(
     v_inverse = None
     if v_scaled:
         v, v_inverse = _v_to_fp16(v)
-    use_tma = tma and _tma_fits(q, k, v)
+    use_tma = tma and tma_fits(q, k, v)
     if use_tma:
-        triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
+        allow_device_descriptors(q.device)
     o = torch.empty((B, T, H, V), dtype=q.dtype, device=q.device)
     row_max = log_row_sum = o_residual = None
     if saved is not None:

@@ -48,6 +48,7 @@ from hypothesis import given, settings, strategies as st
 import attnlab
 from attnlab.kernel import kernel
 from attnlab.kernels import aft as aft_kernels
+from attnlab.kernels._util import tma_fits
 from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.metrics import conditioning_floor, measure, measure_gradients, unit_roundoff
 from kernel_checks import EXCESS_BOUND
@@ -208,6 +209,27 @@ def test_precisions_fp16(precision, causal):
     x = _inputs(torch.float16, T=64, D=32)
     bound = 1.05 if precision == "split" else EXCESS_BOUND[torch.float16]
     assert _excess(x, torch.float16, causal, precision=precision) <= bound
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("dtype,precision", [(torch.float16, "single"), (torch.float16, "split"),
+                                             (torch.float32, "auto")], ids=["fp16-single", "fp16-split", "fp32"])
+def test_tma_matches_pointer_loads(dtype, precision, causal, monkeypatch):
+    # T = 56 and D = 20 fit TMA's 16-byte rows (T % 8, 2 D % 8) without filling the last query tile, key block or
+    # channel block: the descriptors' zero fill stands in for the pointer loads' masks.
+    x = _inputs(dtype, T=56, D=20)
+    taken = []
+    monkeypatch.setattr(aft_kernels, "tma_fits", lambda *t: taken.append(tma_fits(*t)) or taken[-1])
+    opts = dict(precision=precision, block_q=32, chunk_size=16, block_d=16)
+    tma = kernel("aft", tma=True, **opts)(**x, causal=causal)
+    assert taken == [True]
+    pointers = kernel("aft", tma=False, **opts)(**x, causal=causal)
+    assert torch.equal(tma, pointers)
+    # Rows of A that TMA cannot take (T = 57): the pointer loads, at the same answer.
+    y = _inputs(dtype, T=57, D=20)
+    assert torch.equal(kernel("aft", tma=True, **opts)(**y, causal=causal),
+                       kernel("aft", tma=False, **opts)(**y, causal=causal))
+    assert taken == [True, False]
 
 
 @settings(max_examples=5, deadline=None)
@@ -443,7 +465,7 @@ COMPILE = textwrap.dedent("""
         half = inputs != "fp32"
         constexprs = dict(
             CAUSAL=causal, SPLIT=inputs == "fp16", HALF_OPERANDS=half, DOT_PRECISION="tf32" if half else "ieee",
-            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0,
+            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, TMA=OPTIONS["tma"],
             STORE_LSE=True, STORE_LSE_RESIDUAL=not half, STORE_O_RESIDUAL=half,
             BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
             BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
@@ -456,9 +478,9 @@ COMPILE = textwrap.dedent("""
                     f"key prefix {what}")
         compile_one(aft._key_factors_kernel, inputs, dict(constexprs, BLOCK_D=aft.KEY_FACTORS_BLOCK_D), 4, 3,
                     f"key factors {what}")
-        compile_one(aft._aft_fwd_kernel, inputs, constexprs, OPTIONS["num_warps"], OPTIONS["num_stages"],
+        compile_one(aft._aft_fwd_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, OPTIONS["num_stages"],
                     f"forward {what}")
-        compile_one(aft._aft_fallback_kernel, inputs, constexprs, OPTIONS["num_warps"], 3, f"fallback {what}")
+        compile_one(aft._aft_fallback_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, 3, f"fallback {what}")
 """)
 
 

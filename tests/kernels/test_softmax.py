@@ -47,8 +47,9 @@ from attnlab.registry import bounds_for
 from attnlab.kernels import softmax as softmax_kernels
 from attnlab.kernels._numerics import pow2_scale
 from attnlab.kernels.softmax import (
-    OPTIONS, _launch_config, _tma_fits, _v_convert_rows, _v_to_fp16,
+    OPTIONS, _launch_config, _v_convert_rows, _v_to_fp16,
 )
+from attnlab.kernels._util import tma_fits
 from kernel_checks import ANY_PRECISION_EXCESS_BOUND, EXCESS_BOUND
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
@@ -188,7 +189,7 @@ def test_v_to_fp16_is_exact(dtype, peak_tiles, monkeypatch):
 def test_tma_matches_pointer_loads(dtype, precision):
     # K = 24 and V = 40 (16-bit) fit TMA's 16-byte alignment without filling their tiles.
     x = _inputs(dtype, T=150, K=24, V=40)
-    assert _tma_fits(x["q"], x["k"], x["v"])
+    assert tma_fits(x["q"], x["k"], x["v"])
     for causal in (True, False):
         pointers = kernel("softmax", precision=precision, tma=False)(**x, causal=causal)
         tma = kernel("softmax", precision=precision, tma=True)(**x, causal=causal)
