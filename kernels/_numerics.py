@@ -117,14 +117,7 @@ def from_scratch(a, a_bound, PRECISION: tl.constexpr):
 def dot_scratch(a, a_bound, b, b_peak, PRECISION: tl.constexpr):
     """a @ b for an operand a as to_scratch made it (with the same bound) and an fp32 b, |b| <= b_peak."""
     if PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        _, a_down = pow2_scale(a_bound, 13)
-        b_up, b_down = pow2_scale(b_peak, 13)
-        b16 = (b * b_up).to(tl.float16)
-        if PRECISION == "fp16":
-            product = tl.dot(a, b16)
-        else:
-            product = tl.dot(a.to(tl.float32), b16.to(tl.float32), input_precision="ieee")
-        return product * (a_down * b_down)
+        return dot_scratches(a, a_bound, to_scratch(b, b_peak, PRECISION), b_peak, PRECISION)
     else:
         return scaled_dot(a, b, PRECISION)
 
