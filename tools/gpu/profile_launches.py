@@ -1,7 +1,7 @@
 """Per-launch GPU time of each kernel and its peer at the bench shape (B=8, T=4096, H=16, K=V=128, bf16).
 
     python3 tools/gpu/profile_launches.py [NAME,NAME...] [--options "OPT=V,...;..."] [--form recurrent]
-                                          [--backward] [--no-peer]
+                                          [--backward] [--no-peer] [--constants "MODULE.NAME=JSON;..."]
 
 For each formulation: attnlab's default setting, its SPEED_OPTIONS setting, each ';'-separated set of kernel
 options given (e.g. "chunk_size=8,block_c=128;num_warps=8"), and the peer, each run under torch.profiler for a
@@ -9,12 +9,16 @@ few calls after a warm-up, on the bench's inputs (the peer's ``our_options`` inc
 implementation, every GPU kernel it launched with its mean time per call, so that one sees which pass of a
 multi-launch kernel costs what. With --backward: attnlab's kernel forward and backward together
 (``attnlab.commands.bench.forward_backward``, the bench's training step), at its defaults and at each option set,
-and the peer's (how gla's backward chunk was chosen).
+and the peer's (how gla's backward chunk was chosen). --constants sets module constants of attnlab.kernels first,
+for the whole run: tiles that are no option, such as the backward's (e.g.
+"_delta_chunk_backward.SUMS_KEY_BLOCK=64;_delta_chunk_backward.SUMS_BV=32").
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 from collections import defaultdict
 
 import torch
@@ -46,6 +50,17 @@ def _option_sets(text: str) -> list[dict[str, object]]:
     return [{key: (int(value) if value.lstrip("-").isdigit() else value)
              for key, value in (item.split("=") for item in group.split(","))}
             for group in filter(None, text.split(";"))]
+
+
+def _set_constants(text: str) -> None:
+    """"_delta_chunk_backward.SUMS_BV=32;..." -> attnlab.kernels._delta_chunk_backward.SUMS_BV = 32, ..."""
+    for item in filter(None, text.split(";")):
+        target, value = item.split("=", 1)
+        module_name, name = target.rsplit(".", 1)
+        module = importlib.import_module(f"attnlab.kernels.{module_name}")
+        if not hasattr(module, name):
+            raise SystemExit(f"attnlab.kernels.{module_name} has no constant {name}")
+        setattr(module, name, json.loads(value))
 
 
 def _print_times(label: str, times: list[tuple[str, float]]) -> None:
@@ -95,7 +110,9 @@ def main() -> None:
     parser.add_argument("--form", default="chunkwise", choices=("chunkwise", "recurrent"))
     parser.add_argument("--backward", action="store_true", help="forward + backward")
     parser.add_argument("--no-peer", action="store_true")
+    parser.add_argument("--constants", default="", help="';'-separated MODULE.NAME=JSON of attnlab.kernels, set first")
     args = parser.parse_args()
+    _set_constants(args.constants)
     for name in args.names.split(","):
         profile_formulation(name, args.form, _option_sets(args.options), args.backward, not args.no_peer)
 
