@@ -75,18 +75,18 @@ Five launches, seven with per-channel gates:
 
 S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
 
-The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at
-C = 64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB
-a thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and
-[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, GRADIENTS_KEY_BLOCK] tiles on the keys' side, and
-neither spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the
-sums' round trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of scratch (dQg and dKd 512 MiB, dA
-and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel reads after the reverse pass),
-written once and read once (-dW twice, once for dT and once for dKg). The sequential passes' outputs there: S and
-dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16
-inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and Delta,
-dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead of
-2.9 (fp32 tiles).
+The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at C =
+64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB a
+thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and
+[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, GRADIENTS_KEY_BLOCK] tiles on the keys' side, and neither
+spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the sums' round
+trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of scratch
+(dQg and dKd 512 MiB, dA and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel reads after
+the reverse pass), written once and read once (-dW twice, once for dT and once for dKg). The sequential passes'
+outputs there: S and dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16"
+path (bf16 inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and
+Delta, dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead
+of 2.9 (fp32 tiles).
 """
 
 from __future__ import annotations
