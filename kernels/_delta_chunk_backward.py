@@ -117,8 +117,13 @@ GRADIENTS_KEY_BLOCK = 64
 SUMS_BV = 32
 SUMS_NUM_WARPS = 4
 GRADIENTS_NUM_WARPS = 8
-# One pipeline stage everywhere: Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB (360 KB
-# for the reverse pass in fp64 at K = 128).
+# Pipeline stages of each kernel's loop with fp32 ACC (a kernel absent here takes one, and every kernel takes one
+# in fp64, where Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB: 360 KB for the reverse
+# pass at K = 128). Measured at the bench shape on an H100 (reports/bench.md, session 22): the sums kernel, which
+# streams its V steps' tiles, gains most from loads issued ahead (1.39 ms at one stage, 1.17 at two, 0.96 at
+# four); the states pass gains at two (0.66 -> 0.58) and loses at three; the reverse pass and the local and
+# gradients kernels lose or do not gain at two.
+NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
 # Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
 CHANNEL_SLICE = 32
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
@@ -884,29 +889,32 @@ def chunkwise_backward(
     scale_hi = float(torch.tensor(scale, dtype=torch.float32))
     scale_lo = float(scale) - scale_hi
     ACC = tl.float64 if fp64 else tl.float32
-    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, num_stages=1, ACC=ACC, num_warps=NUM_WARPS)
+    stages = {name: 1 if fp64 else NUM_STAGES.get(name, 1)
+              for name in ("local", "states", "reverse", "sums", "gradients", "channel")}
+    common = dict(GATED=g is not None, CHANNEL=channel, C=C, BK=BK, ACC=ACC, num_warps=NUM_WARPS)
     if channel:
         parts = torch.empty((B * H * chunks * C, 3 * K), **acc)  # the row factors' parts of dq, dk, dG
         d_kk, d_a = torch.empty_like(X), torch.empty_like(X)
         factors = torch.empty((B * H * chunks * C, 2 * K), **acc)  # exp(G_t), exp(G_C - G_t)
         decays = torch.empty((B * H * chunks, K), **acc)  # exp(G_C)
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
-                             num_warps=CHANNEL_NUM_WARPS, num_stages=1)
+                             num_warps=CHANNEL_NUM_WARPS, num_stages=stages["channel"])
         _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C,
                                                PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
     _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, peaks, T, H, K, V,
                                    scale_hi, scale_lo, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
-                                   PRECISION="tf32x3", **common)
+                                   PRECISION="tf32x3", num_stages=stages["local"], **common)
     common["PRECISION"] = precision
     _states_kernel[(triton.cdiv(V, BV), B * H)](
         k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
-        HAS_INITIAL=state is not None, BV=BV, **common)
+        HAS_INITIAL=state is not None, BV=BV, num_stages=stages["states"], **common)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
         q, k, gate, factors, decays, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
         d_initial if d_initial is not None else w, peaks, T, H, K, V, scale_hi, scale_lo,
-        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, **common)
+        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, num_stages=stages["reverse"],
+        **common)
     # The sums over V: dQg and dKd beside each other, -dW in W's buffer (no kernel reads W after the reverse
     # pass), dA and dDelta V^T beside each other, <S, dS'> per chunk and key channel.
     key_sums = torch.empty((B * H * chunks * C, 2 * K), **acc)
@@ -916,11 +924,11 @@ def chunkwise_backward(
         v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, peaks, T, H, K, V,
         C=C,
         BK=key_block, BV=sums_BV, STATE_BV=BV, PRECISION=precision, ACC=ACC, num_warps=SUMS_NUM_WARPS,
-        num_stages=1)
+        num_stages=stages["sums"])
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
+        num_stages=stages["gradients"], **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H)](q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C,
                                                     PRECISION=common["PRECISION"], **channel_slice)
