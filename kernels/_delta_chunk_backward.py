@@ -30,7 +30,9 @@ gates do not: kda's grams (and, in reverse, their cotangents' pairwise terms) go
 each pair of blocks I > J through the anchor a = I's first row, sum_c (a_tc exp(G_tc - G_ac)) (b_jc exp(G_ac - G_jc)),
 both exponents <= 0 (j < a <= t), one dot per pair and CHANNEL_SLICE key channels; inside a block by halving (the
 later half of each group of 2h rows against its earlier half, through the later half's first row; h = 8, 4, 2, 1),
-as kernels/kda.py's forward forms its A rows. Every exponent is a direct sum of the gates it spans (span_sums).
+as kernels/kda.py's forward forms its A rows. Every exponent is a direct sum of the gates it spans (span_sums), kda's
+row factors' too (G_t over [0, t], G_C - G_t over (t, C)); a gate per head comes as kernels/_delta.py's compensated
+pair, its differences taken part by part.
 
 The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written. The
 inverse, W, U and kda's grams (what T's conditioning amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22),
@@ -57,7 +59,7 @@ Five launches, seven with per-channel gates:
 - ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
 - ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
   ACC; kda's row factors exp(G), exp(G_C - G) and exp(G_C), which every later kernel reads instead of repeating
-  their scans; the peak of each [C, BV] block of v.
+  their sums; the peak of each [C, BV] block of v.
 - ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk and its Delta,
   recomputed from W and U (the forward keeps no chunk states: [B, H, T/C, K, V], K/C times v's size; recomputing
   costs one sequential pass); "fp16": stored in fp16 with their peaks.
@@ -70,8 +72,8 @@ Five launches, seven with per-channel gates:
 - ``_gradients_kernel`` (grid (chunks, B*H), parallel): from those, the chunk algebra, key block by key block: dT,
   dL, the chunk's dbeta and, with a gate per head or none, dq, dk and dg, written once each in the input dtype;
   kda's go to scratch as the row factors' parts and the grams' cotangents.
-- ``_channel_cotangents_kernel`` (kda only; grid (chunks, B*H)): dq, dk and dg from those, by anchors, the blocks
-  last first (dg's reverse sum carries into earlier blocks).
+- ``_channel_cotangents_kernel`` (kda only; grid (chunks, B*H, K / CHANNEL_SLICE)): dq, dk and dg from those, by
+  anchors, the blocks last first (dg's reverse sum carries into earlier blocks), a program per slice of key channels.
 
 S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
 
@@ -87,6 +89,13 @@ outputs there: S and dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256
 path (bf16 inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and
 Delta, dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead
 of 2.9 (fp32 tiles).
+
+Per-channel gates make the row factors [C, K] fp32 tiles where a gate per head has [C, 1] columns, and the anchored
+kernels one warp a program; held live across the products, those tiles spill. So the local kernel forms W and the
+factors (G by span sums) LOCAL_KEY_BLOCK key channels at a time after the inverse, the reverse pass forms Kd and Qg
+(per-channel gates) one at a time and rounds each for its products where it is formed (_operand), and the anchored
+kernels address a block by an int64 base and int32 offsets (_rows_from). reports/bench.md (session 22) has the
+spills and times before and after.
 """
 
 from __future__ import annotations
@@ -95,10 +104,10 @@ import torch
 import triton
 import triton.language as tl
 
-from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate, _two_sum
+from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate
 from attnlab.kernels._numerics import (
-    dot_precision, dot_scratches, from_scratch, native_gates, peak, scaled_dot, scaled_dot_within, span_sums,
-    split_dot_into, to_scratch, unit_lower_inverse,
+    dot_precision, dot_scratch, dot_scratches, from_scratch, native_gates, peak, scaled_dot, scaled_dot_within,
+    span_sums, split_dot_into, to_scratch, unit_lower_inverse,
 )
 from attnlab.kernels._util import block_size, state_block
 
@@ -124,9 +133,17 @@ GRADIENTS_NUM_WARPS = 8
 # four); the states pass gains at two (0.66 -> 0.58) and loses at three; the reverse pass and the local and
 # gradients kernels lose or do not gain at two.
 NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
-# Key channels a step of the per-channel gates' anchored grams and their cotangents ([SUB, CHANNEL_SLICE] tiles).
+# Key channels a step of the per-channel gates' anchored grams and a program of their cotangents ([SUB,
+# CHANNEL_SLICE] tiles). At one warp and K = 128 (sm_90a ptxas, bf16 inputs) the grams kernel spills 4 bytes a
+# thread at 32, none at 16 (147 registers), 0.3 KB at 64; the cotangents kernel 0.3 KB at 32, 40 bytes at 16, 7 KB
+# at 64.
 CHANNEL_SLICE = 32
-# Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do).
+# Key channels a step of the local kernel after the inverse (W's columns; kda's row factors, their span sums and
+# exps). At K = 128 (4 warps) 64 spills 0 to 54 bytes a thread (kda 16 to 20, a gate per head none); 32 spills
+# 12 to 56; all 128 at once, as W was taken before, 40 (ungated) to 240 (a gate per head), and for kda 0.7 KB.
+LOCAL_KEY_BLOCK = 64
+# Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do). At 4 warps the
+# cotangents kernel spills nothing (195 registers) and the grams kernel 16 bytes, each reduction then across warps.
 CHANNEL_NUM_WARPS = 1
 # Halvings of a SUB-row block down to single rows (_level_factors).
 SUB_LEVELS = tl.constexpr(SUB.value.bit_length() - 1)
@@ -208,6 +225,30 @@ def _dot_within(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.co
 
 
 @triton.jit
+def _operand(x, PRECISION: tl.constexpr):
+    """(x as _dot_within rounds it against its bound, that bound): on the "fp16" path fp16 scaled by its peak
+    (to_scratch), otherwise x; for _dot_operand, which multiplies it as _dot_within would have."""
+    bound = _bound(x, PRECISION)
+    return to_scratch(x, bound, PRECISION), bound
+
+
+@triton.jit
+def _dot_operand(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """_dot_within of an operand a as _operand made it (with this bound) and an fp32 tile b: the same products."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        acc += dot_scratch(a, a_bound, b.to(tl.float32), b_bound, PRECISION)
+    else:
+        acc = _dot(a, b, acc, ACC, PRECISION)
+    return acc
+
+
+@triton.jit
+def _product(a, a_bound, b, b_bound, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """a @ b of two operands as _operand made them (with these bounds): _mm's products, each rounding done once."""
+    return _dot_stored(a, a_bound, b, b_bound, tl.zeros([a.shape[0], b.shape[1]], dtype=ACC), ACC, PRECISION)
+
+
+@triton.jit
 def _dot_stored(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b of operands as _numerics.to_scratch stores them with these bounds: on the "fp16" path one fp16
     product of the tiles as they are (_numerics.dot_scratches: no scale taken from them); otherwise _dot (ACC
@@ -232,23 +273,14 @@ def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def _gate_factors(g_ptr, token, valid, keys, K, GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr,
-                  BK: tl.constexpr, ACC: tl.constexpr):
-    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk in ACC: [C, C], [C, BK], [C, BK] and [BK], the
-    row factors per key channel (one gate per head: [C, 1] columns, the same in every channel; ungated M, 1, 1,
-    1). Per-channel gates (CHANNEL) leave Gamma to _channel_grams_kernel and give M. G comes as an fp32 pair
-    (kernels/_delta.py's compensated scan, on [C] or [C, BK] tiles), each difference taken part by part, so that it
-    is accurate to its own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
+def _gate_factors(g_ptr, token, valid, GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk with a gate per head or none, in ACC: [C, C],
+    [C, 1] columns (the same in every channel), [C, 1] and [BK] (ungated M, 1, 1, 1). G comes as an fp32 pair
+    (kernels/_delta.py's compensated scan, on [C]), each difference taken part by part, so that it is accurate to
+    its own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
-    if CHANNEL:
-        G_hi, G_lo = _channel_gate_pairs(g_ptr, token, valid, keys, K, ACC)
-        end_hi, end_lo = _channel_gate_totals(g_ptr, token, valid, keys, K, ACC)
-        decay = tl.where(causal, 1.0, 0.0).to(ACC)
-        from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))
-        to_end = tl.exp(tl.minimum((end_hi[None, :] - G_hi) + (end_lo[None, :] - G_lo), 0.0))
-        chunk_decay = tl.exp(tl.minimum(end_hi + end_lo, 0.0))
-    elif GATED:
+    if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
         G_hi, G_lo, end_hi, end_lo = G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
@@ -281,26 +313,24 @@ def _stored_gate_factors(g_ptr, factors_ptr, decays_ptr, token, valid, scratch_r
         to_end = tl.load(factors_ptr + offsets + K, mask=key_ok, other=0.0)
         chunk_decay = tl.load(decays_ptr + chunk_row * K + keys, mask=keys < K, other=0.0)
     else:
-        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK,
-                                                               ACC)
+        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
     return decay, from_start, to_end, chunk_decay
 
 
 @triton.jit
-def _channel_gate_pairs(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
-    """Per-channel gates g [C, channels] of one chunk as the pairs (G_hi, G_lo) of their cumulative sums over the
-    chunk, in ACC (_delta's compensated scan, along the rows)."""
-    g = _rows_of(g_ptr, token, valid, channels, K).to(tl.float32)
-    G_hi, G_lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _two_sum)
-    return G_hi.to(ACC), G_lo.to(ACC)
-
-
-@triton.jit
-def _channel_gate_totals(g_ptr, token, valid, channels, K, ACC: tl.constexpr):
-    """The pair (G_C_hi, G_C_lo) of each channel's total gate over the chunk, in ACC."""
-    g = _rows_of(g_ptr, token, valid, channels, K).to(tl.float32)
-    end_hi, end_lo = tl.reduce((g, tl.zeros_like(g)), 0, _two_sum)
-    return end_hi.to(ACC), end_lo.to(ACC)
+def _channel_factors(g_ptr, token, valid, channels, K, C: tl.constexpr, ACC: tl.constexpr,
+                     NATIVE_GATES: tl.constexpr):
+    """Per-channel gates' row factors of one chunk on ``channels``, in ACC: exp(G_t) and exp(G_C - G_t) [C,
+    channels] and exp(G_C) [channels], each exponent the direct sum of the steps it spans ([0, t] and (t, C),
+    _span_exponents: two tensor-core dots), as the anchored grams and kernels/kda.py's forward take theirs; G_C is
+    the last row's [0, C) (rows past T load g = 0). A compensated scan of the [C, channels] gates (a pair per
+    entry, Knuth's TwoSum at every step of a scan across threads and warps) was half the local kernel's
+    instructions at K = 128 (sm_90a), more than DeltaNet's whole local kernel."""
+    rows = tl.arange(0, C)
+    g = _rows_of(g_ptr, token, valid, channels, K)
+    G = _span_exponents(rows[None, :] <= rows[:, None], g, ACC, NATIVE_GATES)
+    to_end = tl.exp(_span_exponents(rows[None, :] > rows[:, None], g, ACC, NATIVE_GATES))
+    return tl.exp(G), to_end, tl.exp(tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), axis=0))
 
 
 @triton.jit
@@ -321,9 +351,28 @@ def _span_exponents(span, g, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
 
 
 @triton.jit
+def _rows_from(bh, chunk, first, N: tl.constexpr, C: tl.constexpr, T, H):
+    """Rows first .. first + N - 1 of a chunk, in a grid (chunks, B*H, ..), for the one-warp anchored kernels: their
+    validity, the first row's token and scratch row (int64) and each row's token step from it (int32). Addresses
+    are a base and int32 offsets (_block_of): int64 [SUB, channels] offset tiles, kept in registers through the
+    blocks' loops, were a third of the cotangents kernel's spills."""
+    rows = tl.arange(0, N)
+    pos = chunk * C + first
+    token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
+    return pos + rows < T, token, rows * H, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * C + first
+
+
+@triton.jit
 def _block_rows(bh, chunk, block, C: tl.constexpr, T, H):
-    """Block ``block`` (SUB rows) of a chunk, in a grid (chunks, B*H) (_rows_at)."""
-    return _rows_at(chunk, bh, tl.num_programs(0), block * SUB, SUB, C, T, H)
+    """Block ``block`` (SUB rows) of a chunk (_rows_from)."""
+    return _rows_from(bh, chunk, block * SUB, SUB, C, T, H)
+
+
+@triton.jit
+def _block_of(x_ptr, token, steps, valid, channels, K):
+    """The rows (token + steps) of x [B, T, H, K] on ``channels`` (0 past T and past K), in x's dtype."""
+    return tl.load(x_ptr + token * K + (steps[:, None] * K + channels[None, :]),
+                   mask=valid[:, None] & (channels < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -331,22 +380,38 @@ def _anchor_factors(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constex
                     NATIVE_GATES: tl.constexpr):
     """Per-channel decays of the block pair (later > earlier) through the anchor a, the later block's first row:
     exp(G_t - G_a) for its rows t and exp(G_a - G_j) for the earlier block's rows j, [SUB, channels] each; both
-    exponents <= 0 (j < a <= t), each a direct sum of the steps it spans: (a, t], and (j, end of the earlier
-    block] plus the steps after it up to a."""
+    exponents <= 0 (j < a <= t), each a direct sum of the steps it spans: (a, t] (_to_anchor), and (j, end of the
+    earlier block] (_from_block_end) plus the steps after it up to a (_gates_between)."""
+    valid, token, steps, _ = _block_rows(bh, chunk, later, C, T, H)
+    to_t = _to_anchor(_block_of(g_ptr, token, steps, valid, channels, K), ACC, NATIVE_GATES)
+    valid, token, steps, _ = _block_rows(bh, chunk, earlier, C, T, H)
+    within = _from_block_end(_block_of(g_ptr, token, steps, valid, channels, K), ACC, NATIVE_GATES)
+    after = _gates_between(g_ptr, bh, chunk, later, earlier, channels, K, C, T, H, ACC)
+    return to_t, tl.exp(within + after[None, :])
+
+
+@triton.jit
+def _to_anchor(g_block, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
+    """exp(G_t - G_a) of a block's rows t, a its first row: the steps (a, t]."""
     local = tl.arange(0, SUB)
-    valid, token, _ = _block_rows(bh, chunk, later, C, T, H)
-    g_later = _rows_of(g_ptr, token, valid, channels, K)
-    valid, token, _ = _block_rows(bh, chunk, earlier, C, T, H)
-    g_earlier = _rows_of(g_ptr, token, valid, channels, K)
+    return tl.exp(_span_exponents((local[None, :] > 0) & (local[None, :] <= local[:, None]), g_block, ACC,
+                                  NATIVE_GATES))
+
+
+@triton.jit
+def _from_block_end(g_block, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
+    """The exponents of a block's rows j to its end: the sums of the steps (j, end of the block]."""
+    local = tl.arange(0, SUB)
+    return _span_exponents(local[:, None] < local[None, :], g_block, ACC, NATIVE_GATES)
+
+
+@triton.jit
+def _gates_between(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constexpr, T, H, ACC: tl.constexpr):
+    """Per channel, the sum of the steps after the earlier block up to the later block's first row."""
     rows = tl.arange(0, C)
     between = (rows >= (earlier + 1) * SUB) & (rows <= later * SUB)
-    valid, token, _ = _chunk_of(chunk, bh, tl.num_programs(0), C, T, H)
-    g_between = _rows_of(g_ptr, token, valid & between, channels, K)
-    after = tl.sum(g_between.to(ACC), axis=0)
-    to_t = tl.exp(_span_exponents((local[None, :] > 0) & (local[None, :] <= local[:, None]), g_later, ACC,
-                                  NATIVE_GATES))
-    from_j = tl.exp(_span_exponents(local[:, None] < local[None, :], g_earlier, ACC, NATIVE_GATES) + after[None, :])
-    return to_t, from_j
+    valid, token, steps, _ = _rows_from(bh, chunk, 0, C, C, T, H)
+    return tl.sum(_block_of(g_ptr, token, steps, valid & between, channels, K).to(ACC), axis=0)
 
 
 @triton.jit
@@ -380,27 +445,29 @@ def _channel_grams_kernel(
     scale = _scale_in(scale_hi, scale_lo, ACC)
     local = tl.arange(0, SUB)
     for I in range(0, C // SUB):
-        valid_I, token_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
-        out = scratch_I[:, None] * C
+        valid_I, token_I, steps_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
+        out = scratch_I * C + local[:, None] * C
         for J in range(0, I):
-            valid_J, token_J, _ = _block_rows(bh, chunk, J, C, T, H)
+            valid_J, token_J, steps_J, _ = _block_rows(bh, chunk, J, C, T, H)
             qk = tl.zeros([SUB, SUB], dtype=ACC)
             kk = tl.zeros([SUB, SUB], dtype=ACC)
             for channel_start in range(0, K, BKC):
                 channels = channel_start + tl.arange(0, BKC)
                 to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, J, channels, K, C, T, H, ACC, NATIVE_GATES)
-                keys = tl.trans(_rows_of(k_ptr, token_J, valid_J, channels, K).to(ACC) * from_j)
-                qk = _dot(_rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, keys, qk, ACC, PRECISION)
-                kk = _dot(_rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, keys, kk, ACC, PRECISION)
+                keys = tl.trans(_block_of(k_ptr, token_J, steps_J, valid_J, channels, K).to(ACC) * from_j)
+                qk = _dot(_block_of(q_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_t, keys, qk, ACC,
+                          PRECISION)
+                kk = _dot(_block_of(k_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_t, keys, kk, ACC,
+                          PRECISION)
             tl.store(a_ptr + out + (local + J * SUB)[None, :], scale * qk)
             tl.store(kk_ptr + out + (local + J * SUB)[None, :], kk)
         qk = tl.zeros([SUB, SUB], dtype=ACC)
         kk = tl.zeros([SUB, SUB], dtype=ACC)
         for channel_start in range(0, K, BKC):
             channels = channel_start + tl.arange(0, BKC)
-            g = _rows_of(g_ptr, token_I, valid_I, channels, K)
-            q = _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC)
-            k = _rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC)
+            g = _block_of(g_ptr, token_I, steps_I, valid_I, channels, K)
+            q = _block_of(q_ptr, token_I, steps_I, valid_I, channels, K).to(ACC)
+            k = _block_of(k_ptr, token_I, steps_I, valid_I, channels, K).to(ACC)
             qk += tl.where(local[:, None] == local[None, :], tl.sum(q * k, axis=1)[:, None], 0.0)
             for level in tl.static_range(SUB_LEVELS):
                 later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
@@ -419,28 +486,25 @@ def _local_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr, peaks_ptr,
     T, H, K, V,
     scale_hi, scale_lo,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    BV: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
     given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
-    gates' row factors for the kernels after it (_stored_gate_factors); the peak of each [C, BV] block of v, V's
-    bound (PEAK_V) in _sums_kernel's "fp16" products (the other paths do not read it)."""
+    gates' row factors for the kernels after it (_channel_factors, read back by _stored_gate_factors); the peak of
+    each [C, BV] block of v, V's bound (PEAK_V) in _sums_kernel's "fp16" products (the other paths do not read
+    it)."""
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
-    keys = tl.arange(0, BK)
-    k = _rows_of(k_ptr, token, valid, keys, K)
-    decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, keys, K, GATED, CHANNEL, C, BK, ACC)
+    chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     if CHANNEL:
         kk = tl.load(kk_ptr + gram_offsets)
-        factors = scratch_row[:, None] * (2 * K) + keys[None, :]
-        tl.store(factors_ptr + factors, from_start, mask=(keys < K)[None, :])
-        tl.store(factors_ptr + factors + K, to_end, mask=(keys < K)[None, :])
-        tl.store(decays_ptr + (bh.to(tl.int64) * tl.num_programs(0) + chunk) * K + keys, chunk_decay, mask=keys < K)
     else:
+        k = _rows_of(k_ptr, token, valid, tl.arange(0, BK), K)
+        decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
-        q = _rows_of(q_ptr, token, valid, keys, K)
+        q = _rows_of(q_ptr, token, valid, tl.arange(0, BK), K)
         tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * _mm(q, tl.trans(k), ACC, PRECISION) * decay)
         tl.store(kk_ptr + gram_offsets, kk)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
@@ -450,15 +514,24 @@ def _local_kernel(
         X = _dot(X, residual, X, ACC, PRECISION)
     tl.store(x_ptr + gram_offsets, X)
     ut = X * beta[None, :]
-    w = _mm(ut, k.to(ACC) * from_start, ACC, PRECISION)
-    tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], w, mask=(keys < K)[None, :])
+    # After the inverse, BKC key channels at a time: W's columns and per-channel gates' row factors on them.
+    for key_start in range(0, K, BKC):
+        keys = key_start + tl.arange(0, BKC)
+        key_ok = keys < K
+        if CHANNEL:
+            from_start, to_end, chunk_decay = _channel_factors(g_ptr, token, valid, keys, K, C, ACC, NATIVE_GATES)
+            factors = scratch_row[:, None] * (2 * K) + keys[None, :]
+            tl.store(factors_ptr + factors, from_start, mask=key_ok[None, :])
+            tl.store(factors_ptr + factors + K, to_end, mask=key_ok[None, :])
+            tl.store(decays_ptr + chunk_row * K + keys, chunk_decay, mask=key_ok)
+        kg = _rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start
+        tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], _mm(ut, kg, ACC, PRECISION), mask=key_ok[None, :])
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
         tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION),
                  mask=value_ok[None, :])
-        chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
         tl.store(peaks_ptr + _peaks_at(chunk_row, value_start // BV, V, BV) + PEAK_V, peak(v.to(tl.float32)))
 
 
@@ -536,18 +609,40 @@ def _reverse_kernel(
         ds_bound = _bound(dS, PRECISION)
         tl.store(d_states_ptr + chunk_state, to_scratch(dS, ds_bound, PRECISION), mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
-        q = _rows_of(q_ptr, token, valid, keys, K)
-        k = _rows_of(k_ptr, token, valid, keys, K)
+        # Per-channel gates form Kd, then Qg, each rounded for its products where it is formed (_operand), its factor
+        # taken just before (each call keeps the loads it uses): their [C, BK] fp32 factors and the fp32 products
+        # with them, live together across the products, spilled 0.6 KB a thread at K = 128 (kda's pass 2.06 ->
+        # 1.45 ms on an H100). A gate per head ([C, 1] factors) keeps q and k, loaded first, and forms each where it
+        # is multiplied: formed first, their fp16 operands wait in shared memory across the other products
+        # (deltanet's pass 0.87 -> 1.13 ms).
+        if CHANNEL:
+            _decay, _from_start, to_end, _chunk_decay = _stored_gate_factors(
+                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
+                ACC)
+            kd, kd_bound = _operand(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * to_end, PRECISION)
+            _decay, from_start, _to_end, chunk_decay = _stored_gate_factors(
+                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
+                ACC)
+            qg_t, qg_bound = _operand(tl.trans(_rows_of(q_ptr, token, valid, keys, K).to(ACC) * scale * from_start),
+                                      PRECISION)
+        else:
+            q = _rows_of(q_ptr, token, valid, keys, K)
+            k = _rows_of(k_ptr, token, valid, keys, K)
         do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                      other=0.0).to(ACC)
         do_bound = _bound(do, PRECISION)
-        _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        if not CHANNEL:
+            _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
+                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
+                ACC)
         A = tl.load(a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
         d_delta = _dot_within(tl.trans(A), _bound(A, PRECISION), do, do_bound, tl.zeros([C, BV], dtype=ACC), ACC,
                               PRECISION)
-        kd = k.to(ACC) * to_end
-        d_delta = _dot_within(kd, _bound(kd, PRECISION), dS, ds_bound, d_delta, ACC, PRECISION)
+        if CHANNEL:
+            d_delta = _dot_operand(kd, kd_bound, dS, ds_bound, d_delta, ACC, PRECISION)
+        else:
+            kd = k.to(ACC) * to_end
+            d_delta = _dot_within(kd, _bound(kd, PRECISION), dS, ds_bound, d_delta, ACC, PRECISION)
         dd_bound = _bound(d_delta, PRECISION)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], to_scratch(d_delta, dd_bound, PRECISION),
                  mask=value_ok[None, :])
@@ -556,8 +651,11 @@ def _reverse_kernel(
             tl.store(peaks + PEAK_D_DELTA, dd_bound)
             tl.store(peaks + PEAK_DO, do_bound)
         w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-        qg_t = tl.trans(q.to(ACC) * scale * from_start)
-        dS = _dot_within(qg_t, _bound(qg_t, PRECISION), do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
+        if CHANNEL:
+            dS = _dot_operand(qg_t, qg_bound, do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
+        else:
+            qg_t = tl.trans(q.to(ACC) * scale * from_start)
+            dS = _dot_within(qg_t, _bound(qg_t, PRECISION), do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
         dS = _dot_within(tl.trans(-w), _bound(w, PRECISION), d_delta, dd_bound, dS, ACC, PRECISION)
     if STORE_D_INITIAL:
         tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
@@ -772,67 +870,81 @@ def _channel_cotangents_kernel(
         dG_t += q_t * P1_t + k_t * P2_t - k_t * (P3_t + P4_t),   dg = the reverse cumulative sum of dG.
 
     Block by block of SUB rows, last first (the reverse sum carries into earlier blocks), through the grams'
-    anchors (_anchor_factors, _level_factors): every term a dot of a [SUB, SUB] cotangent block with decayed rows,
-    every exponent <= 0."""
+    anchors (_anchor_factors' parts, _level_factors): every term a dot of a [SUB, SUB] cotangent block with decayed
+    rows, every exponent <= 0. A program per slice of BKC key channels (grid (chunks, B*H, K / BKC)): the slices
+    share nothing, and one slice's loop carries fewer values than the slices' loop around it did."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     NB: tl.constexpr = C // SUB
     local = tl.arange(0, SUB)
-    for channel_start in range(0, K, BKC):
-        channels = channel_start + tl.arange(0, BKC)
-        channel_ok = (channels < K)[None, :]
-        later_sum = tl.zeros([BKC], dtype=ACC)  # dG summed over the blocks after this one
-        for i in range(0, NB):
-            B = NB - 1 - i
-            valid, token, scratch = _block_rows(bh, chunk, B, C, T, H)
-            q = _rows_of(q_ptr, token, valid, channels, K).to(ACC)
-            k = _rows_of(k_ptr, token, valid, channels, K).to(ACC)
-            g = _rows_of(g_ptr, token, valid, channels, K)
-            grams = scratch[:, None] * C + (local + B * SUB)[None, :]
-            d_qk = tl.load(d_a_ptr + grams)
-            d_kk = tl.load(d_kk_ptr + grams)
-            same = tl.sum(tl.where(local[:, None] == local[None, :], d_qk, 0.0), axis=1)[:, None]  # t = j
-            P1 = same * k
-            P2 = tl.zeros([SUB, BKC], dtype=ACC)
-            P3 = tl.zeros([SUB, BKC], dtype=ACC)
-            P4 = same * q
-            for level in tl.static_range(SUB_LEVELS):
-                later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
-                pair_qk = tl.where(pair, d_qk, 0.0)
-                pair_kk = tl.where(pair, d_kk, 0.0)
-                earlier_k = tl.where(later[:, None], 0.0, k * factor)
-                to_later = tl.where(later[:, None], factor, 0.0)
-                P1 += to_later * _mm(pair_qk, earlier_k, ACC, PRECISION)
-                P2 += to_later * _mm(pair_kk, earlier_k, ACC, PRECISION)
-                from_earlier = tl.where(later[:, None], 0.0, factor)
-                P3 += from_earlier * _mm(tl.trans(pair_kk), tl.where(later[:, None], k * factor, 0.0), ACC, PRECISION)
-                P4 += from_earlier * _mm(tl.trans(pair_qk), tl.where(later[:, None], q * factor, 0.0), ACC, PRECISION)
-            for J in range(0, B):  # key blocks before this one: P1, P2
-                valid_J, token_J, _ = _block_rows(bh, chunk, J, C, T, H)
-                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, B, J, channels, K, C, T, H, ACC, NATIVE_GATES)
-                k_J = _rows_of(k_ptr, token_J, valid_J, channels, K).to(ACC) * from_j
-                blocks = scratch[:, None] * C + (local + J * SUB)[None, :]
-                P1 += to_t * _mm(tl.load(d_a_ptr + blocks), k_J, ACC, PRECISION)
-                P2 += to_t * _mm(tl.load(d_kk_ptr + blocks), k_J, ACC, PRECISION)
-            for I in range(B + 1, NB):  # query blocks after this one: P3, P4
-                valid_I, token_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
-                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, B, channels, K, C, T, H, ACC, NATIVE_GATES)
-                blocks = scratch_I[:, None] * C + (local + B * SUB)[None, :]
-                P3 += from_j * _mm(tl.trans(tl.load(d_kk_ptr + blocks)),
-                                   _rows_of(k_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, ACC, PRECISION)
-                P4 += from_j * _mm(tl.trans(tl.load(d_a_ptr + blocks)),
-                                   _rows_of(q_ptr, token_I, valid_I, channels, K).to(ACC) * to_t, ACC, PRECISION)
-            part = scratch[:, None] * (3 * K) + channels[None, :]
-            dq = tl.load(parts_ptr + part, mask=channel_ok, other=0.0) + P1
-            dk = tl.load(parts_ptr + part + K, mask=channel_ok, other=0.0) + P2 + P3 + P4
-            dG = tl.load(parts_ptr + part + 2 * K, mask=channel_ok, other=0.0) + q * P1 + k * (P2 - P3 - P4)
-            dg = tl.cumsum(dG, 0, reverse=True) + later_sum[None, :]
-            later_sum += tl.sum(dG, axis=0)
-            out = token[:, None] * K + channels[None, :]
-            in_block = valid[:, None] & channel_ok
-            tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=in_block)
-            tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=in_block)
-            tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=in_block)
+    channels = tl.program_id(2) * BKC + tl.arange(0, BKC)
+    channel_ok = (channels < K)[None, :]
+    later_sum = tl.zeros([BKC], dtype=ACC)  # dG summed over the blocks after this one
+    for i in range(0, NB):
+        B = NB - 1 - i
+        valid, token, steps, scratch = _block_rows(bh, chunk, B, C, T, H)
+        q = _block_of(q_ptr, token, steps, valid, channels, K).to(ACC)
+        k = _block_of(k_ptr, token, steps, valid, channels, K).to(ACC)
+        g = _block_of(g_ptr, token, steps, valid, channels, K)
+        grams = scratch * C + (local[:, None] * C + (local + B * SUB)[None, :])
+        d_qk = tl.load(d_a_ptr + grams)
+        d_kk = tl.load(d_kk_ptr + grams)
+        same = tl.sum(tl.where(local[:, None] == local[None, :], d_qk, 0.0), axis=1)[:, None]  # t = j
+        P1 = same * k
+        P2 = tl.zeros([SUB, BKC], dtype=ACC)
+        P3 = tl.zeros([SUB, BKC], dtype=ACC)
+        P4 = same * q
+        # An operand of two products is rounded for them once (_operand): the "fp16" path's max-reductions
+        # and fp16 conversions, not the one-warp [SUB, SUB] products, are most of this kernel's instructions.
+        for level in tl.static_range(SUB_LEVELS):
+            later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
+            pair_qk, qk_bound = _operand(tl.where(pair, d_qk, 0.0), PRECISION)
+            pair_kk, kk_bound = _operand(tl.where(pair, d_kk, 0.0), PRECISION)
+            earlier_k, earlier_bound = _operand(tl.where(later[:, None], 0.0, k * factor), PRECISION)
+            to_later = tl.where(later[:, None], factor, 0.0)
+            P1 += to_later * _product(pair_qk, qk_bound, earlier_k, earlier_bound, ACC, PRECISION)
+            P2 += to_later * _product(pair_kk, kk_bound, earlier_k, earlier_bound, ACC, PRECISION)
+            from_earlier = tl.where(later[:, None], 0.0, factor)
+            later_k, later_bound = _operand(tl.where(later[:, None], k * factor, 0.0), PRECISION)
+            P3 += from_earlier * _product(tl.trans(pair_kk), kk_bound, later_k, later_bound, ACC, PRECISION)
+            later_q, later_bound = _operand(tl.where(later[:, None], q * factor, 0.0), PRECISION)
+            P4 += from_earlier * _product(tl.trans(pair_qk), qk_bound, later_q, later_bound, ACC, PRECISION)
+        # The anchor factors of this block, the same for every pair it enters: exp(G_t - G_a) as the later
+        # block (a its first row), the exponents to its end as the earlier one.
+        to_t = _to_anchor(g, ACC, NATIVE_GATES)
+        within = _from_block_end(g, ACC, NATIVE_GATES)
+        for J in range(0, B):  # key blocks before this one: P1, P2
+            valid_J, token_J, steps_J, _ = _block_rows(bh, chunk, J, C, T, H)
+            from_j = tl.exp(_from_block_end(_block_of(g_ptr, token_J, steps_J, valid_J, channels, K), ACC,
+                                            NATIVE_GATES)
+                            + _gates_between(g_ptr, bh, chunk, B, J, channels, K, C, T, H, ACC)[None, :])
+            k_J, k_bound = _operand(_block_of(k_ptr, token_J, steps_J, valid_J, channels, K).to(ACC) * from_j,
+                                    PRECISION)
+            blocks = scratch * C + (local[:, None] * C + (local + J * SUB)[None, :])
+            d_qk_J, qk_bound = _operand(tl.load(d_a_ptr + blocks), PRECISION)
+            P1 += to_t * _product(d_qk_J, qk_bound, k_J, k_bound, ACC, PRECISION)
+            d_kk_J, kk_bound = _operand(tl.load(d_kk_ptr + blocks), PRECISION)
+            P2 += to_t * _product(d_kk_J, kk_bound, k_J, k_bound, ACC, PRECISION)
+        for I in range(B + 1, NB):  # query blocks after this one: P3, P4
+            valid_I, token_I, steps_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
+            to_I = _to_anchor(_block_of(g_ptr, token_I, steps_I, valid_I, channels, K), ACC, NATIVE_GATES)
+            from_j = tl.exp(within + _gates_between(g_ptr, bh, chunk, I, B, channels, K, C, T, H, ACC)[None, :])
+            blocks = scratch_I * C + (local[:, None] * C + (local + B * SUB)[None, :])
+            P3 += from_j * _mm(tl.trans(tl.load(d_kk_ptr + blocks)),
+                               _block_of(k_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_I, ACC, PRECISION)
+            P4 += from_j * _mm(tl.trans(tl.load(d_a_ptr + blocks)),
+                               _block_of(q_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_I, ACC, PRECISION)
+        parts = parts_ptr + scratch * (3 * K) + (local[:, None] * (3 * K) + channels[None, :])
+        dq = tl.load(parts, mask=channel_ok, other=0.0) + P1
+        dk = tl.load(parts + K, mask=channel_ok, other=0.0) + P2 + P3 + P4
+        dG = tl.load(parts + 2 * K, mask=channel_ok, other=0.0) + q * P1 + k * (P2 - P3 - P4)
+        dg = tl.cumsum(dG, 0, reverse=True) + later_sum[None, :]
+        later_sum += tl.sum(dG, axis=0)
+        out = token * K + (steps[:, None] * K + channels[None, :])
+        in_block = valid[:, None] & channel_ok
+        tl.store(dq_ptr + out, dq.to(dq_ptr.dtype.element_ty), mask=in_block)
+        tl.store(dk_ptr + out, dk.to(dk_ptr.dtype.element_ty), mask=in_block)
+        tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=in_block)
 
 
 def products_precision(dtype: torch.dtype) -> str:
@@ -904,8 +1016,9 @@ def chunkwise_backward(
     else:
         parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
     _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, peaks, T, H, K, V,
-                                   scale_hi, scale_lo, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
-                                   PRECISION="tf32x3", num_stages=stages["local"], **common)
+                                   scale_hi, scale_lo, BKC=min(BK, LOCAL_KEY_BLOCK), BV=BV,
+                                   LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3",
+                                   NATIVE_GATES=native_gates(gate.dtype), num_stages=stages["local"], **common)
     common["PRECISION"] = precision
     _states_kernel[(triton.cdiv(V, BV), B * H)](
         k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
@@ -930,8 +1043,8 @@ def chunkwise_backward(
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
         num_stages=stages["gradients"], **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
-        _channel_cotangents_kernel[(chunks, B * H)](q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C,
-                                                    PRECISION=common["PRECISION"], **channel_slice)
+        _channel_cotangents_kernel[(chunks, B * H, triton.cdiv(K, channel_slice["BKC"]))](
+            q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C, PRECISION=common["PRECISION"], **channel_slice)
     grads: dict[str, torch.Tensor | tuple[torch.Tensor]] = {"q": dq, "k": dk, "v": dv, "beta": dbeta}
     if dg is not None:
         grads["g"] = dg
