@@ -34,8 +34,8 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
    num are likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
    (A @ [E, E * v]) and one per-column rescale, its operand tiles read through tensor descriptors (TMA on sm_90;
    option tma) where their rows are 16-byte aligned; a block's move factors, and a diagonal group's keys, values and
-   move factors, are loaded during the block (group) before, so the rescale never waits on memory. Causal,
-   K_td = max of k_d over row t's own group up to t, a scan of the tile's own keys.
+   move factors, are loaded during the block (group) before, so the rescale never waits on memory. Causal, then
+   every row's own group, all in one block-diagonal product over the tile's own rows (below).
 4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
    programs return at once where no entry of their tile needs it.
 
@@ -54,10 +54,18 @@ A block's references (C(j), S(j)) are taken over all its keys, so when causal:
   product (E and E * v made on the fly relative to C16 and S16 at the group's end); only the rows after the
   group move to its reference and units (the others keep their sums, selected per row). So row t's sums end relative to
   exp(M_t + C16) in units of S16, both at the group before its own, which no later key touches.
-- Row t's own group, keys 16 floor(t / 16) .. t, is added per key in fp32 (not through the 16-bit operands),
-  relative to an upper bound of its logits known beforehand, W_t + K_td (the largest w and the largest k over
-  those keys): exp((k_id - K_td) + (w_ti - W_t)), keys after t masked out. Those sums and the factorized ones
-  then move to the larger of the two references, by exp(-|difference|) on one side.
+- Row t's own group, keys 16 floor(t / 16) .. t, is one product for the whole tile: its rows are whole groups
+  and those keys are tile rows, so A_own [BLOCK_Q, BLOCK_Q] with A_own_ti = exp(w_ti - ref_t) for i in t's
+  group up to t (0 elsewhere) is block diagonal, and [E_own, E_own * v] are made from the tile's own k and v.
+  ref_t = max(M_t, W_t) (W_t the largest w over those keys; rows t < 16: W_t), so A_own <= 1. E_own_id =
+  exp(k_id - R_id) with R the reference of the factorized sums of i's rows, C16 at the group before (k_0, a key
+  every row sees, for the first group), and E_own * v takes that group's units S16 (2^14 for the first group):
+  each row meets only keys of its own group, all relative to its own R and S16. An own key may pass R (it
+  comes after the group that set it): E_own is let up to 2^8 (2^32 with fp32 operands), both operands are scaled
+  down by as much, and the factorized sums move to those units and to ref_t (by exp(M_t - ref_t) <= 1) before
+  the product adds to them. A key row's operands serve the later rows of its group while its 0 in A_own hides
+  it from the earlier ones: they are made finite whatever k and v are (selected, 0 * inf being NaN), and rows
+  whose keys so far were cut are sent to the fallback (below).
 
 When causal=False every key is factorized and the main loop covers them all.
 
@@ -68,13 +76,19 @@ dot operands flush tiny values, and the product of two shifted exps can underflo
 [-100, 0] gives two terms of e^-100 relative to the reference: 0/0 in any dtype). Every entry whose factorized
 den ends below DEN_FLOOR (2^-12 with fp16 operands, 2^-60 with fp32) is recomputed exactly over all its keys,
 one key at a time with a running maximum per (t, d) (fp32, one exp per entry and key; logits w + (k - k_0) so
-a shift of k still cancels); so is every entry whose den, own group included, ends below fp32's floor (2^-60;
-the own group's W and K can sit at different keys too). The main kernel marks those entries (their den, hence
-o, becomes NaN) and records per program whether its tile holds one; the fallback kernel recomputes the marked
-entries of those tiles. The choice is per entry and made on keys up to t, so it is causal too. That is slow but
-only meets inputs whose bias and keys together span more than about 8 nats against each other; for the
-registry's N(0, 1) inputs den is near n_keys * e^-7 and the fallback never runs. Above the floor, every term
-that matters keeps the operands' relative precision.
+a shift of k still cancels); so is every entry whose den, own group included, ends below DEN_FLOOR (the own
+group's W and its keys' k can sit at different keys too). Causal, the own group adds three more reasons, per
+row and over its keys up to t: an own key more than 2^8 (2^32) above R, or a non-finite one; an E_own * v past
+fp16's range (2^15); and a nonzero E_own * v below fp16's normal range (2^-14: v tiny, or the group before set
+a large S16) where |num| is below 2^-11 (2^-22 split) of A_own's row sum, so that such operands' absolute error
+(2^-25, 2^-36 split) could reach 2^-14 of num. The main kernel marks those entries (their den, hence o, becomes
+NaN) and records per program whether its tile holds one; the fallback kernel recomputes the marked entries of
+those tiles. The choice is per entry (per row for the own group's flags: the fallback's cost is per tile) and
+made on keys up to t, so it is causal too. That is slow but only meets inputs whose bias and keys together span
+more than about 8 nats against each other; for the registry's N(0, 1) inputs den is near n_keys * e^-7, and the
+fallback only takes the odd first tile, the cheapest (where a key of the first group passes k_0 by 5.5 nats:
+about 5e-5 of those keys and channels). Above the floor, every term that matters keeps the operands' relative
+precision.
 
 Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
@@ -166,9 +180,13 @@ from attnlab.kernels._util import (
 OPERAND_MAX = tl.constexpr(32768.0)
 LO_SCALE = tl.constexpr(2048.0)
 DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
-LOG2E = tl.constexpr(1.4426950408889634)
-# Rows and keys of a causal diagonal group: a row's own group is summed per key, earlier ones by products.
+# Rows and keys of a causal diagonal group: a row's own group is one block-diagonal product, earlier ones one
+# product each.
 GROUP = tl.constexpr(16)
+# The own group's keys may pass their reference (the running maximum of k before the group) by up to
+# 2^OWN_HEADROOM_LOG2 (fp16 operands; 2^32 with fp32 ones): E and E * v of those keys are scaled down by as much,
+# and an own key beyond it sends its rows to the fallback (_aft_fwd_kernel).
+OWN_HEADROOM_LOG2 = {True: 8, False: 32}  # by "fp16 operands"
 # How far below the running peak of |E * v| a group's own peak may set its scale: num, carried in the units of
 # the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_factors_kernel).
 SCALE_REACH = tl.constexpr(2.0**-64)
@@ -337,9 +355,9 @@ def _bias_factors_kernel(
 
 
 @triton.jit
-def _maximum(a, b):
-    """Combine of a running maximum (an associative scan)."""
-    return tl.maximum(a, b)
+def _either(a, b):
+    """Combine of a running OR of flag bits (an associative scan)."""
+    return a | b
 
 
 @triton.jit
@@ -558,15 +576,6 @@ def _key_factors_kernel(
 
 
 @triton.jit
-def _own_group_bias(w_ptr, offs_t, step, T):
-    """Per row t, w_ti for key i = 16 floor(t / 16) + step of its own group (-inf where i comes after t), and i."""
-    key = (offs_t // GROUP) * GROUP + step
-    visible = (key <= offs_t) & (offs_t < T)
-    w = tl.load(w_ptr + offs_t.to(tl.int64) * T + key, mask=visible, other=-float("inf")).to(tl.float32)
-    return w, key
-
-
-@triton.jit
 def _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base, offs_d, offs_pairs, group_start,
                 diagonal_end, D):
     """k and v (fp32, [GROUP, BLOCK_D]) of the diagonal group from group_start and its move factors ([2 BLOCK_D],
@@ -612,16 +621,16 @@ def _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl
 # exp(M_t + C): products over the key blocks before the tile (every key when causal=False), then over the
 # diagonal's groups before each row's own (den and num side by side: one product each), the sums moved from one
 # reference C to the next by exp(C_old - C_new) <= 1 per channel; then (causal) the terms of the row's own group,
-# exactly, relative to W_t + K_td; o = num / den.
+# one block-diagonal product for the tile, relative to max(M_t, W_t) + C16; o = num / den.
 @triton.jit
 def _aft_fwd_kernel(
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr,
     group_unscale_ptr, group_move_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
     o_residual_ptr, fallback_ptr,
-    T, H, D, den_floor, fp32_floor,
+    T, H, D, den_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    OPERAND_SCALE: tl.constexpr, TMA: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
@@ -713,57 +722,76 @@ def _aft_fwd_kernel(
         has_keys = offs_t >= GROUP
     else:
         has_keys = row_in
-    den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
-    den *= UNIT * UNIT
+    anchor = tl.load(anchor_ptr + offs_t, mask=row_in, other=0.0)
+    key_ref = _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)
+    unscale = _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)
     # Entries whose factorized den fell below the floor are marked (NaN) for _aft_fallback_kernel; den_td depends
     # only on row t's factorized keys, so the choice is causal too.
-    den = tl.where(~(den >= den_floor) & has_keys[:, None], float("nan"), den)
-
-    anchor = tl.load(anchor_ptr + offs_t, mask=row_in, other=0.0)
+    den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
+    den = tl.where(~(den * (UNIT * UNIT) >= den_floor) & has_keys[:, None], float("nan"), den)
     if CAUSAL:
-        # Row t's own group, keys 16 floor(t / 16) .. t, per key in fp32, in sums of their own relative to the bound
-        # W_t + K_td of its logits (the largest w_ti and the largest k_id over those keys).
+        # Row t's own group, keys 16 floor(t / 16) .. t, in one product: the tile's rows are whole groups and those
+        # keys are tile rows, so A_own [BLOCK_Q, BLOCK_Q] is block diagonal (lower triangular per group), and every
+        # row meets only keys of its own group, which share the reference R and the scale of that group's rows.
+        # Rows: relative to ref_t = max(M_t, W_t) (W_t, the largest w_ti over the own keys up to t, bounds them).
+        # Channels: R = C16 of the group before (the factorized sums' reference; k_0 for the first group, which
+        # every row sees) and E * v in units of S16 of that group (a fixed 2^14 for the first group), both known
+        # before the group. An own key may pass R: E = exp(k - R) is let up to 2^HEADROOM_LOG2, and both operands
+        # are scaled down by as much; the sums then count in units 2^-HEADROOM_LOG2 of the factorized ones.
+        HEADROOM: tl.constexpr = 2.0 ** HEADROOM_LOG2
+        FIRST_SCALE: tl.constexpr = 16384.0 if HALF_OPERANDS else 1.0
+        OWN_MAX: tl.constexpr = OPERAND_MAX if HALF_OPERANDS else 2.0 ** 127
         own_bias_max = tl.load(own_bias_max_ptr + offs_t, mask=row_in, other=0.0)
-        # K_td, the running maximum of k_d over the group's keys up to t: the tile's rows are whole groups, and their
-        # keys are the rows' own positions, so it is a scan of the tile's own k by group (no stored K: its write
-        # and read would cost a pass over k's size each).
+        row_ref = tl.where(has_keys, tl.maximum(anchor, own_bias_max), own_bias_max)
+        first_key = tl.load(k_ptr + kv_base + offs_d, mask=d_in, other=0.0).to(tl.float32)
+        key_ref = tl.where(has_keys[:, None], key_ref, first_key[None, :])
+        unscale = tl.where(has_keys[:, None], unscale, 1.0 / FIRST_SCALE)
+        # A key row serves the later rows of its group, and its 0 in A the earlier ones: its operands must be
+        # finite whatever its k and v are (0 * inf is NaN), so they are selected, and what was dropped is flagged.
         tile_k = tl.load(k_ptr + kv_base + offs_t[:, None] * row_stride + offs_d[None, :], mask=in_tile,
                          other=0.0).to(tl.float32)
-        own_key_max = tl.reshape(tl.associative_scan(tl.reshape(tile_k, [BLOCK_Q // GROUP, GROUP, BLOCK_D]), 1,
-                                                     _maximum), [BLOCK_Q, BLOCK_D])
-        own_num = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        own_den = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        for step in range(0, GROUP):
-            w, key = _own_group_bias(w_ptr, offs_t, step, T)
-            visible = (key <= offs_t)[:, None] & in_tile
-            kv_offsets = kv_base + key[:, None] * row_stride + offs_d[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=visible, other=-float("inf")).to(tl.float32)
-            v = tl.load(v_ptr + kv_offsets, mask=visible, other=0.0).to(tl.float32)
-            # (terms below 2^-126 of the bound flush to 0: the fp32 floor below covers what that could lose)
-            weight = tl.exp2((k - own_key_max) * LOG2E + ((w - own_bias_max) * LOG2E)[:, None])
-            own_den += weight
-            own_num += weight * v
-        # Both sums move to the larger reference, M_t + C_td or W_t + K_td, by exp(-|difference|) on one side
-        # (+inf where there are no factorized sums).
-        excess = tl.where(has_keys[:, None], (own_bias_max - anchor)[:, None]
-                          + (own_key_max - _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)),
-                          float("inf"))
-        shrink = tl.exp(-tl.abs(excess))
-        den = tl.where(excess > 0.0, den * shrink + own_den, den + own_den * shrink)
-        num *= _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL) * UNIT
-        num = tl.where(excess > 0.0, num * shrink + own_num, num + own_num * shrink)
-        # The own group's terms are fp32 throughout, but its maxima of w and of k may sit at different keys too:
-        # entries whose den ends below fp32's floor are marked as well.
-        den = tl.where(~(den >= fp32_floor), float("nan"), den)
-        # The reference, as the pair of values whose sum it is (for lse).
-        grew = excess > 0.0
-        refs, refs_err = _two_sum(tl.where(grew, own_bias_max[:, None], anchor[:, None]),
-                                  tl.where(grew, own_key_max,
-                                           _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)))
+        tile_v = tl.load(v_ptr + kv_base + offs_t[:, None] * row_stride + offs_d[None, :], mask=in_tile,
+                         other=0.0).to(tl.float32)
+        exponent = tile_k - key_ref
+        fits = exponent <= HEADROOM_LOG2 * 0.6931471805599453  # False for NaN as well
+        e = tl.where(fits, tl.exp(exponent), 0.0)
+        ev = e * tile_v * (_pow2_inverse(unscale) * (1.0 / HEADROOM))
+        fits &= tl.abs(ev) < OWN_MAX  # fp16's range (fp32's: only non-finite v)
+        ev = tl.where(fits, ev, 0.0)
+        # Flags per key row, over its channels: 2, an operand was dropped; 1 (fp16 operands), an E * v operand is
+        # below fp16's normal range, its absolute error up to 2^-25 (hi) or 2^-36 (split: lo is exact where hi is
+        # not). OR-ed over each group's keys up to the row, so the flags of row t come from keys <= t; per row, not
+        # per entry: the fallback's cost is per tile, and any more entries it takes come out exact.
+        flags = tl.where(fits, 0, 2)
+        if HALF_OPERANDS:
+            flags |= ((ev != 0.0) & (tl.abs(ev) < 2.0**-14)).to(tl.int32)
+        flags = tl.reshape(tl.associative_scan(tl.reshape(tl.max(flags, 1), [BLOCK_Q // GROUP, GROUP]), 1, _either),
+                           [BLOCK_Q])
+        eev_hi, eev_lo = _operand_parts(_pairs(e * (OPERAND_SCALE / HEADROOM), ev), SPLIT, OP_DTYPE, LO_SCALE)
+        # Whole groups of w are loaded (a mask constant over 16 keys: vector loads), the keys after t selected out.
+        w_own = tl.load(w_ptr + a_rows + offs_t[None, :],
+                        mask=row_in[:, None] & (offs_t[None, :] // GROUP == offs_t[:, None] // GROUP),
+                        other=-float("inf")).to(tl.float32)
+        a_own = tl.where(offs_t[None, :] <= offs_t[:, None], tl.exp(w_own - row_ref[:, None]) * OPERAND_SCALE, 0.0)
+        a_hi, a_lo = _operand_parts(a_own, SPLIT, OP_DTYPE, 1.0)
+        own_weight = tl.sum(a_own, 1) * (2.0**-22 if SPLIT else 2.0**-11)
+        # The factorized sums move to ref_t and the own sums' units (a power of two), and the own product lands in
+        # them (den in units OPERAND_SCALE^2 / HEADROOM, num OPERAND_SCALE * S16 / HEADROOM).
+        move = tl.where(has_keys, tl.exp(anchor - row_ref), 0.0) * (1.0 / HEADROOM)
+        sums = _dot_into(a_hi, a_lo, eev_hi, eev_lo, _pairs(den, num) * move[:, None], SPLIT, DOT_PRECISION)
+        den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
+        # Subnormal E * v operands err by at most A's row sum times 2^-25 (2^-36 split) in num's units: the
+        # entries where that could pass 2^-14 |num| are marked.
+        lost = (flags >= 2)[:, None] | (((flags & 1) != 0)[:, None] & ~(tl.abs(num) >= own_weight[:, None]))
+        den *= UNIT * UNIT * HEADROOM
+        num *= unscale * UNIT * HEADROOM
+        # The own group's E and E * v went through the operands too: so is every den that ends below the floor.
+        den = tl.where(lost | ~(den >= den_floor), float("nan"), den)
+        refs, refs_err = _two_sum(row_ref[:, None], key_ref)  # the reference, as the pair of values whose sum it is
     else:
-        num *= _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL) * UNIT
-        refs, refs_err = _two_sum(anchor[:, None], _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D,
-                                                                CAUSAL))
+        den *= UNIT * UNIT
+        num *= unscale * UNIT
+        refs, refs_err = _two_sum(anchor[:, None], key_ref)
     marked = in_tile & (den != den)
     fallback_index = pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)
     tl.store(fallback_ptr + fallback_index, tl.max(marked.to(tl.int32)))
@@ -947,9 +975,10 @@ def chunkwise(
         Launch(_aft_fwd_kernel, grid,
                w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, group_ref, group_unscale, group_move,
                own_bias_max, o, lse, lse_residual, o_residual, fallback,
-               T, H, D, DEN_FLOOR[half_operands], DEN_FLOOR[False],
+               T, H, D, DEN_FLOOR[half_operands],
                CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
-               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale, TMA=use_tma,
+               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
+               HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands], TMA=use_tma,
                BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
                num_warps=num_warps, num_stages=num_stages, **stores),
         Launch(_aft_fallback_kernel, grid,

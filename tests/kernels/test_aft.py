@@ -13,14 +13,17 @@ or exact identities.
 - T = 1 returns v exactly, in both precisions.
 - The fallback: bias and keys whose maxima sit at different keys
   (w = [0, -100], k = [-100, 0]) make the factorized block sums underflow to
-  0/0, and, causal, the sums of a row's own group (fp32, relative to the bound
-  of its logits) fall below fp32's floor; the kernel marks those entries and
-  recomputes them exactly. Forcing the fallback on ordinary inputs matches the
-  oracle too.
+  0/0, and, causal, put a key of a row's own group far above its reference
+  (k_0 for the first group); the kernel marks those entries and recomputes
+  them exactly. So it does for an own key far above the running maximum of the
+  keys before its group, and for own E * v operands below fp16's normal range
+  (the group before set a large scale) where they would matter. Forcing the
+  fallback on ordinary inputs matches the oracle too.
 - Causality, bitwise: replacing k, v and w at positions after t leaves
   outputs 0..t bit-identical (T not a multiple of the blocks, several query
   blocks and key blocks, the diagonal's groups, with and without entries that
-  take the fallback).
+  take the fallback); so does a huge or non-finite k or v later in a row's own
+  group (its row of the own-group operands serves the rows after it).
 - precision "single" and "split", block shapes, bad options.
 - The forward's kernels compile for sm_90 (in a process of their own, without
   the interpreter) at the launcher's default tiles, in every arithmetic, within
@@ -148,8 +151,8 @@ def test_mismatched_maxima_take_the_exact_fallback(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_mismatched_maxima_in_a_rows_own_group_take_the_exact_fallback(dtype):
-    # Causal, both keys lie in row 1's own group: relative to the bound of its logits (its largest w plus its
-    # largest k) both terms are e^-100, below fp32's floor.
+    # Causal, both keys lie in row 1's own group, whose keys are relative to k_0 = -100: k_1 passes it by 100, far
+    # beyond the own group's headroom (2^8, 2^32 with fp32 operands).
     x = _mismatched_maxima(dtype)
     o = kernel("aft")(**x, causal=True)
     assert _measure(o, x, dtype, causal=True).excess <= EXCESS_BOUND[dtype]
@@ -442,8 +445,7 @@ COMPILE = textwrap.dedent("""
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32", "den_floor": "fp32",
-                 "fp32_floor": "fp32"}
+        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32", "den_floor": "fp32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
         types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual")}
         types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev") for part in ("hi", "lo")}
@@ -465,7 +467,8 @@ COMPILE = textwrap.dedent("""
         half = inputs != "fp32"
         constexprs = dict(
             CAUSAL=causal, SPLIT=inputs == "fp16", HALF_OPERANDS=half, DOT_PRECISION="tf32" if half else "ieee",
-            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, TMA=OPTIONS["tma"],
+            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, HEADROOM_LOG2=aft.OWN_HEADROOM_LOG2[half],
+            TMA=OPTIONS["tma"],
             STORE_LSE=True, STORE_LSE_RESIDUAL=not half, STORE_O_RESIDUAL=half,
             BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
             BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
@@ -493,14 +496,16 @@ def test_the_forward_compiles_for_hopper_at_the_default_tiles_in_every_arithmeti
     assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
 
 
-def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision():
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision(causal):
     """Key 0 has |E v| far above every other key's but a bias of -30 for every row: no row gives it weight, yet a
     scale of E v taken from the running peak over all keys so far would push the later keys' operands into fp16's
     subnormals (session 19's review of this kernel: excess 6.5 against the bound 2). Each block's operands must be
-    scaled for their own peak."""
+    scaled for their own peak. Causal, rows 16..31 take their own group's E v in the scale of group 0, which key 0
+    set: those operands fall below fp16's normal range, and the rows, which weigh them most, take the fallback."""
     x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5).items()}
     x["k"][:, 0], x["v"][:, 0], x["w"][:, 0] = 11.5, 60000.0, -30.0
-    assert _excess(x, torch.float16, causal=False) <= EXCESS_BOUND[torch.float16]
+    assert _excess(x, torch.float16, causal=causal) <= EXCESS_BOUND[torch.float16]
 
 
 @pytest.mark.parametrize("later", ["v_inf", "k_nan", "k_inf"])
@@ -516,3 +521,52 @@ def test_the_exact_fallback_is_causal_past_non_finite_keys(later):
     x[name][:, 2] = value
     after = kernel("aft")(**x, causal=True)
     assert torch.equal(before[:, :2], after[:, :2])
+
+
+@pytest.mark.parametrize("dtype,rise", [(torch.float16, 12.0), (torch.float32, 40.0)], ids=["fp16", "fp32"])
+def test_an_own_key_far_above_the_running_maximum_takes_the_fallback(dtype, rise, monkeypatch):
+    """Key 21 (row 21's own group, keys 16..31) passes the largest key before its group by more than the own group's
+    headroom (2^8 = 5.5 nats with fp16 operands, 2^32 = 22 nats with fp32): rows 21..31 take the exact fallback.
+    Without it (the fallback kernel left out) exactly those rows come out NaN."""
+    x = _inputs(dtype, T=40, D=16, H=1)
+    x["k"][:, 21] = x["k"][:, :16].amax(1) + rise
+    assert _excess(x, dtype, causal=True) <= EXCESS_BOUND[dtype]
+    monkeypatch.setattr(aft_kernels, "_aft_fallback_kernel", _NoFallback())
+    o = kernel("aft")(**x, causal=True)
+    assert bool(torch.isnan(o[:, 21:32]).all()) and not bool(torch.isnan(o[:, :21]).any())
+    assert not bool(torch.isnan(o[:, 32:]).any())
+
+
+class _NoFallback:
+    """Stands in for _aft_fallback_kernel: launches nothing, so the entries the main kernel marked stay NaN."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("later", ["k_huge", "k_inf", "k_nan", "v_huge", "v_inf", "v_nan"])
+def test_the_own_group_is_causal_past_huge_or_non_finite_keys(dtype, later):
+    """Key 21 lies in the own group of rows 16..31; its row of the own group's operands serves rows 21..31, its 0 in
+    A_own hides it from rows 16..20. A huge or non-finite k or v there must leave rows 0..20 bitwise as they were
+    (0 * inf would be NaN in the product)."""
+    x = _inputs(dtype, T=40, D=16, H=1)
+    before = kernel("aft")(**x, causal=True)
+    name, value = {"k_huge": ("k", 60000.0), "k_inf": ("k", float("inf")), "k_nan": ("k", float("nan")),
+                   "v_huge": ("v", 60000.0), "v_inf": ("v", float("inf")), "v_nan": ("v", float("nan"))}[later]
+    x[name] = x[name].clone()
+    x[name][:, 21] = value
+    after = kernel("aft")(**x, causal=True)
+    assert torch.equal(before[:, :21], after[:, :21])
+
+
+@pytest.mark.parametrize("precision", ["single", "split"])
+def test_own_group_operands_below_fp16s_normal_range_take_the_fallback(precision):
+    """Key 1 has |E v| 60000 and no weight (bias -30), every other v is about 1e-3: group 0's E v scale is set by key
+    1, and rows 16..31 take their own group's E v in it, 2^-8 lower still, where those operands are fp16
+    subnormals (about 2^-23). den is fine, so only the subnormal flag catches them: with "single" (bf16's setting)
+    rows 16..31 measured a median relative error of 6% (up to 16x) without it; "split" keeps them to 2^-36 by lo."""
+    x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=48, H=1, K=16, V=16, seed=5).items()}
+    x["v"] = x["v"] * 1e-3
+    x["k"][:, 1], x["v"][:, 1], x["w"][:, 1] = 3.0, 60000.0, -30.0
+    assert _excess(x, torch.float16, causal=True, precision=precision) <= EXCESS_BOUND[torch.float16]
