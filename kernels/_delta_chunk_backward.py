@@ -128,10 +128,9 @@ SUMS_NUM_WARPS = 4
 GRADIENTS_NUM_WARPS = 8
 # Pipeline stages of each kernel's loop with fp32 ACC (a kernel absent here takes one, and every kernel takes one
 # in fp64, where Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB: 360 KB for the reverse
-# pass at K = 128). Measured at the bench shape on an H100 (reports/bench.md, session 22): the sums kernel, which
-# streams its V steps' tiles, gains most from loads issued ahead (1.39 ms at one stage, 1.17 at two, 0.96 at
-# four); the states pass gains at two (0.66 -> 0.58) and loses at three; the reverse pass and the local and
-# gradients kernels lose or do not gain at two.
+# pass at K = 128). The sums kernel streams its V steps' tiles and gains most from loads issued ahead; the states
+# pass gains at two and loses at three; the reverse pass and the local and gradients kernels do not gain
+# (reports/bench.md, session 22, has the sweep).
 NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
 # Key channels a step of the per-channel gates' anchored grams and a program of their cotangents ([SUB,
 # CHANNEL_SLICE] tiles). At one warp and K = 128 (sm_90a ptxas, bf16 inputs) the grams kernel spills 4 bytes a
@@ -611,10 +610,10 @@ def _reverse_kernel(
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         # Per-channel gates form Kd, then Qg, each rounded for its products where it is formed (_operand), its factor
         # taken just before (each call keeps the loads it uses): their [C, BK] fp32 factors and the fp32 products
-        # with them, live together across the products, spilled 0.6 KB a thread at K = 128 (kda's pass 2.06 ->
-        # 1.45 ms on an H100). A gate per head ([C, 1] factors) keeps q and k, loaded first, and forms each where it
-        # is multiplied: formed first, their fp16 operands wait in shared memory across the other products
-        # (deltanet's pass 0.87 -> 1.13 ms).
+        # with them, live together across the products, spilled 0.6 KB a thread at K = 128. A gate per head ([C, 1]
+        # factors) keeps q and k, loaded first, and forms each where it is multiplied: formed first, their fp16
+        # operands wait in shared memory across the other products, which made deltanet's pass slower
+        # (reports/bench.md, session 22).
         if CHANNEL:
             _decay, _from_start, to_end, _chunk_decay = _stored_gate_factors(
                 g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,

@@ -503,7 +503,8 @@ def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision(causa
     subnormals (session 19's review of this kernel: excess 6.5 against the bound 2). Each block's operands must be
     scaled for their own peak. Causal, rows 16..31 take their own group's E v in the scale of group 0, which key 0
     set: those operands fall below fp16's normal range, and the rows, which weigh them most, take the fallback."""
-    x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5).items()}
+    sample = attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5)
+    x = {n: t.to(torch.float16) for n, t in sample.items()}
     x["k"][:, 0], x["v"][:, 0], x["w"][:, 0] = 11.5, 60000.0, -30.0
     assert _excess(x, torch.float16, causal=causal) <= EXCESS_BOUND[torch.float16]
 
@@ -566,7 +567,8 @@ def test_own_group_operands_below_fp16s_normal_range_take_the_fallback(precision
     1, and rows 16..31 take their own group's E v in it, 2^-8 lower still, where those operands are fp16
     subnormals (about 2^-23). den is fine, so only the subnormal flag catches them: with "single" (bf16's setting)
     rows 16..31 measured a median relative error of 6% (up to 16x) without it; "split" keeps them to 2^-36 by lo."""
-    x = {n: t.to(torch.float16) for n, t in attnlab.formulation("aft").sample(B=1, T=48, H=1, K=16, V=16, seed=5).items()}
+    sample = attnlab.formulation("aft").sample(B=1, T=48, H=1, K=16, V=16, seed=5)
+    x = {n: t.to(torch.float16) for n, t in sample.items()}
     x["v"] = x["v"] * 1e-3
     x["k"][:, 1], x["v"][:, 1], x["w"][:, 1] = 3.0, 60000.0, -30.0
     assert _excess(x, torch.float16, causal=True, precision=precision) <= EXCESS_BOUND[torch.float16]
