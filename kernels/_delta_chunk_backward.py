@@ -159,19 +159,13 @@ PEAKS = tl.constexpr(6)
 
 
 @triton.jit
-def _rows_at(chunk, bh, chunks, first, N: tl.constexpr, C: tl.constexpr, T, H):
-    """Rows first .. first + N - 1 of chunk ``chunk`` of head ``bh``: their validity (before T), tokens and rows of
-    the scratch buffers."""
-    rows = tl.arange(0, N) + first
+def _chunk_of(chunk, bh, chunks, C: tl.constexpr, T, H):
+    """The C rows of chunk ``chunk`` of head ``bh``: their validity (before T), tokens and rows of the scratch
+    buffers."""
+    rows = tl.arange(0, C)
     pos = chunk * C + rows
     token = ((bh // H) * T + pos).to(tl.int64) * H + bh % H
     return pos < T, token, (bh.to(tl.int64) * chunks + chunk) * C + rows
-
-
-@triton.jit
-def _chunk_of(chunk, bh, chunks, C: tl.constexpr, T, H):
-    """All C rows of chunk ``chunk`` of head ``bh`` (_rows_at)."""
-    return _rows_at(chunk, bh, chunks, 0, C, C, T, H)
 
 
 @triton.jit
