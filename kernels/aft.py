@@ -16,27 +16,28 @@ Every exponent is <= 0. A depends on w alone and E, E * v on no query, so each f
 its own, rather than once per head (A) or per query tile (E); the main loop is loads and two products. Launches:
 
 1. _bias_factors_kernel: A as a [T, T] dot operand (shared by all B * H heads) and the anchors M_t; causal, also
-   W_t, the largest w_ti over the keys of row t's own group up to t (below).
-2. The key factors, over the keys in groups of GROUP = 16 and blocks of BLOCK_K (chunk_size): the running
-   maximum of k, C16 at every group's end, and the peaks of |E * v| relative to it (each group's, each
-   block's, and the running one over every key so far); per block j the operands E = exp(k - C(j)) and
-   E * v S(j) (C(j), S(j): C16 and the E * v scale at the block's last group), and the per-channel factors
-   that move sums made so far from one block (or group) to the next. E and E * v are stored side by side,
-   channel d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand, and so are the two sums' move
-   factors. The running values are prefixes over the sequence, so three launches, each parallel over key
-   blocks or channels, make them:
-   _key_block_stats_kernel (each block's own maximum of k and peak of |E * v| relative to it, per channel),
-   _key_prefix_kernel (an associative scan over the blocks per channel: the running maximum and peak at each
-   block's end, and S(j)), _key_factors_kernel (the rest, per block, from the running values at the block
-   before).
+   W_t, the largest w_ti over the keys of row t's own tile up to t (below).
+2. The key factors, over the keys in blocks of BLOCK_K (chunk_size): the running maximum of k, C(j) at every
+   block's end, and the peaks of |E * v| relative to it (each block's, and the running one over every key so far);
+   per block j the operands E = exp(k - C(j)) and E * v S(j) (S(j): the block's E * v scale), and the per-channel
+   factors that move sums made so far from one block to the next. E and E * v are stored side by side, channel
+   d's in columns 2 d and 2 d + 1 of one [B * H, T, 2 D] operand, and so are the two sums' move factors. The
+   running values are prefixes over the sequence, so three launches, each parallel over key blocks or channels,
+   make them: _key_block_stats_kernel (each block's own maximum of k and peak of |E * v| relative to it, per
+   channel), _key_prefix_kernel (an associative scan over the blocks per channel: C(j), S(j) and the running
+   peak's scale S_run(j), the units of the next tile's own E * v operands),
+   _key_factors_kernel (the operands and move factors, per block, from C and S at the block and the one before).
 3. _aft_fwd_kernel: one program per BLOCK_Q queries x BLOCK_D channels of one (batch, head), grid (query
-   blocks, B * H, channel blocks), causal tiles longest first: the products, then (causal) the diagonal. den and
-   num are likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
+   blocks, B * H, channel blocks), causal tiles longest first: the products over the key blocks, then (causal)
+   every row's own tile, all in one lower-triangular product over the tile's own rows (below). den and num are
+   likewise side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, so each key block is one product
    (A @ [E, E * v]) and one per-column rescale, its operand tiles read through tensor descriptors (TMA on sm_90;
-   option tma) where their rows are 16-byte aligned; a block's move factors, and a diagonal group's keys, values and
-   move factors, are loaded during the block (group) before, so the rescale never waits on memory. Causal, then
-   every row's own group, all in one block-diagonal product over the tile's own rows (below).
-4. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
+   option tma) where their rows are 16-byte aligned; a block's move factors are loaded during the block before,
+   so the rescale never waits on memory.
+4. Causal with 16-bit inputs, _aft_own_redo_kernel (the redo pass): the tiles where only the own tile's fp16
+   operands failed (below), their marked entries summed again with fp32 own operands; persistent, its programs
+   walk the tiles' flags.
+5. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
    programs return at once where no entry of their tile needs it.
 
 The references move forward by vectors. Block j's products are relative to exp(M_t + C(j)), C(j) <= C(j+1); the
@@ -45,27 +46,27 @@ and the product accumulates inside the dot: num is kept in units of the current 
 columns' move factor carries. Adding a constant to k moves every C and K with it and changes nothing else.
 
 Causality (bitwise): output t may depend only on w_t,i, k_i and v_i for i <= t, including through the rounding.
-A block's references (C(j), S(j)) are taken over all its keys, so when causal:
+A block's references (C(j), S(j)) are taken over all its keys, so when causal (chunk_size must divide block_q):
 
-- Row t's factorized keys are those before its own group of 16 rows, i < 16 floor(t / 16); M_t is their
-  maximum (rows t < 16 have none).
-- The main loop covers the key blocks that end at or before the tile's first query.
-- The diagonal's groups before a row's own are added one at a time, each by a [BLOCK_Q, 16] x [16, BLOCK_D]
-  product (E and E * v made on the fly relative to C16 and S16 at the group's end); only the rows after the
-  group move to its reference and units (the others keep their sums, selected per row). So row t's sums end relative to
-  exp(M_t + C16) in units of S16, both at the group before its own, which no later key touches.
-- Row t's own group, keys 16 floor(t / 16) .. t, is one product for the whole tile: its rows are whole groups
-  and those keys are tile rows, so A_own [BLOCK_Q, BLOCK_Q] with A_own_ti = exp(w_ti - ref_t) for i in t's
-  group up to t (0 elsewhere) is block diagonal, and [E_own, E_own * v] are made from the tile's own k and v.
-  ref_t = max(M_t, W_t) (W_t the largest w over those keys; rows t < 16: W_t), so A_own <= 1. E_own_id =
-  exp(k_id - R_id) with R the reference of the factorized sums of i's rows, C16 at the group before (k_0, a key
-  every row sees, for the first group), and E_own * v takes that group's units S16 (2^14 for the first group):
-  each row meets only keys of its own group, all relative to its own R and S16. An own key may pass R (it
-  comes after the group that set it): E_own is let up to 2^8 (2^32 with fp32 operands), both operands are scaled
-  down by as much, and the factorized sums move to those units and to ref_t (by exp(M_t - ref_t) <= 1) before
-  the product adds to them. A key row's operands serve the later rows of its group while its 0 in A_own hides
-  it from the earlier ones: they are made finite whatever k and v are (selected, 0 * inf being NaN), and rows
-  whose keys so far were cut are sent to the fallback (below).
+- Row t's factorized keys are those before its own tile of BLOCK_Q rows, i < BLOCK_Q floor(t / BLOCK_Q); M_t is
+  their maximum (rows of the first tile have none).
+- The main loop covers the key blocks before the tile, which end exactly at its first query (BLOCK_K divides
+  BLOCK_Q). So every row of a tile ends relative to exp(M_t + C(n-1)) in units of S(n-1), n-1 the block just
+  before the tile, which no key of the tile touches.
+- Row t's own keys, BLOCK_Q floor(t / BLOCK_Q) .. t, are rows of its tile, so they are one product for the whole
+  tile: A_own [BLOCK_Q, BLOCK_Q] with A_own_ti = exp(w_ti - ref_t) for i <= t (0 after: lower triangular), and
+  [E_own, E_own * v] made from the tile's own k and v. ref_t = max(M_t, W_t) (W_t the largest w over those keys;
+  rows of the first tile: W_t), so A_own <= 1. E_own_id = exp(k_id - R_d) with R = C(n-1), the factorized sums'
+  reference (k_0, a key every row sees, for the first tile), and E_own * v takes the units S_run(n-1) of the
+  running peak of |E * v| over every key before the tile (for the first tile 2^(14 - 8 + 4), which makes its
+  E_own * v operands v / 2 times its E_own ones): an own key's |E v| has to pass all of theirs, not one block's,
+  to overflow them. An own key may pass R (it comes after the blocks that set it): E_own is let up to 2^8 (2^32
+  with fp32 operands) and scaled down by as much (OWN_HEADROOM_LOG2), E_own * v is scaled down by 2^4 (2^32;
+  OWN_EV_HEADROOM_LOG2), and the factorized sums move to those units (den to E's, num to E * v's: from S(n-1) to
+  S_run(n-1) / 2^4, powers of two) and to ref_t (by exp(M_t - ref_t) <= 1) before the product adds to them. A
+  key row's operands serve the later rows of the tile while its 0 in A_own hides it from the earlier ones: they
+  are made finite whatever k and v are (selected, 0 * inf being NaN), and rows whose keys so far were cut are
+  sent to the redo pass (below).
 
 When causal=False every key is factorized and the main loop covers them all.
 
@@ -76,28 +77,34 @@ dot operands flush tiny values, and the product of two shifted exps can underflo
 [-100, 0] gives two terms of e^-100 relative to the reference: 0/0 in any dtype). Every entry whose factorized
 den ends below DEN_FLOOR (2^-12 with fp16 operands, 2^-60 with fp32) is recomputed exactly over all its keys,
 one key at a time with a running maximum per (t, d) (fp32, one exp per entry and key; logits w + (k - k_0) so
-a shift of k still cancels); so is every entry whose den, own group included, ends below DEN_FLOOR (the own
-group's W and its keys' k can sit at different keys too). Causal, the own group adds three more reasons, per
-row and over its keys up to t: an own key more than 2^8 (2^32) above R, or a non-finite one; an E_own * v past
-fp16's range (2^15); and a nonzero E_own * v below fp16's normal range (2^-14: v tiny, or the group before set
-a large S16) where |num| is below 2^-11 (2^-22 split) of A_own's row sum, so that such operands' absolute error
-(2^-25, 2^-36 split) could reach 2^-14 of num. The main kernel marks those entries (their den, hence o, becomes
-NaN) and records per program whether its tile holds one; the fallback kernel recomputes the marked entries of
-those tiles. The choice is per entry (per row for the own group's flags: the fallback's cost is per tile) and
-made on keys up to t, so it is causal too. That is slow but only meets inputs whose bias and keys together span
-more than about 8 nats against each other; for the registry's N(0, 1) inputs den is near n_keys * e^-7, and the
-fallback only takes the odd first tile, the cheapest (where a key of the first group passes k_0 by 5.5 nats:
-about 5e-5 of those keys and channels). Above the floor, every term that matters keeps the operands' relative
-precision.
+a shift of k still cancels); so is every entry whose den, own tile included, ends below DEN_FLOOR (the own
+tile's W and its keys' k can sit at different keys too). Causal, the own tile adds three more reasons, per
+row and over its keys up to t: an own key more than 2^8 (2^32) above R, or a non-finite one; an E_own * v
+operand past fp16's range (2^15: |E v| more than 2^19 / S); and a nonzero E_own * v operand below fp16's normal
+range (2^-14: v tiny, or the blocks before set a large S) where |num| is below 2^-11 (2^-22 split) of A_own's
+row sum, so that such operands' absolute error (2^-25, 2^-36 split) could reach 2^-14 of num. The main kernel
+marks those entries (their den, hence o, becomes NaN) and records per program what its tile needs (OWN_ONLY or
+WALK_ALL). The own tile's reasons come from its fp16 operands, not from the factorized sums, so where they are
+all there is, the redo pass recomputes the tile with the own product in fp32 (own keys up to 2^32 above R, no
+range or subnormal limit on E_own * v, exact products) and writes only the marked entries; whatever it still
+marks, and every entry of a tile whose factorized den fell below the floor, the fallback kernel recomputes over
+all keys. The choice is per entry (per row for the own tile's flags: the passes' cost is per tile) and made on
+keys up to t, so it is causal too, and every entry not marked keeps the first pass's value. The fallback's walk
+is slow (a late tile's is thousands of steps, milliseconds) but only meets inputs whose bias and keys together
+span more than about 8 nats against each other; for the registry's N(0, 1) inputs den is near n_keys * e^-7.
+The redo pass is one more main-loop product per tile it takes: on those inputs the odd first tile (where an
+own key passes k_0 by 5.5 nats: about 5e-5 of those keys and channels) and a few later ones, 10 of the 4096
+programs' tiles in all at B = 2, T = 4096, H = 16, D = 128. Above the floor, every term that matters keeps the
+operands' relative precision.
 
 Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 
 - 16-bit inputs use fp16 operands, also for bf16 inputs: A and E lie in [0, 1] and are scaled by 2^15, E * v
   by a power of two S per channel (``_numerics.pow2_scale``: exact) that moves the peak of |E * v| over the
-  operands it scales (a group's, or a block's, relative to their C) to [2^14, 2^15), so fp16's range holds every
-  operand and its 11-bit mantissa is 8x finer than bf16's. A large |E * v| earlier in the sequence (one that no
-  row weighs much: a low bias) thus leaves the later keys their precision. num is carried in the units of the
-  latest S, so S is floored at 2^-64 of the running peak's (SCALE_REACH): num then stays under n_keys * 2^79.
+  operands it scales (a block's, relative to its C) to [2^14, 2^15), so fp16's range holds every operand and
+  its 11-bit mantissa is 8x finer than bf16's. A large |E * v| earlier in the sequence (one that no row weighs
+  much: a low bias) thus leaves the later blocks their precision. num is carried in the units of the latest S,
+  so S is floored at 2^-64 of the running peak's (SCALE_REACH): num then stays under n_keys * 2^79.
 - "single": one fp16 rounding per operand, two products per key block.
 - "split": each operand is hi + lo (lo the remainder, rounded to fp16 in turn), three products per sum
   (hi.hi, hi.lo, lo.hi) accumulated together, six per block. E's and E * v's lo are scaled up by 2^11 and
@@ -110,11 +117,11 @@ Numerics of the dot operands (OPTIONS["chunkwise"]["precision"]):
 - fp32 inputs use fp32 operands with input_precision="ieee" (exact products); precision has no effect there.
 
 Memory of the precomputed factors: A is T * T operands (fp16 for 16-bit inputs, twice with "split"; fp32 for
-fp32 inputs), E and E * v each one operand per element of k (twice with "split"); the anchors (T) and the
-per-group and per-block references, scales, peaks and factors (B * H * D each per group or block, two per channel
-for the move factors) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E and E * v 256 MiB, the
-group references and scales 16 MiB each and their move factors 32 MiB, the block references, peaks and scales
-4 MiB each and their move factors 8 MiB: 372 MiB in all (660 MiB with "split").
+fp32 inputs), E and E * v each one operand per element of k (twice with "split"); the anchors and own-tile bias
+maxima (T each) and the per-block references, peaks, scales and running scales (B * H * D each per block) and
+move factors (two per channel) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E and E * v
+256 MiB, the block references, peaks, scales and running scales 4 MiB each and their move factors 8 MiB: 312 MiB
+in all (600 MiB with "split").
 
 Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
 softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
@@ -180,15 +187,26 @@ from attnlab.kernels._util import (
 OPERAND_MAX = tl.constexpr(32768.0)
 LO_SCALE = tl.constexpr(2048.0)
 DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
-# Rows and keys of a causal diagonal group: a row's own group is one block-diagonal product, earlier ones one
-# product each.
+# Rows per program of _bias_factors_kernel: a power of two no larger than any block_q, so that a program's rows lie
+# in one query tile and share their factorized keys.
 GROUP = tl.constexpr(16)
-# The own group's keys may pass their reference (the running maximum of k before the group) by up to
-# 2^OWN_HEADROOM_LOG2 (fp16 operands; 2^32 with fp32 ones): E and E * v of those keys are scaled down by as much,
-# and an own key beyond it sends its rows to the fallback (_aft_fwd_kernel).
+# The own tile's keys may pass their reference (the running maximum of k before the tile) by up to
+# 2^OWN_HEADROOM_LOG2 (fp16 operands; 2^32 with fp32 ones): E of those keys is scaled down by as much, and an own
+# key beyond it sends its rows to the redo pass (_aft_fwd_kernel).
 OWN_HEADROOM_LOG2 = {True: 8, False: 32}  # by "fp16 operands"
-# How far below the running peak of |E * v| a group's own peak may set its scale: num, carried in the units of
-# the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_factors_kernel).
+# The own tile's E * v operands are scaled down by 2^OWN_EV_HEADROOM_LOG2 in the units of the running peak: less
+# than E's headroom, so that fewer of them fall below fp16's normal range (rows the redo pass then takes); an own
+# E * v that passes fp16's range in these units sends its rows to the redo pass as well (_aft_fwd_kernel).
+OWN_EV_HEADROOM_LOG2 = {True: 4, False: 32}  # by "fp16 operands"
+# What a main-kernel program leaves to the passes after it, per tile (``fallback``): OWN_ONLY, entries whose own
+# tile's fp16 operands failed (causal, 16-bit inputs), which the redo pass (_aft_own_redo_kernel) sums again
+# with fp32 own operands; WALK_ALL, entries for _aft_fallback_kernel, which walks every key one at a time.
+OWN_ONLY = tl.constexpr(1)
+WALK_ALL = tl.constexpr(2)
+# Programs of the redo pass (_aft_own_redo_kernel), which take the tiles it lists in turn.
+REDO_PROGRAMS = 264
+# How far below the running peak of |E * v| a block's own peak may set its scale: num, carried in the units of
+# the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_prefix_kernel).
 SCALE_REACH = tl.constexpr(2.0**-64)
 # Queries per program and warps where the caller gives none: the forward's main kernel at 64 queries on 4 warps
 # (one warpgroup, [64, 2 BLOCK_D] products; faster than 128 on 8, reports/bench.md), the backward's kernels at 64
@@ -197,10 +215,10 @@ FORWARD_BLOCK_Q = 64
 BACKWARD_BLOCK_Q = 64
 FORWARD_NUM_WARPS = 4
 BACKWARD_NUM_WARPS = 8
-BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own one group of rows)
+BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own GROUP rows)
 # Most keys x channels per program of _key_block_stats_kernel and _key_factors_kernel (one key block each, 4 warps;
-# 8 for blocks of 128 keys): 64 x 64 (64 bf16 channels are a 128-byte row segment of k and v). ptxas (sm_90) spills
-# the factor kernel's blocks of 128 keys at 64 channels (8 warps) and at 32 (4 warps), not at 32 with 8 warps.
+# 8 for blocks of 128 keys): 64 x 64 (64 bf16 channels are a 128-byte row segment of k and v). ptxas (sm_90) gives
+# the factor kernel 70 registers there (124 with "split") and spills none of its blocks up to 128 x 64 on 8 warps.
 KEY_FACTORS_TILE = 64 * 64
 KEY_FACTORS_BLOCK_D = 64
 # _key_prefix_kernel: channels per program, and key blocks per step of its scan.
@@ -209,7 +227,7 @@ PREFIX_SCAN_BLOCKS = 64
 
 OPTIONS = {
     "chunkwise": {
-        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block of the products
+        "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block of the products (causal: <= block_q)
         "block_q": (None, (None, 16, 32, 64, 128)),  # queries per program; None: FORWARD_ / BACKWARD_BLOCK_Q
         "block_d": (64, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
         "num_warps": (None, (None, 1, 2, 4, 8, 16)),  # None: FORWARD_ / BACKWARD_NUM_WARPS
@@ -317,21 +335,22 @@ def _operand_scale(peaks, HALF_OPERANDS: tl.constexpr):
     return scale, unscale
 
 
-# A_ti = exp(w_ti - M_t) over row t's factorized keys (all keys; causal: those before its group of GROUP rows),
+# A_ti = exp(w_ti - M_t) over row t's factorized keys (all keys; causal: those before its own tile of BLOCK_Q rows),
 # M_t their maximum (the anchor; 0 where there are none), stored scaled by OPERAND_SCALE as dot operands; causal,
-# also W_t = max of w_ti over the keys of its own group up to t. One program per group of rows (which share their
-# factorized keys); entries of A from the row's own group on are neither written nor read.
+# also W_t = max of w_ti over its tile's keys up to t. One program per GROUP rows (of one tile: they share their
+# factorized keys); entries of A from the row's own tile on are neither written nor read.
 @triton.jit
 def _bias_factors_kernel(
     w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, own_bias_max_ptr, T,
-    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_KEYS: tl.constexpr,
 ):
     rows = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     row_in = rows < T
     row_offsets = rows.to(tl.int64)[:, None] * T
     if CAUSAL:
-        key_end = tl.program_id(0) * GROUP
-        own_keys = key_end + tl.arange(0, GROUP)
+        key_end = tl.program_id(0) * GROUP // BLOCK_Q * BLOCK_Q  # the first row of the rows' tile
+        own_keys = key_end + tl.arange(0, BLOCK_Q)
         own = row_in[:, None] & (own_keys[None, :] <= rows[:, None])
         w_own = tl.load(w_ptr + row_offsets + own_keys[None, :], mask=own, other=-float("inf")).to(tl.float32)
         tl.store(own_bias_max_ptr + rows, tl.max(w_own, 1), mask=row_in)
@@ -393,23 +412,18 @@ def _vector_pairs(den_part, num_part):
     return tl.reshape(tl.join(den_part, num_part), [2 * den_part.shape[0]])
 
 
-# Per channel d, over the keys in groups of GROUP (16) and blocks of BLOCK_K, all in fp32:
-#   C16_g = max_i k_id over the keys up to group g's end (a running maximum), P16_g = max_i |exp(k_id - C16_g) v_id|
-#   over group g's own keys (over its block's keys for a block's last group), floored at SCALE_REACH times the
-#   same peak over every key so far, S16_g = the power of two moving P16_g to [2^14, 2^15) (stored as 1 / S16_g),
-#   and the factors exp(C16_g-1 - C16_g) (den) and that times S16_g / S16_g-1 (num) that move sums
-#   made so far to group g's reference and units (0 for the first group), side by side (_vector_pairs);
-#   per block j, with C(j), S(j) those of its last group: the dot operands E_id = exp(k_id - C(j)) (scaled by
-#   OPERAND_SCALE) and E_id v_id S(j), side by side in [B * H, T, 2 D] (_pairs), and the factors
-#   exp(C(j-1) - C(j)) (den) and that times S(j) / S(j-1) (num) that move sums made so far to block j's reference
-#   and units (0 for the first block), side by side.
-# Every E * v operand relative to some C16_g and scaled by S16_g is then at most 2^15.
+# Per channel d, over the keys in blocks of BLOCK_K, all in fp32: C(j) = max_i k_id over the keys up to block j's
+# end (a running maximum), P(j) = max_i |exp(k_id - C(j)) v_id| over block j's own keys, floored at SCALE_REACH
+# times the same peak over every key so far, and S(j) = the power of two moving P(j) to [2^14, 2^15) (stored as
+# 1 / S(j)); per block j the dot operands E_id = exp(k_id - C(j)) (scaled by OPERAND_SCALE) and E_id v_id S(j),
+# side by side in [B * H, T, 2 D] (_pairs), and the factors exp(C(j-1) - C(j)) (den) and that times S(j) / S(j-1)
+# (num) that move sums made so far to block j's reference and units (0 for the first block), side by side
+# (_vector_pairs). Every E * v operand is then at most 2^15.
 #
 # The running maximum and peak are prefixes over the whole sequence, so they take three launches, each parallel
 # over key blocks or channels: _key_block_stats_kernel (each block's own maximum and peak), _key_prefix_kernel
-# (their running values at each block's end, and S(j)), _key_factors_kernel (everything above, per block, from the
-# running values at the block before). A block's scale S(j) is set once, by the prefix launch, since block j's
-# factors and block j + 1's move factors both need it bitwise; the other groups' scales are the factor launch's.
+# (C(j) and S(j) from their running values at each block's end), _key_factors_kernel (the operands and move
+# factors, per block, from C and S at the block and the one before).
 
 
 # Per key block j and channel d: m_j = max of k_d over the block's keys and q_j = max |exp(k_id - m_j) v_id| over
@@ -453,14 +467,16 @@ def _peak_combine(ref_a, peak_a, ref_b, peak_b):
     return ref, tl.maximum(_peak_moved(peak_a, ref_a, ref), _peak_moved(peak_b, ref_b, ref))
 
 
-# Per channel, the block statistics (m_j, q_j) of _key_block_stats_kernel become, in place, the running values at
-# each block's end: C(j) = max of k over the keys so far and the running peak of |E * v| relative to it; and the
-# block's scale, 1 / S(j) (that of its last group: its own peak q_j exp(m_j - C(j)), floored at SCALE_REACH times
-# the running peak). An associative scan over SCAN_BLOCKS blocks at a time, the running values at the last one
-# carried to the next. One program per (head, channel block).
+# Per channel, from the block statistics (m_j, q_j) of _key_block_stats_kernel: C(j) = max of k over the keys so
+# far (in place of m_j), the block's scale, 1 / S(j) (its own peak q_j exp(m_j - C(j)), floored at SCALE_REACH
+# times the running peak of |E * v| relative to C(j)), and the scale of that running peak itself, 1 / S_run(j):
+# the units of the next tile's own E * v operands (_aft_fwd_kernel), which an own key overflows only where its
+# |E v| passes every key's before it by the own headroom, not one block's. An associative scan over SCAN_BLOCKS
+# blocks at a time, the running values at the last one carried to the next. One program per (head, channel
+# block).
 @triton.jit
 def _key_prefix_kernel(
-    block_ref_ptr, block_peak_ptr, block_unscale_ptr, n_blocks, D,
+    block_ref_ptr, block_peak_ptr, block_unscale_ptr, running_unscale_ptr, n_blocks, D,
     HALF_OPERANDS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
@@ -481,168 +497,127 @@ def _key_prefix_kernel(
         own_peak = _peak_moved(own_peak, block_max, ref)
         scale, unscale = _operand_scale(tl.maximum(own_peak, peak * SCALE_REACH), HALF_OPERANDS)
         tl.store(block_ref_ptr + offsets, ref, mask=mask)
-        tl.store(block_peak_ptr + offsets, peak, mask=mask)
         tl.store(block_unscale_ptr + offsets, unscale, mask=mask)
+        tl.store(running_unscale_ptr + offsets, _operand_scale(peak, HALF_OPERANDS)[1], mask=mask)
         # Past n_blocks the scan repeats the last block's values (no key: reference -inf, peak 0).
         carry_ref = _row(ref, SCAN_BLOCKS - 1, -float("inf"))
         carry_peak = _row(peak, SCAN_BLOCKS - 1, 0.0)
 
 
-# The factors above for one key block, from the running values at the block before (_key_prefix_kernel's; none
-# before the first block) and the block's own keys. One program per (key block, head, channel block).
+# The operands and move factors above for one key block, from C and S at the block and at the one before
+# (_key_prefix_kernel's; none before the first block). One program per (key block, head, channel block).
 @triton.jit
 def _key_factors_kernel(
-    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr, block_peak_ptr, block_unscale_ptr,
-    group_ref_ptr, group_unscale_ptr, group_move_ptr, T, H, D,
-    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, OPERAND_SCALE: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr, block_unscale_ptr, T, H, D,
+    SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
     kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
-    row_stride = H * D
     factors_base = pid_bh.to(tl.int64) * T * D
-    n_groups = tl.cdiv(T, GROUP)
-    group_base = pid_bh.to(tl.int64) * n_groups * D
     block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
-    start = pid_j * BLOCK_K
-    keys = start + tl.arange(0, BLOCK_K)
+    keys = pid_j * BLOCK_K + tl.arange(0, BLOCK_K)
     key_in = keys < T
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_in = offs_d < D
-    GROUPS: tl.constexpr = BLOCK_K // GROUP
-    offs_g = tl.arange(0, GROUPS)[:, None]
     offs_pairs = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)  # (den, num) columns: 2 d, 2 d + 1
     pairs_in = offs_pairs < 2 * D
 
-    # The running maximum, peak and units at the end of the block before.
+    block_offsets = block_base + pid_j * D + offs_d
+    key_ref = tl.load(block_ref_ptr + block_offsets, mask=d_in, other=0.0)
+    unscale = tl.load(block_unscale_ptr + block_offsets, mask=d_in, other=1.0)
+    scale = _pow2_inverse(unscale)
+    # The reference and units of the sums before the block: none before the first (its move factors are 0).
     before = d_in & (pid_j > 0)
-    before_offsets = block_base + (pid_j - 1) * D + offs_d
-    running_max = tl.load(block_ref_ptr + before_offsets, mask=before, other=-float("inf"))
-    running_peak = tl.load(block_peak_ptr + before_offsets, mask=before, other=0.0)
-    unscale = tl.load(block_unscale_ptr + before_offsets, mask=before, other=1.0)
-    block_unscale_before = unscale
-    block_unscale = tl.load(block_unscale_ptr + block_base + pid_j * D + offs_d, mask=d_in, other=1.0)
-    block_max_before = running_max
+    key_ref_before = tl.load(block_ref_ptr + block_offsets - D, mask=before, other=-float("inf"))
+    unscale_before = tl.load(block_unscale_ptr + block_offsets - D, mask=before, other=1.0)
 
     mask = key_in[:, None] & d_in[None, :]
-    kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
+    kv_offsets = kv_base + keys[:, None] * (H * D) + offs_d[None, :]
     k = tl.load(k_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
-    k = tl.where(key_in[:, None], k, -float("inf"))  # every block starts inside T: the maxima stay finite
     v = tl.load(v_ptr + kv_offsets, mask=mask, other=0.0).to(tl.float32)
-    # The block's keys by group, [GROUPS, GROUP, BLOCK_D]: per-group maxima and peaks are one reduction each,
-    # and the walk over the groups below handles [GROUPS, BLOCK_D] rows, not the whole block.
-    k_groups = tl.reshape(k, [GROUPS, GROUP, BLOCK_D])
-    # Each group's reference C16 (the running maximum at its end), then |E * v| relative to it (one
-    # exponential per element) and its peak per group.
-    group_maxima = tl.max(k_groups, 1)
-    refs = tl.zeros([GROUPS, BLOCK_D], tl.float32)
-    for g in tl.static_range(GROUPS):
-        running_max = tl.maximum(running_max, _row(group_maxima, g, -float("inf")))
-        refs = tl.where(offs_g == g, running_max[None, :], refs)
-    key_ref = tl.reshape(tl.broadcast_to(refs[:, None, :], [GROUPS, GROUP, BLOCK_D]), [BLOCK_K, BLOCK_D])
-    group_peaks = tl.max(tl.reshape(tl.abs(tl.exp(k - key_ref) * v), [GROUPS, GROUP, BLOCK_D]), 1)
-    running_max = block_max_before
-    for g in tl.static_range(GROUPS):
-        group_max = _row(refs, g, -float("inf"))
-        den_move = tl.exp(running_max - group_max)
-        group_peak = _row(group_peaks, g, 0.0)
-        running_peak = tl.maximum(running_peak * den_move, group_peak)
-        # The group's own operands set its scale (the block's, S(j), at its last group inside T, whose scale the
-        # block's operands take), so that a large |E v| earlier leaves later keys their precision; the running
-        # peak only caps it (SCALE_REACH), so that num, carried in these units, stays inside fp32.
-        ends_block = (g == GROUPS - 1) | (start // GROUP + g >= n_groups - 1)
-        scale, new_unscale = _operand_scale(tl.maximum(group_peak, running_peak * SCALE_REACH), HALF_OPERANDS)
-        scale = tl.where(ends_block, _pow2_inverse(block_unscale), scale)
-        new_unscale = tl.where(ends_block, block_unscale, new_unscale)
-        group_offsets = group_base + (start // GROUP + g) * D + offs_d
-        group_in = d_in & (start // GROUP + g < n_groups)
-        tl.store(group_ref_ptr + group_offsets, group_max, mask=group_in)
-        tl.store(group_unscale_ptr + group_offsets, new_unscale, mask=group_in)
-        tl.store(group_move_ptr + 2 * group_base + (start // GROUP + g) * 2 * D + offs_pairs,
-                 _vector_pairs(den_move, _num_move(den_move, scale, unscale)),
-                 mask=pairs_in & (start // GROUP + g < n_groups))
-        running_max = group_max
-        unscale = new_unscale
-
-    e = tl.exp(k - running_max[None, :])
+    e = tl.exp(k - key_ref[None, :])
     _store_operand(eev_hi_ptr, eev_lo_ptr, 2 * factors_base + keys[:, None] * (2 * D) + offs_pairs[None, :],
                    _pairs(e * OPERAND_SCALE, e * v * scale[None, :]), key_in[:, None] & pairs_in[None, :],
                    SPLIT, LO_SCALE)
-    den_move = tl.exp(block_max_before - running_max)
+    den_move = tl.exp(key_ref_before - key_ref)
     tl.store(move_ptr + 2 * block_base + pid_j * 2 * D + offs_pairs,
-             _vector_pairs(den_move, _num_move(den_move, scale, block_unscale_before)), mask=pairs_in)
+             _vector_pairs(den_move, _num_move(den_move, scale, unscale_before)), mask=pairs_in)
 
 
-@triton.jit
-def _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base, offs_d, offs_pairs, group_start,
-                diagonal_end, D):
-    """k and v (fp32, [GROUP, BLOCK_D]) of the diagonal group from group_start and its move factors ([2 BLOCK_D],
-    _pairs), zeros where group_start is diagonal_end (no group left)."""
-    d_in = offs_d < D
-    has_group = group_start < diagonal_end
-    keys = tl.arange(0, GROUP) + group_start
-    kv_offsets = kv_base + keys[:, None] * row_stride + offs_d[None, :]
-    k = tl.load(k_ptr + kv_offsets, mask=d_in[None, :] & has_group, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + kv_offsets, mask=d_in[None, :] & has_group, other=0.0).to(tl.float32)
-    move = tl.load(group_move_ptr + 2 * group_base + (group_start // GROUP) * 2 * D + offs_pairs,
-                   mask=(offs_pairs < 2 * D) & has_group, other=0.0)
-    return k, v, move
-
-
-@triton.jit
-def _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
-    """Per (t, d), the offsets of row t's factorized sums' group in [B * H, cdiv(T, GROUP), D]: the group before its
-    own (causal), the last group (all keys factorized); and where there is one."""
-    if CAUSAL:
-        group = offs_t // GROUP - 1
-    else:
-        group = tl.zeros_like(offs_t) + tl.cdiv(T, GROUP) - 1
-    offsets = group_base + group[:, None] * D + offs_d[None, :]
-    return offsets, ((group >= 0) & (offs_t < T))[:, None] & (offs_d < D)[None, :]
-
-
-@triton.jit
-def _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
-    """C16 of row t's factorized sums (their reference is exp(M_t + C16)); 0 where there are none."""
-    offsets, mask = _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL)
-    return tl.load(group_ref_ptr + offsets, mask=mask, other=0.0)
-
-
-@triton.jit
-def _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL: tl.constexpr):
-    """1 / S16 of row t's factorized num (its units are OPERAND_SCALE * S16); 1 where there are none."""
-    offsets, mask = _row_group_offsets(group_base, offs_t, offs_d, T, D, CAUSAL)
-    return tl.load(group_unscale_ptr + offsets, mask=mask, other=1.0)
-
-
-# num_td = sum_i A_ti (E v)_id and den_td = sum_i A_ti E_id over row t's factorized keys, relative to
-# exp(M_t + C): products over the key blocks before the tile (every key when causal=False), then over the
-# diagonal's groups before each row's own (den and num side by side: one product each), the sums moved from one
-# reference C to the next by exp(C_old - C_new) <= 1 per channel; then (causal) the terms of the row's own group,
-# one block-diagonal product for the tile, relative to max(M_t, W_t) + C16; o = num / den.
+# The main kernel: one program per tile (_aft_tile).
 @triton.jit
 def _aft_fwd_kernel(
-    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, group_ref_ptr,
-    group_unscale_ptr, group_move_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
-    o_residual_ptr, fallback_ptr,
+    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
+    block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
+    fallback_ptr, redo_ptr,
     T, H, D, den_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    OPERAND_SCALE: tl.constexpr, HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_d = tl.program_id(2)
-    tile = tl.num_programs(0) - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
+    _aft_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
+              w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
+              block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
+              o_residual_ptr, fallback_ptr, redo_ptr, T, H, D, den_floor,
+              STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
+              OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, False, BLOCK_Q, BLOCK_K, BLOCK_D)
+
+
+# The redo pass: the main kernel's tiles flagged OWN_ONLY summed again, their own products with fp32 operands
+# (_aft_tile with REDO_OWN). The main kernel appends those tiles to ``redo`` (a count, then the tiles' indices), and
+# a few programs per SM take them in turn: a grid of every tile, nearly all returning at once, each holding the main
+# kernel's shared memory while it does, took 0.17 ms at the bench's shape, and so did programs walking every
+# tile's flag (one load's latency per tile).
+@triton.jit
+def _aft_own_redo_kernel(
+    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
+    block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
+    fallback_ptr, redo_ptr,
+    T, H, D, den_floor, n_bh,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n_t = tl.cdiv(T, BLOCK_Q)
+    for i in range(tl.program_id(0), tl.load(redo_ptr), tl.num_programs(0)):
+        index = tl.load(redo_ptr + 1 + i)
+        _aft_tile(index % n_t, index // n_t % n_bh, index // (n_t * n_bh), n_t, n_bh,
+                  w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr,
+                  block_ref_ptr, block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr,
+                  lse_residual_ptr, o_residual_ptr, fallback_ptr, redo_ptr, T, H, D, den_floor,
+                  STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
+                  OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, True, BLOCK_Q, BLOCK_K, BLOCK_D)
+
+
+# One program's tile of _aft_fwd_kernel (tile pid_t, pid_bh, pid_d of a grid (n_t, n_bh, channel blocks)): num_td =
+# sum_i A_ti (E v)_id and den_td = sum_i A_ti E_id over row t's factorized keys, relative to exp(M_t + C): products
+# over the key blocks before the tile (every key when causal=False), den and num side by side (one product each),
+# the sums moved from one reference C to the next by exp(C_old - C_new) <= 1 per channel; then (causal) the terms
+# of the row's own tile, one lower-triangular product for the tile, relative to max(M_t, W_t) + C; o = num / den.
+# With REDO_OWN (the redo pass) the own product takes fp32 operands, and only the entries the first pass marked
+# are written.
+@triton.jit
+def _aft_tile(
+    pid_t, pid_bh, pid_d, n_t, n_bh,
+    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
+    block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
+    fallback_ptr, redo_ptr,
+    T, H, D, den_floor,
+    STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
+    REDO_OWN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    fallback_index = pid_t + n_t * (pid_bh + n_bh * pid_d)
+    tile = n_t - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
     kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
     row_stride = H * D
     factors_base = pid_bh.to(tl.int64) * T * D
-    group_base = pid_bh.to(tl.int64) * tl.cdiv(T, GROUP) * D
     block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
-    OP_DTYPE: tl.constexpr = tl.float16 if HALF_OPERANDS else tl.float32
     UNIT: tl.constexpr = 1.0 / OPERAND_SCALE  # of a scaled A or E
 
     offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -659,7 +634,7 @@ def _aft_fwd_kernel(
     sums = tl.zeros([BLOCK_Q, 2 * BLOCK_D], tl.float32)
 
     if CAUSAL:
-        n_blocks = tile * BLOCK_Q // BLOCK_K  # the blocks that end at or before the tile's first query
+        n_blocks = tile * BLOCK_Q // BLOCK_K  # the blocks before the tile (BLOCK_K divides BLOCK_Q)
     else:
         n_blocks = tl.cdiv(T, BLOCK_K)
     # Block j's move factors are loaded during block j - 1, so that the rescale never waits on a global load.
@@ -690,128 +665,128 @@ def _aft_fwd_kernel(
         move = tl.load(move_ptr + 2 * block_base + (block + 1) * 2 * D + offs_pairs,
                        mask=pairs_in & (block + 1 < n_blocks), other=0.0)
 
-    if CAUSAL:
-        # The diagonal's groups before some row's own group, each moving the rows after it (and only those) from
-        # the previous group's C16 and S16 to its own. Like the blocks' move factors, a group's keys, values and
-        # move factors are loaded during the group before (all its keys lie inside T: a row comes after them).
-        tile_end = tl.minimum((tile + 1) * BLOCK_Q, T)
-        diagonal_start = n_blocks * BLOCK_K
-        diagonal_end = (tile_end - 1) // GROUP * GROUP
-        group_k, group_v, group_move = _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base,
-                                                   offs_d, offs_pairs, diagonal_start, diagonal_end, D)
-        for group_start in range(diagonal_start, diagonal_end, GROUP):
-            keys = group_start + tl.arange(0, GROUP)
-            reached = row_in & (offs_t >= group_start + GROUP)
-            a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, a_rows + keys[None, :], reached[:, None], SPLIT)
-            group_offsets = group_base + (group_start // GROUP) * D + offs_d
-            group_ref = tl.load(group_ref_ptr + group_offsets, mask=d_in, other=0.0)
-            group_scale = _pow2_inverse(tl.load(group_unscale_ptr + group_offsets, mask=d_in, other=1.0))
-            e = tl.exp(group_k - group_ref[None, :])
-            eev_hi, eev_lo = _operand_parts(_pairs(e * OPERAND_SCALE, e * group_v * group_scale[None, :]), SPLIT,
-                                            OP_DTYPE, LO_SCALE)
-            move = group_move
-            group_k, group_v, group_move = _group_keys(k_ptr, v_ptr, group_move_ptr, kv_base, row_stride, group_base,
-                                                       offs_d, offs_pairs, group_start + GROUP, diagonal_end, D)
-            # Selected, not masked by A's zeros: a non-finite k or v of the group would reach the rows before it
-            # as 0 * inf in the product.
-            sums = tl.where(reached[:, None],
-                            _dot_into(a_hi, a_lo, eev_hi, eev_lo, sums * move[None, :], SPLIT, DOT_PRECISION),
-                            sums)
-        # Row t's sums are relative to exp(M_t + C16) and in units of S16, both at the group before its own; rows
-        # of the first group have no factorized keys (and their sums are 0).
-        has_keys = offs_t >= GROUP
-    else:
-        has_keys = row_in
+    # Every row's sums are relative to exp(M_t + C) and in units of S, C and S those of the loop's last block (the
+    # block before the tile, causal; the sequence's last), one [BLOCK_D] vector each for the tile. Causal, the rows
+    # of the first tile have no factorized keys (and their sums are 0).
+    has_keys = n_blocks > 0
+    last_block = block_base + (n_blocks - 1) * D + offs_d
+    key_ref = tl.load(block_ref_ptr + last_block, mask=d_in & has_keys, other=0.0)
+    unscale = tl.load(block_unscale_ptr + last_block, mask=d_in & has_keys, other=1.0)
     anchor = tl.load(anchor_ptr + offs_t, mask=row_in, other=0.0)
-    key_ref = _row_key_ref(group_ref_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)
-    unscale = _row_unscale(group_unscale_ptr, group_base, offs_t, offs_d, T, D, CAUSAL)
     # Entries whose factorized den fell below the floor are marked (NaN) for _aft_fallback_kernel; den_td depends
     # only on row t's factorized keys, so the choice is causal too.
     den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
-    den = tl.where(~(den * (UNIT * UNIT) >= den_floor) & has_keys[:, None], float("nan"), den)
+    factorized_low = in_tile & ~(den * (UNIT * UNIT) >= den_floor) & has_keys
+    den = tl.where(factorized_low, float("nan"), den)
     if CAUSAL:
-        # Row t's own group, keys 16 floor(t / 16) .. t, in one product: the tile's rows are whole groups and those
-        # keys are tile rows, so A_own [BLOCK_Q, BLOCK_Q] is block diagonal (lower triangular per group), and every
-        # row meets only keys of its own group, which share the reference R and the scale of that group's rows.
+        # Row t's own keys, its tile's from the first row to t, in one product: A_own [BLOCK_Q, BLOCK_Q] is lower
+        # triangular, and every row meets only keys of its own tile, relative to the one reference of the tile.
         # Rows: relative to ref_t = max(M_t, W_t) (W_t, the largest w_ti over the own keys up to t, bounds them).
-        # Channels: R = C16 of the group before (the factorized sums' reference; k_0 for the first group, which
-        # every row sees) and E * v in units of S16 of that group (a fixed 2^14 for the first group), both known
-        # before the group. An own key may pass R: E = exp(k - R) is let up to 2^HEADROOM_LOG2, and both operands
-        # are scaled down by as much; the sums then count in units 2^-HEADROOM_LOG2 of the factorized ones.
-        HEADROOM: tl.constexpr = 2.0 ** HEADROOM_LOG2
-        FIRST_SCALE: tl.constexpr = 16384.0 if HALF_OPERANDS else 1.0
-        OWN_MAX: tl.constexpr = OPERAND_MAX if HALF_OPERANDS else 2.0 ** 127
+        # Channels: R = C of the block before the tile (the factorized sums' reference; k_0 for the first tile, a
+        # key every row sees) and E * v in units S_run of the running peak of |E v| there, both known before the
+        # tile (the factorized num moves from its block's units S to S_run, a power of two). An own key may pass
+        # R: E = exp(k - R) is let up to 2^E_HEADROOM_LOG2 and its operand scaled down by as much, E * v's by
+        # 2^EV_HEADROOM_LOG2; den and num then count in units those powers of two below the factorized ones.
+        # The first tile's E * v units, FIRST_SCALE, make its E * v operands v / 2 times its E operands (fp16
+        # operands): k_0, unlike a running maximum, is often passed by several nats, and an own key up to E's
+        # headroom with |v| < 2 still fits fp16.
+        # The redo pass (REDO_OWN) takes the own tile's operands in fp32 (exact products, E_HEADROOM_LOG2 and
+        # EV_HEADROOM_LOG2 then fp32's), the factorized sums as the first pass made them.
+        OWN_HALF: tl.constexpr = HALF_OPERANDS and not REDO_OWN
+        OWN_DTYPE: tl.constexpr = tl.float16 if OWN_HALF else tl.float32
+        OWN_SPLIT: tl.constexpr = SPLIT and not REDO_OWN
+        OWN_PRECISION: tl.constexpr = "ieee" if REDO_OWN else DOT_PRECISION
+        E_HEADROOM: tl.constexpr = 2.0 ** E_HEADROOM_LOG2
+        EV_HEADROOM: tl.constexpr = 2.0 ** EV_HEADROOM_LOG2
+        FIRST_SCALE: tl.constexpr = 2.0 ** (14 - E_HEADROOM_LOG2 + EV_HEADROOM_LOG2) if OWN_HALF else 1.0
+        OWN_MAX: tl.constexpr = OPERAND_MAX if OWN_HALF else 2.0 ** 127
         own_bias_max = tl.load(own_bias_max_ptr + offs_t, mask=row_in, other=0.0)
         row_ref = tl.where(has_keys, tl.maximum(anchor, own_bias_max), own_bias_max)
         first_key = tl.load(k_ptr + kv_base + offs_d, mask=d_in, other=0.0).to(tl.float32)
-        key_ref = tl.where(has_keys[:, None], key_ref, first_key[None, :])
-        unscale = tl.where(has_keys[:, None], unscale, 1.0 / FIRST_SCALE)
-        # A key row serves the later rows of its group, and its 0 in A the earlier ones: its operands must be
-        # finite whatever its k and v are (0 * inf is NaN), so they are selected, and what was dropped is flagged.
+        key_ref = tl.where(has_keys, key_ref, first_key)
+        own_unscale = tl.load(running_unscale_ptr + last_block, mask=d_in & has_keys, other=1.0 / FIRST_SCALE)
+        # A key row serves the later rows of the tile, and its 0 in A the earlier ones: its operands must be finite
+        # whatever its k and v are (0 * inf is NaN), so they are selected, and what was dropped is flagged.
         tile_k = tl.load(k_ptr + kv_base + offs_t[:, None] * row_stride + offs_d[None, :], mask=in_tile,
                          other=0.0).to(tl.float32)
         tile_v = tl.load(v_ptr + kv_base + offs_t[:, None] * row_stride + offs_d[None, :], mask=in_tile,
                          other=0.0).to(tl.float32)
-        exponent = tile_k - key_ref
-        fits = exponent <= HEADROOM_LOG2 * 0.6931471805599453  # False for NaN as well
+        exponent = tile_k - key_ref[None, :]
+        fits = exponent <= E_HEADROOM_LOG2 * 0.6931471805599453  # False for NaN as well
         e = tl.where(fits, tl.exp(exponent), 0.0)
-        ev = e * tile_v * (_pow2_inverse(unscale) * (1.0 / HEADROOM))
+        ev = e * tile_v * (_pow2_inverse(own_unscale) * (1.0 / EV_HEADROOM))[None, :]
         fits &= tl.abs(ev) < OWN_MAX  # fp16's range (fp32's: only non-finite v)
         ev = tl.where(fits, ev, 0.0)
         # Flags per key row, over its channels: 2, an operand was dropped; 1 (fp16 operands), an E * v operand is
         # below fp16's normal range, its absolute error up to 2^-25 (hi) or 2^-36 (split: lo is exact where hi is
-        # not). OR-ed over each group's keys up to the row, so the flags of row t come from keys <= t; per row, not
+        # not). OR-ed over the tile's keys up to the row, so the flags of row t come from keys <= t; per row, not
         # per entry: the fallback's cost is per tile, and any more entries it takes come out exact.
         flags = tl.where(fits, 0, 2)
-        if HALF_OPERANDS:
+        if OWN_HALF:
             flags |= ((ev != 0.0) & (tl.abs(ev) < 2.0**-14)).to(tl.int32)
-        flags = tl.reshape(tl.associative_scan(tl.reshape(tl.max(flags, 1), [BLOCK_Q // GROUP, GROUP]), 1, _either),
-                           [BLOCK_Q])
-        eev_hi, eev_lo = _operand_parts(_pairs(e * (OPERAND_SCALE / HEADROOM), ev), SPLIT, OP_DTYPE, LO_SCALE)
-        # Whole groups of w are loaded (a mask constant over 16 keys: vector loads), the keys after t selected out.
-        w_own = tl.load(w_ptr + a_rows + offs_t[None, :],
-                        mask=row_in[:, None] & (offs_t[None, :] // GROUP == offs_t[:, None] // GROUP),
+        flags = tl.associative_scan(tl.max(flags, 1), 0, _either)
+        eev_hi, eev_lo = _operand_parts(_pairs(e * (OPERAND_SCALE / E_HEADROOM), ev), OWN_SPLIT, OWN_DTYPE,
+                                        LO_SCALE)
+        # The tile's whole square of w is loaded (masked by T alone: vector loads), the keys after t selected out.
+        w_own = tl.load(w_ptr + a_rows + offs_t[None, :], mask=row_in[:, None] & row_in[None, :],
                         other=-float("inf")).to(tl.float32)
         a_own = tl.where(offs_t[None, :] <= offs_t[:, None], tl.exp(w_own - row_ref[:, None]) * OPERAND_SCALE, 0.0)
-        a_hi, a_lo = _operand_parts(a_own, SPLIT, OP_DTYPE, 1.0)
-        own_weight = tl.sum(a_own, 1) * (2.0**-22 if SPLIT else 2.0**-11)
-        # The factorized sums move to ref_t and the own sums' units (a power of two), and the own product lands in
-        # them (den in units OPERAND_SCALE^2 / HEADROOM, num OPERAND_SCALE * S16 / HEADROOM).
-        move = tl.where(has_keys, tl.exp(anchor - row_ref), 0.0) * (1.0 / HEADROOM)
-        sums = _dot_into(a_hi, a_lo, eev_hi, eev_lo, _pairs(den, num) * move[:, None], SPLIT, DOT_PRECISION)
+        a_hi, a_lo = _operand_parts(a_own, OWN_SPLIT, OWN_DTYPE, 1.0)
+        own_weight = tl.sum(a_own, 1) * (2.0**-22 if OWN_SPLIT else 2.0**-11)
+        # The factorized sums move to ref_t and the own sums' units (powers of two: S_run / S <= 1, since the running
+        # peak bounds the block's), and the own product lands in them (den in units OPERAND_SCALE^2 / E_HEADROOM, num
+        # OPERAND_SCALE * S_run / EV_HEADROOM).
+        move = tl.where(has_keys, tl.exp(anchor - row_ref), 0.0)
+        moved = _pairs(den * (move * (1.0 / E_HEADROOM))[:, None],
+                       num * (move * (1.0 / EV_HEADROOM))[:, None] * (unscale * _pow2_inverse(own_unscale))[None, :])
+        sums = _dot_into(a_hi, a_lo, eev_hi, eev_lo, moved, OWN_SPLIT, OWN_PRECISION)
         den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
         # Subnormal E * v operands err by at most A's row sum times 2^-25 (2^-36 split) in num's units: the
         # entries where that could pass 2^-14 |num| are marked.
         lost = (flags >= 2)[:, None] | (((flags & 1) != 0)[:, None] & ~(tl.abs(num) >= own_weight[:, None]))
-        den *= UNIT * UNIT * HEADROOM
-        num *= unscale * UNIT * HEADROOM
-        # The own group's E and E * v went through the operands too: so is every den that ends below the floor.
+        den *= UNIT * UNIT * E_HEADROOM
+        num *= own_unscale[None, :] * (UNIT * EV_HEADROOM)
+        # The own tile's E and E * v went through the operands too: so is every den that ends below the floor.
         den = tl.where(lost | ~(den >= den_floor), float("nan"), den)
-        refs, refs_err = _two_sum(row_ref[:, None], key_ref)  # the reference, as the pair of values whose sum it is
+        refs, refs_err = _two_sum(row_ref[:, None], key_ref[None, :])  # the reference, as the pair whose sum it is
     else:
         den *= UNIT * UNIT
-        num *= unscale * UNIT
-        refs, refs_err = _two_sum(anchor[:, None], key_ref)
-    marked = in_tile & (den != den)
-    fallback_index = pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)
-    tl.store(fallback_ptr + fallback_index, tl.max(marked.to(tl.int32)))
+        num *= unscale[None, :] * UNIT
+        refs, refs_err = _two_sum(anchor[:, None], key_ref[None, :])
+    out_offsets = kv_base + offs_t[:, None] * row_stride + offs_d[None, :]
+    if REDO_OWN:
+        # Only the entries the first pass marked (o is NaN there) are written again: the marks are causal, and
+        # every other entry keeps the first pass's value bitwise.
+        written = in_tile & (tl.load(o_ptr + out_offsets, mask=in_tile, other=0.0) != tl.load(
+            o_ptr + out_offsets, mask=in_tile, other=0.0))
+    else:
+        written = in_tile
+    # What is left for _aft_fallback_kernel (every key, one at a time): WALK_ALL; OWN_ONLY where only the own
+    # tile's fp16 operands failed (causal, 16-bit inputs), which the redo pass takes first.
+    marked = written & (den != den)
+    if CAUSAL and HALF_OPERANDS and not REDO_OWN:
+        code = tl.where(tl.max(factorized_low.to(tl.int32)) > 0, WALK_ALL, tl.max(marked.to(tl.int32)) * OWN_ONLY)
+    else:
+        code = tl.max(marked.to(tl.int32)) * WALK_ALL
+    tl.store(fallback_ptr + fallback_index, code)
+    if code == OWN_ONLY:
+        tl.store(redo_ptr + 1 + tl.atomic_add(redo_ptr, 1), fallback_index)
 
     o = num / den
     o_rounded = o.to(o_ptr.dtype.element_ty)
-    out_offsets = kv_base + offs_t[:, None] * row_stride + offs_d[None, :]
-    tl.store(o_ptr + out_offsets, o_rounded, mask=in_tile)
+    tl.store(o_ptr + out_offsets, o_rounded, mask=written)
     if STORE_O_RESIDUAL:
         # What rounding o to 16 bits dropped, itself in 16 bits: o + residual carries about twice o's bits.
         tl.store(o_residual_ptr + out_offsets, (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty),
-                 mask=in_tile)
+                 mask=written)
     if STORE_LSE:
         # log sum_i exp(w_ti + k_id) in absolute terms, the backward's normalizer: the reference plus log(den).
         # Its two parts are a few units each (far more for shifted keys), log(den) smaller: summed with TwoSum,
         # the result is lse + its rounding residual, which fp32 inputs keep (16-bit ones need not).
         lse, lse_residual = _two_sum(refs, tl.log(den) + refs_err)
-        tl.store(lse_ptr + out_offsets, lse, mask=in_tile)
+        tl.store(lse_ptr + out_offsets, lse, mask=written)
         if STORE_LSE_RESIDUAL:
-            tl.store(lse_residual_ptr + out_offsets, lse_residual, mask=in_tile)
+            tl.store(lse_residual_ptr + out_offsets, lse_residual, mask=written)
 
 
 @triton.jit
@@ -848,7 +823,8 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
     return running_max, num, den
 
 
-# The entries _aft_fwd_kernel marked (o is NaN there), in tiles it flagged, summed exactly over all their keys:
+# The entries _aft_fwd_kernel left marked (o is NaN there), in tiles it flagged WALK_ALL, summed exactly over all
+# their keys:
 # o_td = num / den with one key at a time and a running maximum per (t, d) (_aft_keys_exact).
 @triton.jit
 def _aft_fallback_kernel(
@@ -860,7 +836,7 @@ def _aft_fallback_kernel(
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
-    if tl.load(fallback_ptr + pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)) != 0:
+    if tl.load(fallback_ptr + pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)) == WALK_ALL:
         tile = tl.num_programs(0) - 1 - pid_t if CAUSAL else pid_t
         kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
         row_stride = H * D
@@ -917,6 +893,9 @@ def chunkwise(
         precision = "split" if k.dtype == torch.float16 else "single"
     split = half_operands and precision == "split"
     block_q = FORWARD_BLOCK_Q if block_q is None else block_q
+    if causal and block_q % chunk_size:
+        raise ValueError(f"causal aft needs chunk_size to divide block_q (its key blocks end where a query tile "
+                         f"starts: chunk_size <= block_q); got chunk_size={chunk_size}, block_q={block_q}")
     num_warps = FORWARD_NUM_WARPS if num_warps is None else num_warps
     BLOCK_D = min(block_size(D), block_d)
     operand_dtype = torch.float16 if half_operands else torch.float32
@@ -936,9 +915,7 @@ def chunkwise(
     block_ref = torch.empty((B * H, n_blocks, D), dtype=torch.float32, device=device)
     block_peak = torch.empty_like(block_ref)
     block_unscale = torch.empty_like(block_ref)
-    group_ref = torch.empty((B * H, triton.cdiv(T, GROUP.value), D), dtype=torch.float32, device=device)
-    group_unscale = torch.empty_like(group_ref)
-    group_move = torch.empty((B * H, triton.cdiv(T, GROUP.value), 2 * D), dtype=torch.float32, device=device)
+    running_unscale = torch.empty_like(block_ref)
 
     use_tma = tma and tma_fits(a_hi, eev_hi)
     if use_tma:
@@ -953,34 +930,41 @@ def chunkwise(
             lse_residual = saved["lse_residual"] = torch.empty_like(lse)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
     fallback = torch.empty(math.prod(grid), dtype=torch.int32, device=device)
+    redo_tiles = torch.zeros(1 + math.prod(grid), dtype=torch.int32, device=device)  # a count, then the tiles
     stores = dict(STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
                   STORE_O_RESIDUAL=saved is not None and half_operands)
     key_block_d = min(block_size(D), KEY_FACTORS_BLOCK_D, KEY_FACTORS_TILE // chunk_size)
     key_warps = 8 if chunk_size > 64 else 4
     prefix_block_d = min(block_size(D), PREFIX_BLOCK_D)
+    tile_args = (w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, block_ref, block_unscale, running_unscale,
+                 own_bias_max, o, lse, lse_residual, o_residual, fallback, redo_tiles, T, H, D,
+                 DEN_FLOOR[half_operands])
+    tile_options = dict(CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
+                        DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale, TMA=use_tma,
+                        BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D, num_warps=num_warps,
+                        num_stages=num_stages, **stores)
+    # Causal with 16-bit inputs, the redo pass sums again, with fp32 own-tile operands, the tiles whose own fp16
+    # operands failed (OWN_ONLY): a few tiles on the registry's inputs, where the fallback's walk over every key would
+    # cost a late tile milliseconds.
     launch_after_checks(
         await_checks,
         Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), w, a_hi, a_lo, anchor, own_bias_max, T,
-               CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4),
+               CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_Q=block_q, BLOCK_KEYS=BIAS_BLOCK_KEYS,
+               num_warps=4),
         Launch(_key_block_stats_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
                k, v, block_ref, block_peak, T, H, D, BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
         Launch(_key_prefix_kernel, (B * H, triton.cdiv(D, prefix_block_d)),
-               block_ref, block_peak, block_unscale, n_blocks, D,
+               block_ref, block_peak, block_unscale, running_unscale, n_blocks, D,
                HALF_OPERANDS=half_operands, SCAN_BLOCKS=PREFIX_SCAN_BLOCKS, BLOCK_D=prefix_block_d, num_warps=4),
         Launch(_key_factors_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
-               k, v, eev_hi, eev_lo, move, block_ref, block_peak, block_unscale, group_ref, group_unscale, group_move,
-               T, H, D,
-               SPLIT=split, HALF_OPERANDS=half_operands, OPERAND_SCALE=operand_scale,
-               BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
-        Launch(_aft_fwd_kernel, grid,
-               w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, group_ref, group_unscale, group_move,
-               own_bias_max, o, lse, lse_residual, o_residual, fallback,
-               T, H, D, DEN_FLOOR[half_operands],
-               CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
-               DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale,
-               HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands], TMA=use_tma,
-               BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D,
-               num_warps=num_warps, num_stages=num_stages, **stores),
+               k, v, eev_hi, eev_lo, move, block_ref, block_unscale, T, H, D,
+               SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
+               num_warps=key_warps),
+        Launch(_aft_fwd_kernel, grid, *tile_args, **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands],
+               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands]),
+        *([Launch(_aft_own_redo_kernel, (min(math.prod(grid), REDO_PROGRAMS),), *tile_args, B * H,
+                  **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[False],
+                  EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[False])] if causal and half_operands else []),
         Launch(_aft_fallback_kernel, grid,
                w, k, v, o, lse, lse_residual, o_residual, fallback, T, H, D,
                CAUSAL=causal, BLOCK_Q=block_q, BLOCK_D=BLOCK_D, num_warps=num_warps, **stores),

@@ -11,20 +11,27 @@ or exact identities.
 - Shift invariance: keys on a 1/8 grid plus a constant (so k + c is exact)
   give bit-identical outputs (the kernel only ever sees k - max k).
 - T = 1 returns v exactly, in both precisions.
-- The fallback: bias and keys whose maxima sit at different keys
+- The exact passes: bias and keys whose maxima sit at different keys
   (w = [0, -100], k = [-100, 0]) make the factorized block sums underflow to
-  0/0, and, causal, put a key of a row's own group far above its reference
-  (k_0 for the first group); the kernel marks those entries and recomputes
-  them exactly. So it does for an own key far above the running maximum of the
-  keys before its group, and for own E * v operands below fp16's normal range
-  (the group before set a large scale) where they would matter. Forcing the
-  fallback on ordinary inputs matches the oracle too.
+  0/0, and, causal, put a key of a row's own tile far above its reference
+  (k_0 for the first tile); the kernel marks those entries and the fallback
+  recomputes them exactly. Entries where only the own tile's fp16 operands
+  fail, causal with 16-bit inputs, are summed again by the redo pass (fp32 own
+  operands): an own key far above the running maximum of the keys before its
+  tile (past 2^32, the fallback), an own E * v operand past fp16's range in the
+  own tile's E * v units (a headroom of its own, 2^4, below E's 2^8), and own
+  E * v operands below fp16's normal range (the block before set a large
+  scale) where they would matter. With a pass left out exactly the rows it
+  would take come out NaN. Forcing the fallback on ordinary inputs matches the
+  oracle too.
 - Causality, bitwise: replacing k, v and w at positions after t leaves
-  outputs 0..t bit-identical (T not a multiple of the blocks, several query
-  blocks and key blocks, the diagonal's groups, with and without entries that
-  take the fallback); so does a huge or non-finite k or v later in a row's own
-  group (its row of the own-group operands serves the rows after it).
-- precision "single" and "split", block shapes, bad options.
+  outputs 0..t bit-identical (T not a multiple of the blocks, own tiles of 16,
+  32, 64 and 128 rows over several query and key blocks, with and without
+  entries that take the fallback); so does a huge or non-finite k or v later
+  in a row's own tile (its row of the own-tile operands serves the rows after
+  it).
+- precision "single" and "split", block shapes, bad options (causal: a key
+  block longer than the query tile, refused before any launch).
 - The forward's kernels compile for sm_90 (in a process of their own, without
   the interpreter) at the launcher's default tiles, in every arithmetic, within
   sm_90's shared memory.
@@ -39,6 +46,7 @@ dk, dv at positions >= c and dw's rows >= c exactly zero.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -46,7 +54,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 import attnlab
 from attnlab.kernel import kernel
@@ -97,7 +105,7 @@ def _assert_convex(o, v, causal, dtype):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_matches_oracle_odd_channel_count_over_several_blocks(dtype, causal):
     x = _inputs(dtype, T=40, D=100, H=1)
-    assert _excess(x, dtype, causal, block_q=32, block_d=32) <= EXCESS_BOUND[dtype]
+    assert _excess(x, dtype, causal, block_q=32, chunk_size=16, block_d=32) <= EXCESS_BOUND[dtype]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
@@ -150,9 +158,9 @@ def test_mismatched_maxima_take_the_exact_fallback(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_mismatched_maxima_in_a_rows_own_group_take_the_exact_fallback(dtype):
-    # Causal, both keys lie in row 1's own group, whose keys are relative to k_0 = -100: k_1 passes it by 100, far
-    # beyond the own group's headroom (2^8, 2^32 with fp32 operands).
+def test_mismatched_maxima_in_a_rows_own_tile_take_the_exact_fallback(dtype):
+    # Causal, both keys lie in row 1's own tile, whose keys are relative to k_0 = -100: k_1 passes it by 100, far
+    # beyond the own tile's headroom (2^8, 2^32 with fp32 operands).
     x = _mismatched_maxima(dtype)
     o = kernel("aft")(**x, causal=True)
     assert _measure(o, x, dtype, causal=True).excess <= EXCESS_BOUND[dtype]
@@ -183,10 +191,10 @@ def test_wide_bias_and_keys(dtype):
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize(
     "block_q,chunk_size,spread,T",
-    # spread 30: some entries take the fallback; the default tiles over 150 keys: key blocks before the second
-    # query block, the diagonal's groups of both
-    [(32, 16, 1.0, 75), (16, 64, 30.0, 75), (None, 64, 1.0, 150)],
-    ids=["q32-k16", "q16-k64-wide", "default-T150"],
+    # Own tiles of 16, 32, 64 (the default) and 128 rows, each over several tiles and several key blocks before the
+    # later ones; spread 30: some entries take the fallback.
+    [(16, 16, 1.0, 75), (32, 16, 30.0, 75), (None, 64, 1.0, 150), (128, 32, 1.0, 300)],
+    ids=["q16-k16", "q32-k16-wide", "default-T150", "q128-k32-T300"],
 )
 def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread, T):
     x = _inputs(dtype, T=T, D=16, H=1, spread=spread)
@@ -194,7 +202,7 @@ def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, sp
     run = kernel("aft", block_q=block_q, chunk_size=chunk_size)
     before = run(**x, causal=True)
     positions = torch.arange(T)
-    for t in (16, 40, 64, 73, 130, 147)[: 6 if T > 128 else 4]:
+    for t in (t for t in (16, 40, 64, 73, 130, 147, 200, 290) if t < T - 1):
         future = positions > t
         perturbed = {
             "w": torch.where(future[:, None] | future[None, :], other["w"], x["w"]),
@@ -245,6 +253,7 @@ def test_tma_matches_pointer_loads(dtype, precision, causal, monkeypatch):
     chunk_size=st.sampled_from([16, 32, 64]),
 )
 def test_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
+    assume(not causal or chunk_size <= block_q)  # causal: the key blocks end where a query tile starts
     x = _inputs(torch.float16, T=T, D=D, H=1, seed=seed)
     assert _excess(x, torch.float16, causal, block_q=block_q, chunk_size=chunk_size) <= EXCESS_BOUND[torch.float16]
 
@@ -257,11 +266,27 @@ def test_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
         ({"precision": "bf16"}, ValueError),
         ({"num_stages": 0}, ValueError),
         ({"block_k": 64}, TypeError),
+        ({"chunk_size": 64, "block_q": 32}, ValueError),  # causal: key blocks longer than the query tile
+        ({"chunk_size": 128}, ValueError),  # ... than the default one (64 queries)
     ],
 )
 def test_bad_options(opts, error):
     with pytest.raises(error):
-        kernel("aft", **opts)
+        kernel("aft", **opts)(**_inputs(torch.float16, T=8, D=16), causal=True)
+
+
+def test_causal_key_blocks_longer_than_the_query_tile_are_refused_before_any_launch(monkeypatch):
+    """Causal, the main loop's key blocks must end where the tile's own keys start (chunk_size divides block_q):
+    the host says so, naming both options, before it launches anything. Without causality any pair runs."""
+    launched = []
+    monkeypatch.setattr(aft_kernels, "launch_after_checks", lambda *args: launched.append(args))
+    x = _inputs(torch.float16, T=40, D=16)
+    run = kernel("aft", block_q=16, chunk_size=32)
+    with pytest.raises(ValueError, match=r"chunk_size=32, block_q=16"):
+        run(**x, causal=True)
+    assert launched == []
+    monkeypatch.undo()
+    assert _excess(x, torch.float16, causal=False, block_q=16, chunk_size=32) <= EXCESS_BOUND[torch.float16]
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -374,10 +399,11 @@ def test_backward_precisions_fp16(precision, causal):
                              precision=precision)
 
 
-@pytest.mark.parametrize("block_q,chunk_size", [(16, 64), (64, 16), (128, 128)])
-def test_backward_block_shapes_fp16(block_q, chunk_size):
+# Causal key blocks longer than the query tile (16, 64) only run without causality: the forward refuses them.
+@pytest.mark.parametrize("block_q,chunk_size,causal", [(16, 64, False), (64, 16, True), (128, 128, True)])
+def test_backward_block_shapes_fp16(block_q, chunk_size, causal):
     x = _inputs(torch.float16, T=70, D=16, H=1)
-    _assert_gradients_within(x, torch.float16, causal=True, block_q=block_q, chunk_size=chunk_size)
+    _assert_gradients_within(x, torch.float16, causal=causal, block_q=block_q, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
@@ -426,6 +452,7 @@ def test_forward_without_saved_is_unchanged():
     chunk_size=st.sampled_from([16, 32, 64]),
 )
 def test_backward_random_shapes_fp16(T, D, causal, seed, block_q, chunk_size):
+    assume(not causal or chunk_size <= block_q)  # the forward: causal key blocks end where a query tile starts
     x = _inputs(torch.float16, T=T, D=D, H=1, seed=seed)
     _assert_gradients_within(x, torch.float16, causal, seed=seed, block_q=block_q, chunk_size=chunk_size)
 
@@ -440,12 +467,13 @@ COMPILE = textwrap.dedent("""
     from attnlab.kernels import aft
 
     OPTIONS = {name: default for name, (default, _) in aft.OPTIONS["chunkwise"].items()}
-    FP32 = ("anchor", "own_bias_max", "move", "block_ref", "block_peak", "block_unscale", "group_ref", "group_unscale",
-            "group_move", "lse", "lse_residual")
+    FP32 = ("anchor", "own_bias_max", "move", "block_ref", "block_peak", "block_unscale", "running_unscale", "lse",
+            "lse_residual")
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"fallback_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32", "den_floor": "fp32"}
+        types = {"fallback_ptr": "*i32", "redo_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32",
+                 "den_floor": "fp32", "n_bh": "i32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
         types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual")}
         types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev") for part in ("hi", "lo")}
@@ -467,8 +495,8 @@ COMPILE = textwrap.dedent("""
         half = inputs != "fp32"
         constexprs = dict(
             CAUSAL=causal, SPLIT=inputs == "fp16", HALF_OPERANDS=half, DOT_PRECISION="tf32" if half else "ieee",
-            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, HEADROOM_LOG2=aft.OWN_HEADROOM_LOG2[half],
-            TMA=OPTIONS["tma"],
+            OPERAND_SCALE=aft.OPERAND_MAX.value if half else 1.0, E_HEADROOM_LOG2=aft.OWN_HEADROOM_LOG2[half],
+            EV_HEADROOM_LOG2=aft.OWN_EV_HEADROOM_LOG2[half], TMA=OPTIONS["tma"],
             STORE_LSE=True, STORE_LSE_RESIDUAL=not half, STORE_O_RESIDUAL=half,
             BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
             BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
@@ -483,6 +511,11 @@ COMPILE = textwrap.dedent("""
                     f"key factors {what}")
         compile_one(aft._aft_fwd_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, OPTIONS["num_stages"],
                     f"forward {what}")
+        if half and causal:
+            compile_one(aft._aft_own_redo_kernel, inputs,
+                        dict(constexprs, E_HEADROOM_LOG2=aft.OWN_HEADROOM_LOG2[False],
+                             EV_HEADROOM_LOG2=aft.OWN_EV_HEADROOM_LOG2[False]),
+                        aft.FORWARD_NUM_WARPS, OPTIONS["num_stages"], f"redo pass {what}")
         compile_one(aft._aft_fallback_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, 3, f"fallback {what}")
 """)
 
@@ -492,7 +525,7 @@ def test_the_forward_compiles_for_hopper_at_the_default_tiles_in_every_arithmeti
                           env={**os.environ, "TRITON_INTERPRET": "0"})
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 24 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert len(lines) == 26 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
     assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
 
 
@@ -501,8 +534,9 @@ def test_a_key_of_huge_e_v_and_no_weight_leaves_the_others_their_precision(causa
     """Key 0 has |E v| far above every other key's but a bias of -30 for every row: no row gives it weight, yet a
     scale of E v taken from the running peak over all keys so far would push the later keys' operands into fp16's
     subnormals (session 19's review of this kernel: excess 6.5 against the bound 2). Each block's operands must be
-    scaled for their own peak. Causal, rows 16..31 take their own group's E v in the scale of group 0, which key 0
-    set: those operands fall below fp16's normal range, and the rows, which weigh them most, take the fallback."""
+    scaled for their own peak. Causal, rows 64..127 take their own tile's E v in the units of the running peak
+    at block 0, which key 0 set: those operands fall below fp16's normal range, and the rows, which weigh them
+    most, take the redo pass."""
     sample = attnlab.formulation("aft").sample(B=1, T=256, H=1, K=16, V=16, seed=5)
     x = {n: t.to(torch.float16) for n, t in sample.items()}
     x["k"][:, 0], x["v"][:, 0], x["w"][:, 0] = 11.5, 60000.0, -30.0
@@ -524,51 +558,102 @@ def test_the_exact_fallback_is_causal_past_non_finite_keys(later):
     assert torch.equal(before[:, :2], after[:, :2])
 
 
-@pytest.mark.parametrize("dtype,rise", [(torch.float16, 12.0), (torch.float32, 40.0)], ids=["fp16", "fp32"])
-def test_an_own_key_far_above_the_running_maximum_takes_the_fallback(dtype, rise, monkeypatch):
-    """Key 21 (row 21's own group, keys 16..31) passes the largest key before its group by more than the own group's
-    headroom (2^8 = 5.5 nats with fp16 operands, 2^32 = 22 nats with fp32): rows 21..31 take the exact fallback.
-    Without it (the fallback kernel left out) exactly those rows come out NaN."""
+# Key 21 in a row's own tile: the first of 64 rows (the default tiles; its keys are relative to k_0) or the second of
+# 16 (rows 16..31; relative to the largest of keys 0..15).
+OWN_TILES = {"first-tile-of-64": ({}, 64), "second-tile-of-16": ({"block_q": 16, "chunk_size": 16}, 32)}
+
+
+@pytest.mark.parametrize("tiles", OWN_TILES)
+@pytest.mark.parametrize("dtype,rise,taken_by", [(torch.float16, 12.0, "redo"), (torch.float16, 30.0, "fallback"),
+                                                 (torch.float32, 40.0, "fallback")],
+                         ids=["fp16-past-fp16s-headroom", "fp16-past-fp32s-headroom", "fp32"])
+def test_an_own_key_far_above_the_running_maximum_takes_an_exact_pass(dtype, rise, taken_by, tiles, monkeypatch):
+    """Key 21 passes the largest key before its own tile (k_0 for the first) by more than the own tile's headroom:
+    the rows of its tile from 21 on come out of a later pass, and match the oracle. With fp16 operands (2^8 = 5.5
+    nats) the redo pass takes them, its own operands in fp32 (2^32 = 22 nats); past that too, or with fp32 inputs
+    (no redo pass), the exact fallback. Without the passes that take them exactly those rows come out NaN."""
+    opts, tile_end = OWN_TILES[tiles]
     x = _inputs(dtype, T=40, D=16, H=1)
     x["k"][:, 21] = x["k"][:, :16].amax(1) + rise
-    assert _excess(x, dtype, causal=True) <= EXCESS_BOUND[dtype]
-    monkeypatch.setattr(aft_kernels, "_aft_fallback_kernel", _NoFallback())
-    o = kernel("aft")(**x, causal=True)
-    assert bool(torch.isnan(o[:, 21:32]).all()) and not bool(torch.isnan(o[:, :21]).any())
-    assert not bool(torch.isnan(o[:, 32:]).any())
+    assert _excess(x, dtype, causal=True, **opts) <= EXCESS_BOUND[dtype]
+    _leave_out(monkeypatch, "fallback")
+    if taken_by == "redo":
+        assert _excess(x, dtype, causal=True, **opts) <= EXCESS_BOUND[dtype]
+        _leave_out(monkeypatch, "redo")
+    o = kernel("aft", **opts)(**x, causal=True)
+    assert bool(torch.isnan(o[:, 21:tile_end]).all()) and not bool(torch.isnan(o[:, :21]).any())
+    assert not bool(torch.isnan(o[:, tile_end:]).any())
 
 
-class _NoFallback:
-    """Stands in for _aft_fallback_kernel: launches nothing, so the entries the main kernel marked stay NaN."""
+def _leave_out(monkeypatch, step):
+    """Launch the forward without one of its exact passes, so that the entries it would take stay NaN: "fallback"
+    (_aft_fallback_kernel) or "redo" (_aft_own_redo_kernel)."""
+    name = {"fallback": "_aft_fallback_kernel", "redo": "_aft_own_redo_kernel"}[step]
+    monkeypatch.setattr(aft_kernels, name, _NoLaunch())
+
+
+class _NoLaunch:
+    """Stands in for an exact pass's kernel: launches nothing, so the entries it would take stay NaN."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
 
+@pytest.mark.parametrize("tiles", OWN_TILES)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("later", ["k_huge", "k_inf", "k_nan", "v_huge", "v_inf", "v_nan"])
-def test_the_own_group_is_causal_past_huge_or_non_finite_keys(dtype, later):
-    """Key 21 lies in the own group of rows 16..31; its row of the own group's operands serves rows 21..31, its 0 in
-    A_own hides it from rows 16..20. A huge or non-finite k or v there must leave rows 0..20 bitwise as they were
-    (0 * inf would be NaN in the product)."""
+def test_the_own_tile_is_causal_past_huge_or_non_finite_keys(dtype, later, tiles):
+    """Key 21's row of its own tile's operands serves the tile's rows from 21 on, its 0 in A_own hides it from the
+    tile's earlier rows. A huge or non-finite k or v there must leave rows 0..20 bitwise as they were (0 * inf
+    would be NaN in the product)."""
+    opts, _ = OWN_TILES[tiles]
     x = _inputs(dtype, T=40, D=16, H=1)
-    before = kernel("aft")(**x, causal=True)
+    before = kernel("aft", **opts)(**x, causal=True)
     name, value = {"k_huge": ("k", 60000.0), "k_inf": ("k", float("inf")), "k_nan": ("k", float("nan")),
                    "v_huge": ("v", 60000.0), "v_inf": ("v", float("inf")), "v_nan": ("v", float("nan"))}[later]
     x[name] = x[name].clone()
     x[name][:, 21] = value
-    after = kernel("aft")(**x, causal=True)
+    after = kernel("aft", **opts)(**x, causal=True)
     assert torch.equal(before[:, :21], after[:, :21])
 
 
+@pytest.mark.parametrize("tiles,T", [({}, 100), ({"block_q": 16, "chunk_size": 16}, 48)],
+                         ids=["second-tile-of-64", "second-tile-of-16"])
 @pytest.mark.parametrize("precision", ["single", "split"])
-def test_own_group_operands_below_fp16s_normal_range_take_the_fallback(precision):
-    """Key 1 has |E v| 60000 and no weight (bias -30), every other v is about 1e-3: group 0's E v scale is set by key
-    1, and rows 16..31 take their own group's E v in it, 2^-8 lower still, where those operands are fp16
-    subnormals (about 2^-23). den is fine, so only the subnormal flag catches them: with "single" (bf16's setting)
-    rows 16..31 measured a median relative error of 6% (up to 16x) without it; "split" keeps them to 2^-36 by lo."""
-    sample = attnlab.formulation("aft").sample(B=1, T=48, H=1, K=16, V=16, seed=5)
+def test_own_tile_operands_below_fp16s_normal_range_take_the_redo_pass(precision, tiles, T):
+    """Key 1 has |E v| 60000 and no weight (bias -30), every other v is about 1e-3: block 0's E v scale is set by key
+    1, and the rows of the second tile take their own tile's E v in it, 2^-4 lower still, where those operands are
+    fp16 subnormals (about 2^-20). den is fine, so only the subnormal flag catches them (the redo pass then sums
+    them with fp32 own operands): with "single" (bf16's setting) those rows measured excess 5.6 (tiles of 64) and
+    10.3 (of 16) without it; "split" keeps them to 2^-36 by lo."""
+    sample = attnlab.formulation("aft").sample(B=1, T=T, H=1, K=16, V=16, seed=5)
     x = {n: t.to(torch.float16) for n, t in sample.items()}
     x["v"] = x["v"] * 1e-3
     x["k"][:, 1], x["v"][:, 1], x["w"][:, 1] = 3.0, 60000.0, -30.0
+    assert _excess(x, torch.float16, causal=True, precision=precision, **tiles) <= EXCESS_BOUND[torch.float16]
+
+
+@pytest.mark.parametrize("precision", ["single", "split"])
+def test_an_own_e_v_past_fp16s_range_in_its_own_units_takes_the_redo_pass(precision, monkeypatch):
+    """The own tile's E * v operands have a headroom of their own, 2^4 (OWN_EV_HEADROOM_LOG2), below E's 2^8: key 80
+    (the second tile of 64 rows) passes the largest key before its tile by 2^4.5 in E (inside E's headroom), with
+    a v that makes its E * v operand 2^16 in the units of block 0 (2^12 with E's headroom): past fp16's range, so
+    rows 80..99 take the redo pass (fp32 own operands) and match the oracle, the fallback left out. Without the
+    redo pass either, exactly those rows come out NaN; with E's headroom for E * v too (the module constant, read
+    at each call: tools/gpu/configs.py sweeps it) none of the second tile's do."""
+    x = _inputs(torch.float16, T=100, D=16, H=1)
+    k, v = x["k"].double(), x["v"].double()
+    block_max = k[:, :64].amax(1)  # C(0), the reference of the second tile's keys
+    peak = ((k[:, :64] - block_max[:, None]).exp() * v[:, :64]).abs().amax(1)
+    scale = 2.0 ** (14 - peak.log2().floor())  # S(0): block 0's peak of |E v| to [2^14, 2^15)
+    e = 2.0**4.5
+    x["k"][:, 80] = (block_max + math.log(e)).to(torch.float16)
+    x["v"][:, 80] = (2.0**20 / (e * scale)).to(torch.float16)
+    _leave_out(monkeypatch, "fallback")
     assert _excess(x, torch.float16, causal=True, precision=precision) <= EXCESS_BOUND[torch.float16]
+    _leave_out(monkeypatch, "redo")
+    o = kernel("aft", precision=precision)(**x, causal=True)
+    assert bool(torch.isnan(o[:, 80:]).all()) and not bool(torch.isnan(o[:, :80]).any())
+    monkeypatch.setitem(aft_kernels.OWN_EV_HEADROOM_LOG2, True, aft_kernels.OWN_HEADROOM_LOG2[True])
+    o = kernel("aft", precision=precision)(**x, causal=True)
+    assert not bool(torch.isnan(o[:, 64:]).any())
