@@ -757,8 +757,8 @@ def _aft_tile(
     if REDO_OWN:
         # Only the entries the first pass marked (o is NaN there) are written again: the marks are causal, and
         # every other entry keeps the first pass's value bitwise.
-        written = in_tile & (tl.load(o_ptr + out_offsets, mask=in_tile, other=0.0) != tl.load(
-            o_ptr + out_offsets, mask=in_tile, other=0.0))
+        first_pass = tl.load(o_ptr + out_offsets, mask=in_tile, other=0.0)
+        written = in_tile & (first_pass != first_pass)
     else:
         written = in_tile
     # What is left for _aft_fallback_kernel (every key, one at a time): WALK_ALL; OWN_ONLY where only the own
