@@ -35,8 +35,8 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
    option tma) where their rows are 16-byte aligned; a block's move factors are loaded during the block before,
    so the rescale never waits on memory.
 4. Causal with 16-bit inputs, _aft_own_redo_kernel (the redo pass): the tiles where only the own tile's fp16
-   operands failed (below), their marked entries summed again with fp32 own operands; persistent, its programs
-   walk the tiles' flags.
+   operands failed (below), their marked entries summed again with fp32 own operands; a few programs per SM
+   take in turn the tiles the main kernel listed.
 5. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
    programs return at once where no entry of their tile needs it.
 
@@ -203,7 +203,7 @@ OWN_EV_HEADROOM_LOG2 = {True: 4, False: 32}  # by "fp16 operands"
 # with fp32 own operands; WALK_ALL, entries for _aft_fallback_kernel, which walks every key one at a time.
 OWN_ONLY = tl.constexpr(1)
 WALK_ALL = tl.constexpr(2)
-# Programs of the redo pass (_aft_own_redo_kernel), which take the tiles it lists in turn.
+# Programs of the redo pass (_aft_own_redo_kernel), which take the listed tiles in turn: two per SM of an H100.
 REDO_PROGRAMS = 264
 # How far below the running peak of |E * v| a block's own peak may set its scale: num, carried in the units of
 # the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_prefix_kernel).
@@ -567,10 +567,10 @@ def _aft_fwd_kernel(
 
 
 # The redo pass: the main kernel's tiles flagged OWN_ONLY summed again, their own products with fp32 operands
-# (_aft_tile with REDO_OWN). The main kernel appends those tiles to ``redo`` (a count, then the tiles' indices), and
+# (_aft_tile with REDO_OWN). The main kernel appends those tiles to redo_ptr's list (a count, then their indices), and
 # a few programs per SM take them in turn: a grid of every tile, nearly all returning at once, each holding the main
-# kernel's shared memory while it does, took 0.17 ms at the bench's shape, and so did programs walking every
-# tile's flag (one load's latency per tile).
+# kernel's shared memory while it does, cost more than the few tiles it redoes, and so did programs walking
+# every tile's flag, one load's latency per tile (reports/bench.md, session 23).
 @triton.jit
 def _aft_own_redo_kernel(
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
