@@ -41,13 +41,22 @@ use PRECISION: for bf16 inputs "fp16", each fp32 operand scaled by a power of tw
 relative, 4x below bf16's floor; one tensor-core product instead of tf32x3's three TF32 ones: reports/bench.md
 has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
 
-On the "fp16" path the sequential passes store what the sums kernel multiplies, S and Delta (_states_kernel), dS'
-and dDelta (_reverse_kernel), as _numerics.to_scratch makes them: fp16, each [K, BV] or [C, BV] tile of a chunk and
-V block scaled by the power of two of its peak (_bound, one max-reduction where the tile is made, which is also the
-scale of that pass's own product with it), the peaks stored beside them (``peaks``, with dO's and v's): exactly the
-rounding each of their "fp16" products did before (2^-11 relative down to 2^-27 of the tile's peak), at half the
-bytes, and the sums kernel feeds the stored tiles to the tensor cores as they are, no reduction per step. The other
-paths store them in ACC, unrounded.
+On the "fp16" path every operand of the sequential passes' and the sums kernel's products is rounded as
+_numerics.to_scratch stores it: fp16, scaled by the power of two of a peak (2^-11 relative down to 2^-27 of the
+peak, the rounding scaled_dot does), the peak taken where the tile is made (_bound, one max-reduction) and stored;
+every product multiplies such tiles as they are (_dot_stored), no reduction per step. The local kernel, before the
+passes, stores what no state enters: A ([C, C]) against its peak, and W, Kd and Qg ([C, K] each) piece by piece of
+LOCAL_KEY_BLOCK key channels, the step in which it forms them, each piece against its own peak (all per chunk, in
+``bounds``); and the peaks of dO and v per chunk and V block (``peaks``; those inputs are rounded where they are
+multiplied). A piece's bound is at most its tile's: a piece whose peak lies below 2^-27 of another's keeps its 11
+bits where one bound for the tile would flush it. The passes hold all K channels in one tile and take the pieces'
+bounds as they are: a product that sums over the key channels (W S, Kd dS') is a sum in fp32 of one fp16 product
+per piece, each scaled by its piece's bound (_dot_pieces); one whose rows are key channels (Kd^T Delta, Qg^T dO,
+W^T dDelta) is one fp16 product, each row scaled by its own piece's bound (_row_bounds). So the passes' loops form
+no row factor, scan no gate and reduce only what the recursion makes: S and Delta (_states_kernel), dS' and dDelta
+(_reverse_kernel), each [K, BV] or [C, BV] tile of a chunk and V block stored at half the bytes against its peak
+(``peaks``), which the pass that makes it and the sums kernel multiply as stored. The other paths store the same
+tiles in ACC, unrounded (W in its own buffer, A: its own tile), and no peaks but v's.
 
 For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X),
 and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these
@@ -58,14 +67,15 @@ Five launches, seven with per-channel gates:
 
 - ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
 - ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
-  ACC; kda's row factors exp(G), exp(G_C - G) and exp(G_C), which every later kernel reads instead of repeating
-  their sums; the peak of each [C, BV] block of v.
+  ACC; kda's row factors exp(G), exp(G_C - G), which the gradients kernel reads instead of repeating their sums,
+  and a gate's exp(G_C) per key channel; the sequential passes' W, A, Kd and Qg ("fp16": rounded, W, Kd and Qg
+  piece by piece of key channels, with their peaks); the peaks of each [C, BV] block of v and dO.
 - ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk and its Delta,
-  recomputed from W and U (the forward keeps no chunk states: [B, H, T/C, K, V], K/C times v's size; recomputing
-  costs one sequential pass); "fp16": stored in fp16 with their peaks.
+  recomputed from W, Kd and U (the forward keeps no chunk states: [B, H, T/C, K, V], K/C times v's size;
+  recomputing costs one sequential pass); "fp16": stored in fp16 with their peaks.
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
-  cotangent leaving it; the last dS is the initial state's gradient; "fp16": stored in fp16 with their peaks and
-  dO's.
+  cotangent leaving it, from A, Kd, Qg, W and dO; the last dS is the initial state's gradient; "fp16": stored in
+  fp16 with their peaks.
 - ``_sums_kernel`` (grid (K blocks of SUMS_KEY_BLOCK + 1, chunks, B*H), parallel): the sums over V above, stored
   in ACC: each key block's program (two at K = 128) dQg, -dW, dKd ([C, SUMS_KEY_BLOCK] each) and <S, dS'> on
   its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each), and dv; every product of stored tiles.
@@ -88,14 +98,17 @@ the reverse pass), written once and read once (-dW twice, once for dT and once f
 outputs there: S and dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16"
 path (bf16 inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and
 Delta, dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead
-of 2.9 (fp32 tiles).
+of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC, 256 MiB in fp16; on the
+"fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which _gradients_kernel
+reads; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds and, gated,
+4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in both
+passes, A and Qg in the reverse one).
 
 Per-channel gates make the row factors [C, K] fp32 tiles where a gate per head has [C, 1] columns, and the anchored
-kernels one warp a program; held live across the products, those tiles spill. So the local kernel forms W and the
-factors (G by span sums) LOCAL_KEY_BLOCK key channels at a time after the inverse, the reverse pass forms Kd and Qg
-(per-channel gates) one at a time and rounds each for its products where it is formed (_operand), and the anchored
-kernels address a block by an int64 base and int32 offsets (_rows_from). reports/bench.md (session 22) has the
-spills and times before and after.
+kernels one warp a program; held live across the products, those tiles spill. So the local kernel forms W, the
+factors (G by span sums) and the passes' Kd and Qg LOCAL_KEY_BLOCK key channels at a time after the inverse, each
+piece rounded and stored where it is formed, and the anchored kernels address a block by an int64 base and int32
+offsets (_rows_from). reports/bench.md (session 22) has the spills and times before and after.
 """
 
 from __future__ import annotations
@@ -106,8 +119,8 @@ import triton.language as tl
 
 from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate
 from attnlab.kernels._numerics import (
-    dot_precision, dot_scratch, dot_scratches, from_scratch, native_gates, peak, scaled_dot, scaled_dot_within,
-    span_sums, split_dot_into, to_scratch, unit_lower_inverse,
+    dot_precision, dot_scratches, from_scratch, native_gates, peak, scaled_dot, span_sums, split_dot_into, to_scratch,
+    unit_lower_inverse,
 )
 from attnlab.kernels._util import block_size, state_block
 
@@ -138,8 +151,11 @@ NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
 # at 64.
 CHANNEL_SLICE = 32
 # Key channels a step of the local kernel after the inverse (W's columns; kda's row factors, their span sums and
-# exps). At K = 128 (4 warps) 64 spills 0 to 54 bytes a thread (kda 16 to 20, a gate per head none); 32 spills
-# 12 to 56; all 128 at once, as W was taken before, 40 (ungated) to 240 (a gate per head), and for kda 0.7 KB.
+# exps; the sequential passes' W, Kd and Qg, each rounded against its own peak), so the pieces whose bounds the
+# passes take (one product a piece where they sum over the key channels, _dot_pieces). At K = 128 (4 warps, bf16
+# inputs) 64 spills 12 (a gate per head) to 64 bytes a thread (ungated; kda 76 to 100); 32, 0 to 8 (kda 76), but
+# the passes' sums over the key channels take four products each and up to 254 registers; all 128 at once (one
+# bound a tile) 12 to 136 bytes, and for kda 0.6 to 0.8 KB.
 LOCAL_KEY_BLOCK = 64
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do). At 4 warps the
 # cotangents kernel spills nothing (195 registers) and the grams kernel 16 bytes, each reduction then across warps.
@@ -147,7 +163,7 @@ CHANNEL_NUM_WARPS = 1
 # Halvings of a SUB-row block down to single rows (_level_factors).
 SUB_LEVELS = tl.constexpr(SUB.value.bit_length() - 1)
 # The "fp16" path's bounds (_bound), one per (chunk, V block of the sequential passes' BV columns) and operand, in
-# ``peaks`` [B*H*chunks*V blocks, PEAKS]: S, Delta (_states_kernel), dS', dDelta, dO (_reverse_kernel), V
+# ``peaks`` [B*H*chunks*V blocks, PEAKS]: S, Delta (_states_kernel), dS', dDelta (_reverse_kernel), dO, V
 # (_local_kernel).
 PEAK_S = tl.constexpr(0)
 PEAK_DELTA = tl.constexpr(1)
@@ -156,6 +172,15 @@ PEAK_D_DELTA = tl.constexpr(3)
 PEAK_DO = tl.constexpr(4)
 PEAK_V = tl.constexpr(5)
 PEAKS = tl.constexpr(6)
+# And the bounds of the sequential passes' operands that no state enters (_local_kernel), per chunk in ``bounds``
+# [B*H*chunks, BOUNDS * pieces]: a row of ``pieces`` per operand, one per piece of LOCAL_KEY_BLOCK key channels
+# (the local kernel's step, where each piece is formed) of W, Kd and Qg; A, a [C, C] tile made whole, has one,
+# the first of its row.
+BOUND_A = tl.constexpr(0)
+BOUND_W = tl.constexpr(1)
+BOUND_KD = tl.constexpr(2)
+BOUND_QG = tl.constexpr(3)
+BOUNDS = tl.constexpr(4)
 
 
 @triton.jit
@@ -207,32 +232,20 @@ def _bound(x, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _dot_within(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """_dot of fp32 tiles with their bounds (_bound) given: on the "fp16" path _numerics.scaled_dot_within, the
-    rounding _dot's scaled_dot does with these bounds as its peaks, without its two max-reductions."""
+def _load_bound(bound_ptr, PRECISION: tl.constexpr):
+    """A stored bound (``peaks``, ``bounds``) on the "fp16" path (0, unused, on the others, which store no bounds)."""
     if PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        acc += scaled_dot_within(a.to(tl.float32), a_bound, b.to(tl.float32), b_bound, PRECISION)
+        return tl.load(bound_ptr)
     else:
-        acc = _dot(a, b, acc, ACC, PRECISION)
-    return acc
+        return tl.full([], 0.0, tl.float32)
 
 
 @triton.jit
 def _operand(x, PRECISION: tl.constexpr):
-    """(x as _dot_within rounds it against its bound, that bound): on the "fp16" path fp16 scaled by its peak
-    (to_scratch), otherwise x; for _dot_operand, which multiplies it as _dot_within would have."""
+    """(x as to_scratch stores it against its peak, that peak): on the "fp16" path fp16 scaled by its peak,
+    otherwise x; for _product."""
     bound = _bound(x, PRECISION)
     return to_scratch(x, bound, PRECISION), bound
-
-
-@triton.jit
-def _dot_operand(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """_dot_within of an operand a as _operand made it (with this bound) and an fp32 tile b: the same products."""
-    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        acc += dot_scratch(a, a_bound, b.to(tl.float32), b_bound, PRECISION)
-    else:
-        acc = _dot(a, b, acc, ACC, PRECISION)
-    return acc
 
 
 @triton.jit
@@ -257,6 +270,52 @@ def _dot_stored(a, a_bound, b, b_bound, acc, ACC: tl.constexpr, PRECISION: tl.co
 def _peaks_at(chunk_row, v_block, V, BV: tl.constexpr):
     """The first of the PEAKS bounds of chunk ``chunk_row`` (bh * chunks + chunk) and V block ``v_block``."""
     return (chunk_row * tl.cdiv(V, BV) + v_block) * PEAKS
+
+
+@triton.jit
+def _bounds_at(chunk_row, OPERAND: tl.constexpr, PIECES: tl.constexpr):
+    """The first of OPERAND's ``bounds`` (one per piece of key channels) of chunk ``chunk_row``."""
+    return (chunk_row * BOUNDS + OPERAND) * PIECES
+
+
+@triton.jit
+def _store_operand(x_ptr, x, mask, bound_ptr, PRECISION: tl.constexpr):
+    """Store x as to_scratch makes it against its own peak and, on the "fp16" path, that peak (at ``bound_ptr``):
+    x unrounded on the other paths, which read no bound."""
+    bound = _bound(x, PRECISION)
+    tl.store(x_ptr, to_scratch(x, bound, PRECISION), mask=mask)
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        tl.store(bound_ptr, bound)
+
+
+@triton.jit
+def _dot_pieces(a, a_bounds, b, b_bound, acc, K, BKC: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + a @ b summed over a's columns, key channels that _local_kernel stored piece by piece of BKC, each piece
+    against its own bound (``a_bounds``, one a piece), and b as to_scratch stored it: on the "fp16" path a sum in
+    fp32 of one fp16 product per piece, each scaled by its piece's bound and b's (_dot_stored), the piece picked by
+    zeroing b's other rows (b, [BK, BV], is the smaller operand: at K = 128 zeroing a's columns instead took the
+    passes from 175 to 240 registers a thread to 255, and spilled); otherwise one _dot. A piece past K (K < BK)
+    has no bound stored: its rows of b are zero, and so is its bound here."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        piece_of = tl.arange(0, b.shape[0]) // BKC
+        for piece in tl.static_range(b.shape[0] // BKC):
+            acc = _dot_stored(a, tl.load(a_bounds + piece, mask=piece * BKC < K, other=0.0),
+                              tl.where((piece_of == piece)[:, None], b, 0.0), b_bound, acc, ACC, PRECISION)
+    else:
+        acc = _dot(a, b, acc, ACC, PRECISION)
+    return acc
+
+
+@triton.jit
+def _row_bounds(a_bounds, keys, K, BKC: tl.constexpr, PRECISION: tl.constexpr):
+    """For a product whose rows are key channels (the transpose of a tile _local_kernel stored piece by piece of
+    BKC, each against its own bound, ``a_bounds``): each row's piece's bound as a [BK, 1] column, which
+    _dot_stored's one fp16 product takes on its own rows (0 past K, on rows that are zero); on the other paths 0,
+    unused (no load)."""
+    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+        return tl.load(a_bounds + keys // BKC, mask=keys < K, other=0.0)[:, None]
+    else:
+        return tl.full([], 0.0, tl.float32)
 
 
 @triton.jit
@@ -311,16 +370,14 @@ def _stored_gate_factors(g_ptr, factors_ptr, decays_ptr, token, valid, scratch_r
 
 
 @triton.jit
-def _channel_factors(g_ptr, token, valid, channels, K, C: tl.constexpr, ACC: tl.constexpr,
-                     NATIVE_GATES: tl.constexpr):
-    """Per-channel gates' row factors of one chunk on ``channels``, in ACC: exp(G_t) and exp(G_C - G_t) [C,
-    channels] and exp(G_C) [channels], each exponent the direct sum of the steps it spans ([0, t] and (t, C),
-    _span_exponents: two tensor-core dots), as the anchored grams and kernels/kda.py's forward take theirs; G_C is
-    the last row's [0, C) (rows past T load g = 0). A compensated scan of the [C, channels] gates (a pair per
-    entry, Knuth's TwoSum at every step of a scan across threads and warps) was half the local kernel's
+def _channel_factors(g, C: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
+    """Per-channel gates' row factors of one chunk from its log gates g [C, channels], in ACC: exp(G_t) and
+    exp(G_C - G_t) [C, channels] and exp(G_C) [channels], each exponent the direct sum of the steps it spans ([0, t]
+    and (t, C), _span_exponents: two tensor-core dots), as the anchored grams and kernels/kda.py's forward take
+    theirs; G_C is the last row's [0, C) (rows past T load g = 0). A compensated scan of the [C, channels] gates (a
+    pair per entry, Knuth's TwoSum at every step of a scan across threads and warps) was half the local kernel's
     instructions at K = 128 (sm_90a), more than DeltaNet's whole local kernel."""
     rows = tl.arange(0, C)
-    g = _rows_of(g_ptr, token, valid, channels, K)
     G = _span_exponents(rows[None, :] <= rows[:, None], g, ACC, NATIVE_GATES)
     to_end = tl.exp(_span_exponents(rows[None, :] > rows[:, None], g, ACC, NATIVE_GATES))
     return tl.exp(G), to_end, tl.exp(tl.sum(tl.where(rows[:, None] == C - 1, G, 0.0), axis=0))
@@ -331,6 +388,12 @@ def _rows_of(x_ptr, token, valid, channels, K):
     """The chunk's rows of x [B, T, H, K] on ``channels`` (0 past T and past K), in x's dtype."""
     return tl.load(x_ptr + token[:, None] * K + channels[None, :], mask=valid[:, None] & (channels < K)[None, :],
                    other=0.0)
+
+
+@triton.jit
+def _key_rows(x_ptr, rows, keys, K, width):
+    """Rows ``rows`` of a scratch buffer [.., width] on ``keys`` (0 past K)."""
+    return tl.load(x_ptr + rows[:, None] * width + keys[None, :], mask=(keys < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -476,56 +539,100 @@ def _channel_grams_kernel(
 
 @triton.jit
 def _local_kernel(
-    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, x_ptr, w_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr, peaks_ptr,
-    T, H, K, V,
+    q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, do_ptr, x_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr,
+    stored_w_ptr, stored_a_ptr, kd_qg_ptr, bounds_ptr, peaks_ptr, T, H, K, V,
     scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
+    BV: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, PASS_PRECISION: tl.constexpr,
+    ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
     given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
-    gates' row factors for the kernels after it (_channel_factors, read back by _stored_gate_factors); the peak of
-    each [C, BV] block of v, V's bound (PEAK_V) in _sums_kernel's "fp16" products (the other paths do not read
-    it)."""
+    gates' row factors for the kernels after it (_channel_factors, read back by _stored_gate_factors); and what the
+    sequential passes multiply that no state enters, stored as to_scratch makes it at their PRECISION
+    (PASS_PRECISION): W, Kd = exp(G_C - G) K and Qg = scale exp(G) Q piece by piece of BKC key channels, each piece
+    against its own peak, and A against its whole tile's (the peaks in ``bounds``); a gate's exp(G_C)
+    (``decays``, per key channel); and the peak of each [C, BV] block of dO and of v (PEAK_DO, the bound of the
+    reverse pass's and _sums_kernel's dO; PEAK_V, _sums_kernel's). W is stored only there (on the other paths
+    ``stored_w`` is W's ACC buffer, -dW's later); A in ACC as well, for _gradients_kernel."""
+    ROUNDED: tl.constexpr = PASS_PRECISION == "fp16" or PASS_PRECISION == "fp16_emulated"
+    PIECES: tl.constexpr = BK // BKC
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
+    scale = _scale_in(scale_hi, scale_lo, ACC)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     if CHANNEL:
         kk = tl.load(kk_ptr + gram_offsets)
     else:
         k = _rows_of(k_ptr, token, valid, tl.arange(0, BK), K)
-        decay, from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
+        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
         q = _rows_of(q_ptr, token, valid, tl.arange(0, BK), K)
-        tl.store(a_ptr + gram_offsets, _scale_in(scale_hi, scale_lo, ACC) * _mm(q, tl.trans(k), ACC, PRECISION) * decay)
+        A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
+        tl.store(a_ptr + gram_offsets, A)
         tl.store(kk_ptr + gram_offsets, kk)
+        if ROUNDED:
+            _store_operand(stored_a_ptr + gram_offsets, A, None, bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES),
+                           PASS_PRECISION)
+        if GATED:
+            tl.store(decays_ptr + chunk_row * K + tl.arange(0, BK), chunk_decay, mask=tl.arange(0, BK) < K)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
     X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
         residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION)
         X = _dot(X, residual, X, ACC, PRECISION)
-    tl.store(x_ptr + gram_offsets, X)
+    # After the inverse the chunk's rows are addressed from their first token and scratch row by int32 offsets
+    # (_rows_from): the int64 [C] tokens and scratch rows, live across the inverse, spilled.
+    in_chunk, first_token, steps, first_row = _rows_from(bh, chunk, 0, C, C, T, H)
+    grams = rows[:, None] * C + rows[None, :]
+    tl.store(x_ptr + first_row * C + grams, X)
     ut = X * beta[None, :]
-    # After the inverse, BKC key channels at a time: W's columns and per-channel gates' row factors on them.
+    # Then a piece of BKC key channels at a time: per-channel gates' row factors on them, and each pass operand's
+    # piece, rounded against its own peak where it is formed (the passes scale each piece's products by it:
+    # _dot_pieces, _row_bounds). One bound over all K channels would wait for every piece: [C, K] fp32 tiles held
+    # across the pieces spill (LOCAL_KEY_BLOCK), and forming the pieces again after the peaks made this kernel
+    # slower by more than the passes gained (reports/bench.md, session 23). W is formed last: its product's
+    # operands and accumulator are live while Kd's and Qg's peaks are taken otherwise, and spilled.
     for key_start in range(0, K, BKC):
         keys = key_start + tl.arange(0, BKC)
-        key_ok = keys < K
+        key_ok = (keys < K)[None, :]
+        key_rows = rows[:, None] * K + keys[None, :]
+        paired_rows = rows[:, None] * (2 * K) + keys[None, :]  # in factors and kd_qg, [rows, 2K]
         if CHANNEL:
-            from_start, to_end, chunk_decay = _channel_factors(g_ptr, token, valid, keys, K, C, ACC, NATIVE_GATES)
-            factors = scratch_row[:, None] * (2 * K) + keys[None, :]
-            tl.store(factors_ptr + factors, from_start, mask=key_ok[None, :])
-            tl.store(factors_ptr + factors + K, to_end, mask=key_ok[None, :])
-            tl.store(decays_ptr + chunk_row * K + keys, chunk_decay, mask=key_ok)
-        kg = _rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start
-        tl.store(w_ptr + scratch_row[:, None] * K + keys[None, :], _mm(ut, kg, ACC, PRECISION), mask=key_ok[None, :])
+            from_start, to_end, chunk_decay = _channel_factors(_block_of(g_ptr, first_token, steps, in_chunk, keys, K),
+                                                               C, ACC, NATIVE_GATES)
+            tl.store(factors_ptr + first_row * (2 * K) + paired_rows, from_start, mask=key_ok)
+            tl.store(factors_ptr + first_row * (2 * K) + K + paired_rows, to_end, mask=key_ok)
+            tl.store(decays_ptr + chunk_row * K + keys, chunk_decay, mask=keys < K)
+        bounds = bounds_ptr + _bounds_at(chunk_row, 0, PIECES) + key_start // BKC
+        key_piece = _block_of(k_ptr, first_token, steps, in_chunk, keys, K).to(ACC)
+        _store_operand(kd_qg_ptr + first_row * (2 * K) + paired_rows, key_piece * to_end, key_ok,
+                       bounds + BOUND_KD * PIECES, PASS_PRECISION)
+        qg_piece = _block_of(q_ptr, first_token, steps, in_chunk, keys, K).to(ACC) * scale * from_start
+        _store_operand(kd_qg_ptr + first_row * (2 * K) + K + paired_rows, qg_piece, key_ok,
+                       bounds + BOUND_QG * PIECES, PASS_PRECISION)
+        w_piece = _mm(ut, key_piece * from_start, ACC, PRECISION)
+        _store_operand(stored_w_ptr + first_row * K + key_rows, w_piece, key_ok, bounds + BOUND_W * PIECES,
+                       PASS_PRECISION)
     for value_start in range(0, V, BV):
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
-        v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :], other=0.0)
-        tl.store(u_ptr + scratch_row[:, None] * V + values[None, :], _mm(ut, v, ACC, PRECISION),
+        in_values = in_chunk[:, None] & value_ok[None, :]
+        inputs = steps[:, None] * V + values[None, :]
+        v = tl.load(v_ptr + first_token * V + inputs, mask=in_values, other=0.0)
+        tl.store(u_ptr + first_row * V + (rows[:, None] * V + values[None, :]), _mm(ut, v, ACC, PRECISION),
                  mask=value_ok[None, :])
-        tl.store(peaks_ptr + _peaks_at(chunk_row, value_start // BV, V, BV) + PEAK_V, peak(v.to(tl.float32)))
+        peaks = peaks_ptr + _peaks_at(chunk_row, value_start // BV, V, BV)
+        tl.store(peaks + PEAK_V, peak(v.to(tl.float32)))
+        if ROUNDED:
+            do = tl.load(do_ptr + first_token * V + inputs, mask=in_values, other=0.0)
+            tl.store(peaks + PEAK_DO, peak(do.to(tl.float32)))
+    # Per-channel gates' A, given, is rounded last, where the fewest values are live (loaded before the inverse, it
+    # added 230 bytes a thread to this kernel's spills at K = 128).
+    if CHANNEL and ROUNDED:
+        _store_operand(stored_a_ptr + first_row * C + grams, tl.load(a_ptr + first_row * C + grams), None,
+                       bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES), PASS_PRECISION)
 
 
 @triton.jit
@@ -545,122 +652,104 @@ def _state_tile(ptr, offsets, mask, PRESENT: tl.constexpr, BK: tl.constexpr, BV:
 
 
 @triton.jit
+def _decayed(S, decays_ptr, chunk_row, keys, K, GATED: tl.constexpr):
+    """exp(G_C) S for a [BK, BV] state tile: each key channel's row times its chunk decay as _local_kernel stored it
+    (a gate per head: the same in every channel); ungated S."""
+    if GATED:
+        S = S * tl.load(decays_ptr + chunk_row * K + keys, mask=keys < K, other=0.0)[:, None]
+    return S
+
+
+@triton.jit
 def _states_kernel(
-    k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, peaks_ptr, T, H, K, V,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    stored_w_ptr, kd_qg_ptr, bounds_ptr, decays_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, peaks_ptr, T, H, K, V,
+    GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk and its Delta, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in
-    ACC). S and Delta are stored as to_scratch makes them against their peaks (_bound; stored in ``peaks``), which
-    are also the scales of this pass's own "fp16" products with them: the rounding the later products need, made
-    once."""
-    v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
+    ACC), W and Kd as _local_kernel stored them, piece by piece of BKC key channels: on the "fp16" path W S sums
+    one product per piece, each scaled by its piece's bound (_dot_pieces), and Kd^T Delta scales each row by its
+    piece's (_row_bounds). S and Delta are stored as to_scratch makes them against their peaks (_bound; stored in
+    ``peaks``), and this pass multiplies the stored tiles (_dot_stored): each rounding, which _sums_kernel's
+    products need too, made once; the peaks of S and Delta are the loop's only reductions."""
+    PIECES: tl.constexpr = BK // BKC
+    v_block, bh, _batch, _head, keys, values, _key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     S = _state_tile(s0_ptr, S_offsets, S_mask, HAS_INITIAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for chunk in range(0, chunks):
         chunk_row = bh.to(tl.int64) * chunks + chunk
         peaks = peaks_ptr + _peaks_at(chunk_row, v_block, V, BV)
         s_bound = _bound(S, PRECISION)
-        tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values),
-                 to_scratch(S, s_bound, PRECISION), mask=S_mask)
-        valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
-        w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
+        S_stored = to_scratch(S, s_bound, PRECISION)
+        tl.store(states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), S_stored, mask=S_mask)
+        _valid, _token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
         scratch = scratch_row[:, None] * V + values[None, :]
         u = tl.load(u_ptr + scratch, mask=value_ok[None, :], other=0.0)
-        delta = u - _dot_within(w, _bound(w, PRECISION), S, s_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
+        w = _key_rows(stored_w_ptr, scratch_row, keys, K, K)
+        delta = u - _dot_pieces(w, bounds_ptr + _bounds_at(chunk_row, BOUND_W, PIECES), S_stored, s_bound,
+                                tl.zeros([C, BV], dtype=ACC), K, BKC, ACC, PRECISION)
         delta_bound = _bound(delta, PRECISION)
-        tl.store(delta_ptr + scratch, to_scratch(delta, delta_bound, PRECISION), mask=value_ok[None, :])
+        delta_stored = to_scratch(delta, delta_bound, PRECISION)
+        tl.store(delta_ptr + scratch, delta_stored, mask=value_ok[None, :])
         if PRECISION == "fp16" or PRECISION == "fp16_emulated":
             tl.store(peaks + PEAK_S, s_bound)
             tl.store(peaks + PEAK_DELTA, delta_bound)
-        _decay, _from_start, to_end, chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
-        kd_t = tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * to_end)
-        S = _dot_within(kd_t, _bound(kd_t, PRECISION), delta, delta_bound, S * chunk_decay[:, None], ACC, PRECISION)
+        kd = _key_rows(kd_qg_ptr, scratch_row, keys, K, 2 * K)
+        kd_bounds = _row_bounds(bounds_ptr + _bounds_at(chunk_row, BOUND_KD, PIECES), keys, K, BKC, PRECISION)
+        S = _dot_stored(tl.trans(kd), kd_bounds, delta_stored, delta_bound,
+                        _decayed(S, decays_ptr, chunk_row, keys, K, GATED), ACC, PRECISION)
 
 
 @triton.jit
 def _reverse_kernel(
-    q_ptr, k_ptr, g_ptr, factors_ptr, decays_ptr, w_ptr, a_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr,
-    d_initial_ptr, peaks_ptr, T, H, K, V, scale_hi, scale_lo,
-    GATED: tl.constexpr, CHANNEL: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr,
-    C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    stored_w_ptr, stored_a_ptr, kd_qg_ptr, bounds_ptr, decays_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr,
+    d_initial_ptr, peaks_ptr, T, H, K, V,
+    GATED: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The chunks backwards from dS = the final state's cotangent (or 0): store dS (the cotangent of the state
-    leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta. dS and dDelta
-    are stored as to_scratch makes them against their peaks (_bound), stored with dO's in ``peaks``: the scales of
-    this pass's own "fp16" products with them, and of _sums_kernel's."""
-    scale = _scale_in(scale_hi, scale_lo, ACC)
-    v_block, bh, _batch, _head, keys, values, key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
+    leaving the chunk), then dDelta = A^T dO + Kd dS and dS <- exp(G_C) dS + Qg^T dO - W^T dDelta, A, Kd, Qg and W
+    as _local_kernel stored them, dO rounded against the bound it stored for it. On the "fp16" path Kd dS sums one
+    product per piece of BKC key channels, each scaled by its piece's bound (_dot_pieces), and Qg^T dO and W^T
+    dDelta scale each row by its piece's (_row_bounds). dS and dDelta are stored as to_scratch makes them against
+    their peaks (_bound; stored in ``peaks``, the scales of _sums_kernel's products with them too), and this pass
+    multiplies the stored tiles: their peaks are the loop's only reductions."""
+    PIECES: tl.constexpr = BK // BKC
+    v_block, bh, _batch, _head, keys, values, _key_ok, value_ok, S_offsets, S_mask = state_block(H, K, V, BK, BV)
     dS = _state_tile(d_final_ptr, S_offsets, S_mask, HAS_D_FINAL, BK, BV, ACC)
     chunks = tl.cdiv(T, C)
     for i in range(0, chunks):
         chunk = chunks - 1 - i
         chunk_row = bh.to(tl.int64) * chunks + chunk
         peaks = peaks_ptr + _peaks_at(chunk_row, v_block, V, BV)
-        chunk_state = _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values)
         ds_bound = _bound(dS, PRECISION)
-        tl.store(d_states_ptr + chunk_state, to_scratch(dS, ds_bound, PRECISION), mask=S_mask)
+        dS_stored = to_scratch(dS, ds_bound, PRECISION)
+        tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS_stored, mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
-        # Per-channel gates form Kd, then Qg, each rounded for its products where it is formed (_operand), its factor
-        # taken just before (each call keeps the loads it uses): their [C, BK] fp32 factors and the fp32 products
-        # with them, live together across the products, spilled 0.6 KB a thread at K = 128. A gate per head ([C, 1]
-        # factors) keeps q and k, loaded first, and forms each where it is multiplied: formed first, their fp16
-        # operands wait in shared memory across the other products, which made deltanet's pass slower
-        # (reports/bench.md, session 22).
-        if CHANNEL:
-            _decay, _from_start, to_end, _chunk_decay = _stored_gate_factors(
-                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
-                ACC)
-            kd, kd_bound = _operand(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * to_end, PRECISION)
-            _decay, from_start, _to_end, chunk_decay = _stored_gate_factors(
-                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
-                ACC)
-            qg_t, qg_bound = _operand(tl.trans(_rows_of(q_ptr, token, valid, keys, K).to(ACC) * scale * from_start),
-                                      PRECISION)
-        else:
-            q = _rows_of(q_ptr, token, valid, keys, K)
-            k = _rows_of(k_ptr, token, valid, keys, K)
-        do = tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
-                     other=0.0).to(ACC)
-        do_bound = _bound(do, PRECISION)
-        if not CHANNEL:
-            _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
-                g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK,
-                ACC)
-        A = tl.load(a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
-        d_delta = _dot_within(tl.trans(A), _bound(A, PRECISION), do, do_bound, tl.zeros([C, BV], dtype=ACC), ACC,
-                              PRECISION)
-        if CHANNEL:
-            d_delta = _dot_operand(kd, kd_bound, dS, ds_bound, d_delta, ACC, PRECISION)
-        else:
-            kd = k.to(ACC) * to_end
-            d_delta = _dot_within(kd, _bound(kd, PRECISION), dS, ds_bound, d_delta, ACC, PRECISION)
+        do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
+        do = to_scratch(tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
+                                other=0.0).to(ACC), do_bound, PRECISION)
+        A = tl.load(stored_a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
+        a_bound = _load_bound(bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES), PRECISION)
+        d_delta = _dot_stored(tl.trans(A), a_bound, do, do_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
+        kd = _key_rows(kd_qg_ptr, scratch_row, keys, K, 2 * K)
+        d_delta = _dot_pieces(kd, bounds_ptr + _bounds_at(chunk_row, BOUND_KD, PIECES), dS_stored, ds_bound, d_delta,
+                              K, BKC, ACC, PRECISION)
         dd_bound = _bound(d_delta, PRECISION)
-        tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], to_scratch(d_delta, dd_bound, PRECISION),
-                 mask=value_ok[None, :])
+        d_delta_stored = to_scratch(d_delta, dd_bound, PRECISION)
+        tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta_stored, mask=value_ok[None, :])
         if PRECISION == "fp16" or PRECISION == "fp16_emulated":
             tl.store(peaks + PEAK_D_S, ds_bound)
             tl.store(peaks + PEAK_D_DELTA, dd_bound)
-            tl.store(peaks + PEAK_DO, do_bound)
-        w = tl.load(w_ptr + scratch_row[:, None] * K + keys[None, :], mask=key_ok[None, :], other=0.0)
-        if CHANNEL:
-            dS = _dot_operand(qg_t, qg_bound, do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
-        else:
-            qg_t = tl.trans(q.to(ACC) * scale * from_start)
-            dS = _dot_within(qg_t, _bound(qg_t, PRECISION), do, do_bound, dS * chunk_decay[:, None], ACC, PRECISION)
-        dS = _dot_within(tl.trans(-w), _bound(w, PRECISION), d_delta, dd_bound, dS, ACC, PRECISION)
+        qg = _key_rows(kd_qg_ptr + K, scratch_row, keys, K, 2 * K)
+        qg_bounds = _row_bounds(bounds_ptr + _bounds_at(chunk_row, BOUND_QG, PIECES), keys, K, BKC, PRECISION)
+        dS = _dot_stored(tl.trans(qg), qg_bounds, do, do_bound, _decayed(dS, decays_ptr, chunk_row, keys, K, GATED),
+                         ACC, PRECISION)
+        w = _key_rows(stored_w_ptr, scratch_row, keys, K, K)
+        w_bounds = _row_bounds(bounds_ptr + _bounds_at(chunk_row, BOUND_W, PIECES), keys, K, BKC, PRECISION)
+        dS = _dot_stored(tl.trans(-w), w_bounds, d_delta_stored, dd_bound, dS, ACC, PRECISION)
     if STORE_D_INITIAL:
         tl.store(d_initial_ptr + S_offsets, dS, mask=S_mask)
-
-
-@triton.jit
-def _load_bound(bound_ptr, PRECISION: tl.constexpr):
-    """A bound from ``peaks`` on the "fp16" path (0, unused, on the others, which store no bounds)."""
-    if PRECISION == "fp16" or PRECISION == "fp16_emulated":
-        return tl.load(bound_ptr)
-    else:
-        return tl.full([], 0.0, tl.float32)
 
 
 @triton.jit
@@ -975,13 +1064,22 @@ def chunkwise_backward(
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     precision = products_precision(q.dtype)
-    # The sequential passes' outputs, S, dS', Delta and dDelta: fp16 on the "fp16" path (to_scratch, each
-    # (chunk, V block) tile against its bound in ``peaks``), else ACC.
-    stored = dict(acc, dtype=torch.float16) if precision in ("fp16", "fp16_emulated") else acc
+    # The sequential passes' operands as to_scratch stores them: fp16 on the "fp16" path, each tile against its
+    # bound (``peaks``: S, dS', Delta, dDelta of each (chunk, V block), their outputs; ``bounds``: W, Kd, Qg of each
+    # chunk and piece of key channels, and A of each chunk, the local kernel's), else ACC.
+    rounded = precision in ("fp16", "fp16_emulated")
+    piece_keys = min(BK, LOCAL_KEY_BLOCK)  # key channels of a piece
+    stored = dict(acc, dtype=torch.float16) if rounded else acc
     X = torch.empty((B * H * chunks * C, C), **acc)
     A, kk = torch.empty_like(X), torch.empty_like(X)
-    w = torch.empty((B * H * chunks * C, K), **acc)
+    w = torch.empty((B * H * chunks * C, K), **acc)  # -dW (_sums_kernel); unrounded, W first
     u = torch.empty((B * H * chunks * C, V), **acc)
+    # W and A rounded for the passes; unrounded, W's buffer (the passes read W before _sums_kernel overwrites it)
+    # and A's own ACC tile (which _gradients_kernel reads).
+    stored_w = torch.empty((B * H * chunks * C, K), **stored) if rounded else w
+    stored_a = torch.empty((B * H * chunks * C, C), **stored) if rounded else A
+    kd_qg = torch.empty((B * H * chunks * C, 2 * K), **stored)
+    bounds = torch.empty((B * H * chunks, BOUNDS.value * (BK // piece_keys)), dtype=torch.float32, device=q.device)
     delta = torch.empty((B * H * chunks * C, V), **stored)
     states = torch.empty((B * H, chunks, K, V), **stored)
     d_states = torch.empty_like(states)
@@ -1001,26 +1099,27 @@ def chunkwise_backward(
         parts = torch.empty((B * H * chunks * C, 3 * K), **acc)  # the row factors' parts of dq, dk, dG
         d_kk, d_a = torch.empty_like(X), torch.empty_like(X)
         factors = torch.empty((B * H * chunks * C, 2 * K), **acc)  # exp(G_t), exp(G_C - G_t)
-        decays = torch.empty((B * H * chunks, K), **acc)  # exp(G_C)
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
                              num_warps=CHANNEL_NUM_WARPS, num_stages=stages["channel"])
         _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C,
                                                PRECISION="tf32x3", **channel_slice)
     else:
-        parts, d_kk, d_a, factors, decays = X, X, X, X, X  # unused pointers
-    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, X, w, u, A, kk, factors, decays, peaks, T, H, K, V,
-                                   scale_hi, scale_lo, BKC=min(BK, LOCAL_KEY_BLOCK), BV=BV,
-                                   LEVELS=(C // SUB.value).bit_length() - 1, PRECISION="tf32x3",
+        parts, d_kk, d_a, factors = X, X, X, X  # unused pointers
+    decays = torch.empty((B * H * chunks, K), **acc) if g is not None else X  # exp(G_C) per key channel
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, do, X, u, A, kk, factors, decays, stored_w, stored_a, kd_qg,
+                                   bounds, peaks, T, H, K, V, scale_hi, scale_lo,
+                                   BKC=piece_keys, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
+                                   PRECISION="tf32x3", PASS_PRECISION=precision,
                                    NATIVE_GATES=native_gates(gate.dtype), num_stages=stages["local"], **common)
     common["PRECISION"] = precision
+    passes = {n: value for n, value in common.items() if n != "CHANNEL"}  # they read no row factors
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        k, gate, factors, decays, w, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
-        HAS_INITIAL=state is not None, BV=BV, num_stages=stages["states"], **common)
+        stored_w, kd_qg, bounds, decays, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
+        HAS_INITIAL=state is not None, BKC=piece_keys, BV=BV, num_stages=stages["states"], **passes)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
-        q, k, gate, factors, decays, w, A, do, d_state[0] if d_state is not None else w, d_states, d_delta,
-        d_initial if d_initial is not None else w, peaks, T, H, K, V, scale_hi, scale_lo,
-        HAS_D_FINAL=d_state is not None, STORE_D_INITIAL=d_initial is not None, BV=BV, num_stages=stages["reverse"],
-        **common)
+        stored_w, stored_a, kd_qg, bounds, decays, do, d_state[0] if d_state is not None else w, d_states, d_delta,
+        d_initial if d_initial is not None else w, peaks, T, H, K, V, HAS_D_FINAL=d_state is not None,
+        STORE_D_INITIAL=d_initial is not None, BKC=piece_keys, BV=BV, num_stages=stages["reverse"], **passes)
     # The sums over V: dQg and dKd beside each other, -dW in W's buffer (no kernel reads W after the reverse
     # pass), dA and dDelta V^T beside each other, <S, dS'> per chunk and key channel.
     key_sums = torch.empty((B * H * chunks * C, 2 * K), **acc)

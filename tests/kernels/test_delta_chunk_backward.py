@@ -38,11 +38,12 @@ COMPILE = textwrap.dedent("""
     from attnlab.kernels import _delta_chunk_backward as backward
 
     KERNELS = {
-        "local": (backward._local_kernel, "q k v beta g", "x w u a kk factors decays peaks", dict(LEVELS=0)),
-        "states": (backward._states_kernel, "k g", "factors decays w u s0 states delta peaks",
+        "local": (backward._local_kernel, "q k v beta g do",
+                  "x u a kk factors decays stored_w stored_a kd_qg bounds peaks", dict(LEVELS=0)),
+        "states": (backward._states_kernel, "", "stored_w kd_qg bounds decays u s0 states delta peaks",
                    dict(HAS_INITIAL=True)),
-        "reverse": (backward._reverse_kernel, "q k g do",
-                    "factors decays w a d_final d_states d_delta d_initial peaks",
+        "reverse": (backward._reverse_kernel, "do",
+                    "stored_w stored_a kd_qg bounds decays d_final d_states d_delta d_initial peaks",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
         "sums": (backward._sums_kernel, "v beta do dv",
                  "x states d_states delta d_delta key_sums dw value_sums pairing peaks", {}),
@@ -55,8 +56,8 @@ COMPILE = textwrap.dedent("""
     GATELESS = ("sums",)  # no gate argument: one compile per arithmetic
 
     DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    # The sequential passes' outputs, stored in fp16 on the "fp16" path (bf16 inputs); the bounds always fp32.
-    STORED = ("states", "d_states", "delta", "d_delta")
+    # The sequential passes' operands, stored in fp16 on the "fp16" path (bf16 inputs); the bounds always fp32.
+    STORED = ("states", "d_states", "delta", "d_delta", "stored_w", "stored_a", "kd_qg")
     WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"sums": backward.SUMS_NUM_WARPS,
                                                           "gradients": backward.GRADIENTS_NUM_WARPS}
     WARPS |= dict.fromkeys(CHANNEL_ONLY, backward.CHANNEL_NUM_WARPS)
@@ -67,14 +68,15 @@ COMPILE = textwrap.dedent("""
         types = {f"{n}_ptr": f"*{inputs}" for n in input_names.split()}
         precision = backward.products_precision(DTYPES[inputs])
         types |= {f"{n}_ptr": "*fp64" if inputs == "fp32" else "*fp32" for n in scratch_names.split()}
-        types |= {f"{n}_ptr": "*fp16" for n in STORED if precision == "fp16"} | {"peaks_ptr": "*fp32"}
+        types |= {f"{n}_ptr": "*fp16" for n in STORED if precision == "fp16"}
+        types |= {"peaks_ptr": "*fp32", "bounds_ptr": "*fp32"}
         types |= {n: "i32" for n in ("T", "H", "K", "V")} | {"scale_hi": "fp32", "scale_lo": "fp32"}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         options = dict(constexprs, GATED=gates != "ungated", CHANNEL=gates == "channel", C=C, BK=BK, BV=BV,
                        STATE_BV=STATE_BV,
                        BKC=min(BK, backward.CHANNEL_SLICE), NATIVE_GATES=inputs != "fp32", ACC=acc,
                        PRECISION="tf32x3" if name in ("local", "channel_grams")
-                       else precision)
+                       else precision, PASS_PRECISION=precision)
         options = {n: value for n, value in options.items() if n in kernel.arg_names}
         what = f"{name} {inputs} {gates} C={C} BK={BK} BV={BV}"
         try:
@@ -142,3 +144,83 @@ def test_the_fp16_path_stores_its_operands_at_fp16s_precision(name, monkeypatch)
                                                                                           base=reference))
     for n, m in measured.items():
         assert m.nonfinite == 0 and m.excess <= FP16_PATH_BOUND, (n, m.as_dict())
+
+
+class _Recorded:
+    """A kernel as the launcher calls it (kernel[grid](...)), copying named pointer arguments: ``before`` as it
+    is launched, ``after`` once it has run."""
+
+    def __init__(self, kernel, copies: dict, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+        self.kernel, self.copies, self.before, self.after = kernel, copies, before, after
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            named = dict(zip(self.kernel.arg_names, args))
+            self.copies.update({n: named[f"{n}_ptr"].clone() for n in self.before})
+            self.kernel[grid](*args, **options)
+            self.copies.update({n: named[f"{n}_ptr"].clone() for n in self.after})
+        return launch
+
+
+def _sequential_passes(x: dict, do: torch.Tensor, precision: str, monkeypatch) -> dict[str, torch.Tensor]:
+    """The local kernel's W, Kd, Qg and their bounds as the sequential passes read them, and the passes' S, Delta,
+    dS', dDelta and peaks, with the backward's products at ``precision``."""
+    copies: dict[str, torch.Tensor] = {}
+    with monkeypatch.context() as patch:
+        patch.setattr(backward, "products_precision", lambda dtype: precision)
+        patch.setattr(backward, "_states_kernel", _Recorded(backward._states_kernel, copies,
+                                                            ("stored_w", "kd_qg", "bounds"), ("states", "delta")))
+        patch.setattr(backward, "_reverse_kernel", _Recorded(backward._reverse_kernel, copies, (),
+                                                             ("d_states", "d_delta", "peaks")))
+        backward.chunkwise_backward(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], g=x.get("g"),
+                                    scale=x["q"].shape[-1] ** -0.5, state=None, do=do, d_state=None)
+    return copies
+
+
+def _unit(bound: torch.Tensor) -> torch.Tensor:
+    """What one unit of a value to_scratch stored against ``bound`` is worth: the power of two that takes the
+    bound into [2^13, 2^14) (_numerics.pow2_scale), inverted."""
+    return torch.ldexp(torch.ones_like(bound), torch.frexp(bound).exponent - 14)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_the_fp16_path_rounds_each_piece_of_key_channels_against_its_own_peak(name, monkeypatch):
+    """W, Kd and Qg go to the sequential passes piece by piece of LOCAL_KEY_BLOCK key channels, each piece rounded
+    against its own peak, and the passes scale each piece's products by it. Here K = 32 in pieces of 16, the second
+    piece's keys 2^-8 of the first's (kda: its gates -40 a step too, which take W's and Qg's second piece below
+    2^-50 of the first's), against the same operands unrounded ("tf32x3", which rounds nothing): each piece's bound
+    is its peak and its values lie within 2^-11 of it, a piece below 2^-27 of its tile keeps them where one bound
+    for the tile would flush them to zero, and the passes' S, Delta, dS' and dDelta lie within 2^-9 of their peaks
+    (2^-12 to 2^-10 measured; swapping the two pieces' bounds in either kind of product puts them 0.1 to 1.5 of
+    their peaks off)."""
+    K, C, pieces = 32, 64, 2
+    monkeypatch.setattr(backward, "LOCAL_KEY_BLOCK", K // pieces)
+    x = {n: t.half() for n, t in attnlab.formulation(name).sample(B=1, T=80, H=1, K=K, V=32, seed=3).items()}
+    x["k"][..., K // 2:] *= 2.0 ** -8
+    if name == "kda":
+        x["g"][..., K // 2:] = -40.0
+    do = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(5)).half()
+    rounded = _sequential_passes(x, do, "fp16_emulated", monkeypatch)
+    exact = _sequential_passes(x, do, "tf32x3", monkeypatch)
+    bounds = rounded["bounds"].view(-1, backward.BOUNDS.value, pieces)  # [chunks, operand, piece]
+    operands = {"W": (backward.BOUND_W.value, rounded["stored_w"], exact["stored_w"]),
+                "Kd": (backward.BOUND_KD.value, rounded["kd_qg"][:, :K], exact["kd_qg"][:, :K]),
+                "Qg": (backward.BOUND_QG.value, rounded["kd_qg"][:, K:], exact["kd_qg"][:, K:])}
+    for label, (operand, stored, unrounded) in operands.items():
+        unrounded = unrounded.reshape(-1, C, pieces, K // pieces)  # [chunks, rows, piece, key channels]
+        stored = stored.reshape(unrounded.shape).float()
+        bound = bounds[:, operand]
+        assert torch.equal(bound, unrounded.abs().amax(dim=(1, 3))), label
+        error = (stored * _unit(bound)[:, None, :, None] - unrounded).abs()
+        assert (error <= 2.0 ** -11 * bound[:, None, :, None]).all(), (label, (error.amax(dim=(1, 3)) / bound))
+        if name == "kda" and label != "Kd":  # Kd = exp(G_C - G) K: its last row is K's
+            tile_scale = 1 / _unit(bound.amax(dim=1))[:, None, None]
+            assert (bound[:, 1] < 2.0 ** -27 * bound[:, 0]).all(), (label, bound)
+            assert ((unrounded[:, :, 1] * tile_scale).half() == 0).all() and (stored[:, :, 1] != 0).any(), label
+    peaks = rounded["peaks"]  # one V block of 32 columns: a row per chunk
+    for slot, stored_tile in ((backward.PEAK_S, "states"), (backward.PEAK_DELTA, "delta"),
+                              (backward.PEAK_D_S, "d_states"), (backward.PEAK_D_DELTA, "d_delta")):
+        unrounded = exact[stored_tile].reshape(peaks.shape[0], -1)
+        values = rounded[stored_tile].reshape(unrounded.shape).float() * _unit(peaks[:, slot.value])[:, None]
+        error = (values - unrounded).abs().amax(dim=1)
+        assert (error <= 2.0 ** -9 * unrounded.abs().amax(dim=1)).all(), (stored_tile, error)
