@@ -37,8 +37,8 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
 4. Causal with 16-bit inputs, _aft_own_redo_kernel (the redo pass): the tiles where only the own tile's fp16
    operands failed (below), their marked entries summed again with fp32 own operands; a few programs per SM
    take in turn the tiles the main kernel listed.
-5. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); its
-   programs return at once where no entry of their tile needs it.
+5. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); a few
+   programs per SM take in turn the tiles the main kernel and the redo pass listed.
 
 The references move forward by vectors. Block j's products are relative to exp(M_t + C(j)), C(j) <= C(j+1); the
 accumulators move from C(j-1) to C(j) by exp(C(j-1) - C(j)) <= 1 per channel (no [BLOCK_Q, BLOCK_D] exponential),
@@ -83,7 +83,7 @@ row and over its keys up to t: an own key more than 2^8 (2^32) above R, or a non
 operand past fp16's range (2^15: |E v| more than 2^19 / S); and a nonzero E_own * v operand below fp16's normal
 range (2^-14: v tiny, or the blocks before set a large S) where |num| is below 2^-11 (2^-22 split) of A_own's
 row sum, so that such operands' absolute error (2^-25, 2^-36 split) could reach 2^-14 of num. The main kernel
-marks those entries (their den, hence o, becomes NaN) and records per program what its tile needs (OWN_ONLY or
+marks those entries (their den, hence o, becomes NaN) and lists its tile for the pass it needs (OWN_ONLY or
 WALK_ALL). The own tile's reasons come from its fp16 operands, not from the factorized sums, so where they are
 all there is, the redo pass recomputes the tile with the own product in fp32 (own keys up to 2^32 above R, no
 range or subnormal limit on E_own * v, exact products) and writes only the marked entries; whatever it still
@@ -198,13 +198,15 @@ OWN_HEADROOM_LOG2 = {True: 8, False: 32}  # by "fp16 operands"
 # than E's headroom, so that fewer of them fall below fp16's normal range (rows the redo pass then takes); an own
 # E * v that passes fp16's range in these units sends its rows to the redo pass as well (_aft_fwd_kernel).
 OWN_EV_HEADROOM_LOG2 = {True: 4, False: 32}  # by "fp16 operands"
-# What a main-kernel program leaves to the passes after it, per tile (``fallback``): OWN_ONLY, entries whose own
-# tile's fp16 operands failed (causal, 16-bit inputs), which the redo pass (_aft_own_redo_kernel) sums again
-# with fp32 own operands; WALK_ALL, entries for _aft_fallback_kernel, which walks every key one at a time.
+# What a main-kernel program leaves to the passes after it, per tile: OWN_ONLY, entries whose own tile's fp16
+# operands failed (causal, 16-bit inputs), which the redo pass (_aft_own_redo_kernel) sums again with fp32 own
+# operands; WALK_ALL, entries for _aft_fallback_kernel, which walks every key one at a time. Each pass's tiles go to
+# a list of its own (a count, then the tiles' indices): the main kernel appends to both, the redo pass to the
+# fallback's.
 OWN_ONLY = tl.constexpr(1)
 WALK_ALL = tl.constexpr(2)
-# Programs of the redo pass (_aft_own_redo_kernel), which take the listed tiles in turn: two per SM of an H100.
-REDO_PROGRAMS = 264
+# Programs of the redo pass and of the fallback, which take their listed tiles in turn: two per SM of an H100.
+PASS_PROGRAMS = 264
 # How far below the running peak of |E * v| a block's own peak may set its scale: num, carried in the units of
 # the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_prefix_kernel).
 SCALE_REACH = tl.constexpr(2.0**-64)
@@ -215,6 +217,10 @@ FORWARD_BLOCK_Q = 64
 BACKWARD_BLOCK_Q = 64
 FORWARD_NUM_WARPS = 4
 BACKWARD_NUM_WARPS = 8
+# The forward's main kernel's registers are capped so that three programs share an SM (65536 / (3 * 128 threads),
+# less the allocation's granularity): ptxas then spills only in the own tile's epilogue, once per tile, and the
+# loop over key blocks, which sets the kernel's time, keeps its operands in registers (reports/bench.md).
+FORWARD_MAX_REGISTERS = 168
 BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own GROUP rows)
 # Most keys x channels per program of _key_block_stats_kernel and _key_factors_kernel (one key block each, 4 warps;
 # 8 for blocks of 128 keys): 64 x 64 (64 bf16 channels are a 128-byte row segment of k and v). ptxas (sm_90) gives
@@ -551,7 +557,7 @@ def _key_factors_kernel(
 def _aft_fwd_kernel(
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
     block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
-    fallback_ptr, redo_ptr,
+    walk_ptr, redo_ptr,
     T, H, D, den_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -561,21 +567,21 @@ def _aft_fwd_kernel(
     _aft_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), tl.num_programs(1),
               w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
               block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
-              o_residual_ptr, fallback_ptr, redo_ptr, T, H, D, den_floor,
+              o_residual_ptr, walk_ptr, redo_ptr, T, H, D, den_floor,
               STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
               OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, False, BLOCK_Q, BLOCK_K, BLOCK_D)
 
 
 # The redo pass: the main kernel's tiles flagged OWN_ONLY summed again, their own products with fp32 operands
-# (_aft_tile with REDO_OWN). The main kernel appends those tiles to redo_ptr's list (a count, then their indices), and
-# a few programs per SM take them in turn: a grid of every tile, nearly all returning at once, each holding the main
-# kernel's shared memory while it does, cost more than the few tiles it redoes, and so did programs walking
-# every tile's flag, one load's latency per tile (reports/bench.md, session 23).
+# (_aft_tile with REDO_OWN). The main kernel appends those tiles to redo_ptr's list, and a few programs per SM take
+# them in turn: a grid of every tile, nearly all returning at once, each holding the main kernel's shared memory
+# while it does, cost more than the few tiles it redoes, and so did programs walking every tile's flag, one load's
+# latency per tile (reports/bench.md, session 23).
 @triton.jit
 def _aft_own_redo_kernel(
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
     block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
-    fallback_ptr, redo_ptr,
+    walk_ptr, redo_ptr,
     T, H, D, den_floor, n_bh,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -588,7 +594,7 @@ def _aft_own_redo_kernel(
         _aft_tile(index % n_t, index // n_t % n_bh, index // (n_t * n_bh), n_t, n_bh,
                   w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr,
                   block_ref_ptr, block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr,
-                  lse_residual_ptr, o_residual_ptr, fallback_ptr, redo_ptr, T, H, D, den_floor,
+                  lse_residual_ptr, o_residual_ptr, walk_ptr, redo_ptr, T, H, D, den_floor,
                   STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
                   OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, True, BLOCK_Q, BLOCK_K, BLOCK_D)
 
@@ -605,14 +611,14 @@ def _aft_tile(
     pid_t, pid_bh, pid_d, n_t, n_bh,
     w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
     block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
-    fallback_ptr, redo_ptr,
+    walk_ptr, redo_ptr,
     T, H, D, den_floor,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
     REDO_OWN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    fallback_index = pid_t + n_t * (pid_bh + n_bh * pid_d)
+    tile_index = pid_t + n_t * (pid_bh + n_bh * pid_d)
     tile = n_t - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
     kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
     row_stride = H * D
@@ -768,9 +774,10 @@ def _aft_tile(
         code = tl.where(tl.max(factorized_low.to(tl.int32)) > 0, WALK_ALL, tl.max(marked.to(tl.int32)) * OWN_ONLY)
     else:
         code = tl.max(marked.to(tl.int32)) * WALK_ALL
-    tl.store(fallback_ptr + fallback_index, code)
     if code == OWN_ONLY:
-        tl.store(redo_ptr + 1 + tl.atomic_add(redo_ptr, 1), fallback_index)
+        tl.store(redo_ptr + 1 + tl.atomic_add(redo_ptr, 1), tile_index)
+    if code == WALK_ALL:
+        tl.store(walk_ptr + 1 + tl.atomic_add(walk_ptr, 1), tile_index)
 
     o = num / den
     o_rounded = o.to(o_ptr.dtype.element_ty)
@@ -823,21 +830,24 @@ def _aft_keys_exact(w_ptr, k_ptrs_row, v_ptrs_row, offs_t, offs_d, T, D, key_sta
     return running_max, num, den
 
 
-# The entries _aft_fwd_kernel left marked (o is NaN there), in tiles it flagged WALK_ALL, summed exactly over all
-# their keys:
-# o_td = num / den with one key at a time and a running maximum per (t, d) (_aft_keys_exact).
+# The entries the main kernel and the redo pass left marked (o is NaN there), in the tiles they listed WALK_ALL
+# (walk_ptr: a count, then the tiles' indices in the main kernel's grid (n_t, n_bh, channel blocks)), summed exactly
+# over all their keys: o_td = num / den with one key at a time and a running maximum per (t, d) (_aft_keys_exact).
+# A few programs per SM take the listed tiles in turn, as the redo pass does; the registry's inputs list none.
 @triton.jit
 def _aft_fallback_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr, fallback_ptr,
-    T, H, D,
+    w_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr, walk_ptr,
+    T, H, D, n_bh,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_d = tl.program_id(2)
-    if tl.load(fallback_ptr + pid_t + tl.num_programs(0) * (pid_bh + tl.num_programs(1) * pid_d)) == WALK_ALL:
-        tile = tl.num_programs(0) - 1 - pid_t if CAUSAL else pid_t
+    n_t = tl.cdiv(T, BLOCK_Q)
+    for i in range(tl.program_id(0), tl.load(walk_ptr), tl.num_programs(0)):
+        index = tl.load(walk_ptr + 1 + i)
+        pid_t = index % n_t
+        pid_bh = index // n_t % n_bh
+        pid_d = index // (n_t * n_bh)
+        tile = n_t - 1 - pid_t if CAUSAL else pid_t
         kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
         row_stride = H * D
         offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -929,15 +939,16 @@ def chunkwise(
         else:
             lse_residual = saved["lse_residual"] = torch.empty_like(lse)
     grid = (triton.cdiv(T, block_q), B * H, triton.cdiv(D, BLOCK_D))
-    fallback = torch.empty(math.prod(grid), dtype=torch.int32, device=device)
-    redo_tiles = torch.zeros(1 + math.prod(grid), dtype=torch.int32, device=device)  # a count, then the tiles
+    # The redo pass's and the fallback's lists of tiles: a count, then the tiles.
+    redo_tiles = torch.zeros(1 + math.prod(grid), dtype=torch.int32, device=device)
+    walk_tiles = torch.zeros(1 + math.prod(grid), dtype=torch.int32, device=device)
     stores = dict(STORE_LSE=saved is not None, STORE_LSE_RESIDUAL=saved is not None and not half_operands,
                   STORE_O_RESIDUAL=saved is not None and half_operands)
     key_block_d = min(block_size(D), KEY_FACTORS_BLOCK_D, KEY_FACTORS_TILE // chunk_size)
     key_warps = 8 if chunk_size > 64 else 4
     prefix_block_d = min(block_size(D), PREFIX_BLOCK_D)
     tile_args = (w, k, v, a_hi, a_lo, anchor, eev_hi, eev_lo, move, block_ref, block_unscale, running_unscale,
-                 own_bias_max, o, lse, lse_residual, o_residual, fallback, redo_tiles, T, H, D,
+                 own_bias_max, o, lse, lse_residual, o_residual, walk_tiles, redo_tiles, T, H, D,
                  DEN_FLOOR[half_operands])
     tile_options = dict(CAUSAL=causal, SPLIT=split, HALF_OPERANDS=half_operands,
                         DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale, TMA=use_tma,
@@ -961,12 +972,12 @@ def chunkwise(
                SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
                num_warps=key_warps),
         Launch(_aft_fwd_kernel, grid, *tile_args, **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands],
-               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands]),
-        *([Launch(_aft_own_redo_kernel, (min(math.prod(grid), REDO_PROGRAMS),), *tile_args, B * H,
+               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands], maxnreg=FORWARD_MAX_REGISTERS),
+        *([Launch(_aft_own_redo_kernel, (min(math.prod(grid), PASS_PROGRAMS),), *tile_args, B * H,
                   **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[False],
                   EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[False])] if causal and half_operands else []),
-        Launch(_aft_fallback_kernel, grid,
-               w, k, v, o, lse, lse_residual, o_residual, fallback, T, H, D,
+        Launch(_aft_fallback_kernel, (min(math.prod(grid), PASS_PROGRAMS),),
+               w, k, v, o, lse, lse_residual, o_residual, walk_tiles, T, H, D, B * H,
                CAUSAL=causal, BLOCK_Q=block_q, BLOCK_D=BLOCK_D, num_warps=num_warps, **stores),
     )
     return o, None

@@ -472,7 +472,7 @@ COMPILE = textwrap.dedent("""
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"fallback_ptr": "*i32", "redo_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32",
+        types = {"walk_ptr": "*i32", "redo_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32",
                  "den_floor": "fp32", "n_bh": "i32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
         types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual")}

@@ -21,7 +21,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
+SECTIONS = ["SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats", "InstructionStats",
             "SourceCounters"]
 SUMMARY = re.compile(r"Duration|Registers Per|Achieved Occupancy|Issued Warp Per Scheduler|No Eligible|Executed Instructions  "
                      r"|Theoretical Occupancy|Memory Throughput|Compute \(SM\) Throughput|Warp Cycles Per Issued|Grid Size")
