@@ -24,14 +24,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         params = []
         for target in session.targets:
             for dtype in session.dtypes:
+                checks_seen = set()
                 for prop in suite.applicable(target, session.selection.passes_or_default):
-                    if long_only and suite.base_name(prop.name) not in LONG_SEQUENCE_PROPERTIES:
+                    check = suite.base_name(prop.name)
+                    if long_only and check not in LONG_SEQUENCE_PROPERTIES:
                         continue
                     marks = () if dtype in target.dtypes else (
                         pytest.mark.skip(reason=f"{target.label} cannot run {_dtype_id(dtype)} here (Triton interpreter)"),)
                     if not marks and not session.runs(prop, target, dtype):
                         marks = (pytest.mark.skip(reason=f"{target.label}'s {_dtype_id(dtype)} backward under the "
                                                   "interpreter: --attnlab-profile thorough (session.INTERPRETER_BACKWARD_DTYPES)"),)
+                    if session.slow(prop, target, dtype, check not in checks_seen):
+                        marks += (pytest.mark.slow,)
+                    checks_seen.add(check)
+                    # A check's gradients share their cases and one backward pass per case (checks.gradient_run's
+                    # cache): one xdist worker takes them all (--dist loadgroup).
+                    marks += (pytest.mark.xdist_group(f"{check}-{target.label}-{_dtype_id(dtype)}"),)
                     params.append(pytest.param(prop, target, dtype, marks=marks,
                                                id=f"{prop.name}-{target.label}-{_dtype_id(dtype)}"))
         metafunc.parametrize("kernel_property,target,dtype", params)

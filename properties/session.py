@@ -62,6 +62,18 @@ class Session:
         return not (prop.name.startswith("backward_") and _interpreted_own(target) and not thorough
                     and dtype not in INTERPRETER_BACKWARD_DTYPES)
 
+    def slow(self, prop: suite.KernelProperty, target: Target, dtype: torch.dtype, first_of_its_check: bool) -> bool:
+        """Whether ``prop`` on ``target`` in ``dtype`` belongs to the slow tier (pytest's ``slow`` marker: ``make
+        test-all``, not ``make test``). Under the Triton interpreter, on attnlab's own kernels: a backward check's
+        properties beyond its first gradient, and every property in fp32. The first gradient holds the check to
+        every kernel in every run, and fp16 is where the kernels meet real rounding; each further gradient and
+        dtype costs the kernel's calls again under the interpreter, most of the test command's time
+        (tests/test_kernels.py and tests/test_kernel_gradients.py hold every output and gradient of every kernel
+        to the oracle in fp16 and fp32 in both tiers)."""
+        if not _interpreted_own(target):
+            return False
+        return dtype == torch.float32 or (prop.name.startswith("backward_") and not first_of_its_check)
+
     def settings_for(self, target: Target, cap: int | None = None) -> settings:
         """The loaded profile, with fewer examples (or below ``cap``) and no shrinking for interpreted kernels.
 

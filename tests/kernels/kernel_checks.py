@@ -10,8 +10,10 @@ tests that name no formulation; :func:`check_stateful_kernel` reads the formulat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import pytest
 import torch
 
 import attnlab
@@ -104,3 +106,11 @@ def check_gradients(name: str, form: str, x: dict, dtype: torch.dtype, *, with_d
     for n, m in measured.items():
         assert m.nonfinite == 0 and m.excess <= EXCESS_BOUND[dtype], (n, m.as_dict())
     return {n: m.excess for n, m in measured.items()}
+
+
+def sweep(values: Sequence[Any], ids: Sequence[str] | None = None) -> list[Any]:
+    """A parametrize axis whose first value runs in every test run and whose others carry the ``slow`` marker:
+    they run in ``make test-all``, not in ``make test`` (CI: a 2-core machine under the interpreter, 15 minutes)."""
+    ids = list(ids) if ids is not None else [None] * len(values)
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), id=i, marks=() if n == 0 else (pytest.mark.slow,))
+            for n, (v, i) in enumerate(zip(values, ids))]

@@ -62,7 +62,7 @@ from attnlab.kernels import aft as aft_kernels
 from attnlab.kernels._util import tma_fits
 from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.metrics import conditioning_floor, measure, measure_gradients, unit_roundoff
-from kernel_checks import EXCESS_BOUND
+from kernel_checks import EXCESS_BOUND, sweep
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter tests run where there is no GPU")
 
@@ -133,8 +133,8 @@ def test_key_shift_invariance_is_exact(dtype, shift, precision):
         assert torch.equal(run(**shifted, causal=causal), run(**x, causal=causal))
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("precision", ["single", "split"])
+@pytest.mark.parametrize("dtype", sweep(list(DTYPES.values()), DTYPES.keys()))
+@pytest.mark.parametrize("precision", sweep(["single", "split"], ["single", "split"]))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_single_token_returns_v_exactly(dtype, precision, causal):
     x = _inputs(dtype, T=1, D=20, B=2)
@@ -188,13 +188,13 @@ def test_wide_bias_and_keys(dtype):
     assert _excess(x, dtype, causal=True, block_q=16, chunk_size=16) <= EXCESS_BOUND[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("dtype", sweep(list(DTYPES.values()), DTYPES.keys()))
 @pytest.mark.parametrize(
     "block_q,chunk_size,spread,T",
-    # Own tiles of 16, 32, 64 (the default) and 128 rows, each over several tiles and several key blocks before the
+    # Own tiles of 64 (the default), 16, 32 and 128 rows, each over several tiles and several key blocks before the
     # later ones; spread 30: some entries take the fallback.
-    [(16, 16, 1.0, 75), (32, 16, 30.0, 75), (None, 64, 1.0, 150), (128, 32, 1.0, 300)],
-    ids=["q16-k16", "q32-k16-wide", "default-T150", "q128-k32-T300"],
+    sweep([(None, 64, 1.0, 150), (16, 16, 1.0, 75), (32, 16, 30.0, 75), (128, 32, 1.0, 300)],
+          ["default-T150", "q16-k16", "q32-k16-wide", "q128-k32-T300"]),
 )
 def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread, T):
     x = _inputs(dtype, T=T, D=16, H=1, spread=spread)
@@ -222,9 +222,9 @@ def test_precisions_fp16(precision, causal):
     assert _excess(x, torch.float16, causal, precision=precision) <= bound
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
-@pytest.mark.parametrize("dtype,precision", [(torch.float16, "single"), (torch.float16, "split"),
-                                             (torch.float32, "auto")], ids=["fp16-single", "fp16-split", "fp32"])
+@pytest.mark.parametrize("causal", sweep([True, False], ["causal", "noncausal"]))
+@pytest.mark.parametrize("dtype,precision", sweep([(torch.float16, "single"), (torch.float16, "split"),
+                                                   (torch.float32, "auto")], ["fp16-single", "fp16-split", "fp32"]))
 def test_tma_matches_pointer_loads(dtype, precision, causal, monkeypatch):
     # T = 56 and D = 20 fit TMA's 16-byte rows (T % 8, 2 D % 8) without filling the last query tile, key block or
     # channel block: the descriptors' zero fill stands in for the pointer loads' masks.
@@ -442,6 +442,7 @@ def test_forward_without_saved_is_unchanged():
     assert saved["lse"].dtype == torch.float32 and saved["lse"].shape == x["v"].shape
 
 
+@pytest.mark.slow
 @settings(max_examples=3, deadline=None)
 @given(
     T=st.integers(1, 50),
@@ -599,8 +600,8 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-@pytest.mark.parametrize("tiles", OWN_TILES)
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("tiles", sweep(list(OWN_TILES), list(OWN_TILES)))
+@pytest.mark.parametrize("dtype", sweep(list(DTYPES.values()), DTYPES.keys()))
 @pytest.mark.parametrize("later", ["k_huge", "k_inf", "k_nan", "v_huge", "v_inf", "v_nan"])
 def test_the_own_tile_is_causal_past_huge_or_non_finite_keys(dtype, later, tiles):
     """Key 21's row of its own tile's operands serves the tile's rows from 21 on, its 0 in A_own hides it from the
