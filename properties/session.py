@@ -26,6 +26,10 @@ from attnlab.pytest_plugin import RESOLVED, Selection, default_dtypes, selection
 # test command's largest share (CI: a 2-core machine, 15 minutes).
 INTERPRETER_BACKWARD_DTYPES = (torch.float16,)
 
+# The backward checks whose first gradient the quick tier (make test) runs on attnlab's interpreted kernels
+# (Session.slow).
+QUICK_BACKWARD_CHECKS = ("backward_matches_oracle", "backward_causality")
+
 # Examples per (property, target, dtype) for kernels under the Triton interpreter, whatever the profile's count:
 # an interpreted call takes a good fraction of a second.
 INTERPRETER_EXAMPLES = 2
@@ -64,15 +68,18 @@ class Session:
 
     def slow(self, prop: suite.KernelProperty, target: Target, dtype: torch.dtype, first_of_its_check: bool) -> bool:
         """Whether ``prop`` on ``target`` in ``dtype`` belongs to the slow tier (pytest's ``slow`` marker: ``make
-        test-all``, not ``make test``). Under the Triton interpreter, on attnlab's own kernels: a backward check's
-        properties beyond its first gradient, and every property in fp32. The first gradient holds the check to
-        every kernel in every run, and fp16 is where the kernels meet real rounding; each further gradient and
-        dtype costs the kernel's calls again under the interpreter, most of the test command's time
-        (tests/test_kernels.py and tests/test_kernel_gradients.py hold every output and gradient of every kernel
-        to the oracle in fp16 and fp32 in both tiers)."""
+        test-all``, not ``make test``). Under the Triton interpreter, on attnlab's own kernels: every property in
+        fp32, and of the backward properties all but the first gradient of QUICK_BACKWARD_CHECKS. fp16 is where the
+        kernels meet real rounding, and those two checks hold every kernel's backward to the oracle and to
+        causality in every run; each further check, gradient and dtype costs the kernel's calls again under the
+        interpreter, most of the test command's time (tests/test_kernels.py and tests/test_kernel_gradients.py hold
+        every output and gradient of every kernel to the oracle in fp16 and fp32 in both tiers)."""
         if not _interpreted_own(target):
             return False
-        return dtype == torch.float32 or (prop.name.startswith("backward_") and not first_of_its_check)
+        if dtype == torch.float32:
+            return True
+        backward = prop.name.startswith("backward_")
+        return backward and not (first_of_its_check and suite.base_name(prop.name) in QUICK_BACKWARD_CHECKS)
 
     def settings_for(self, target: Target, cap: int | None = None) -> settings:
         """The loaded profile, with fewer examples (or below ``cap``) and no shrinking for interpreted kernels.
