@@ -217,9 +217,10 @@ FORWARD_BLOCK_Q = 64
 BACKWARD_BLOCK_Q = 64
 FORWARD_NUM_WARPS = 4
 BACKWARD_NUM_WARPS = 8
-# The forward's main kernel's registers are capped so that three programs share an SM (65536 / (3 * 128 threads),
-# less the allocation's granularity): ptxas then spills only in the own tile's epilogue, once per tile, and the
-# loop over key blocks, which sets the kernel's time, keeps its operands in registers (reports/bench.md).
+# On FORWARD_NUM_WARPS warps the forward's main kernel's registers are capped so that three programs share an SM
+# (65536 / (3 * 128 threads), less the allocation's granularity): ptxas then spills only in the own tile's
+# epilogue, once per tile, and the loop over key blocks, which sets the kernel's time, keeps its operands in
+# registers (reports/bench.md). Other warp counts keep ptxas's choice.
 FORWARD_MAX_REGISTERS = 168
 BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own GROUP rows)
 # Most keys x channels per program of _key_block_stats_kernel and _key_factors_kernel (one key block each, 4 warps;
@@ -972,7 +973,8 @@ def chunkwise(
                SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
                num_warps=key_warps),
         Launch(_aft_fwd_kernel, grid, *tile_args, **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands],
-               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands], maxnreg=FORWARD_MAX_REGISTERS),
+               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands],
+               maxnreg=FORWARD_MAX_REGISTERS if num_warps == FORWARD_NUM_WARPS else None),
         *([Launch(_aft_own_redo_kernel, (min(math.prod(grid), PASS_PROGRAMS),), *tile_args, B * H,
                   **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[False],
                   EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[False])] if causal and half_operands else []),
