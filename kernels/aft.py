@@ -228,7 +228,8 @@ BIAS_BLOCK_KEYS = 128  # keys per step of _bias_factors_kernel (its programs own
 # the factor kernel 70 registers there (124 with "split") and spills none of its blocks up to 128 x 64 on 8 warps.
 KEY_FACTORS_TILE = 64 * 64
 KEY_FACTORS_BLOCK_D = 64
-# _key_prefix_kernel: channels per program, and key blocks per step of its scan.
+# _key_prefix_kernel: channels per program, and key blocks per step of its scan (fewer when the sequence has fewer: the
+# Triton interpreter runs a scan's combine once per entry, padding included).
 PREFIX_BLOCK_D = 32
 PREFIX_SCAN_BLOCKS = 64
 
@@ -378,12 +379,6 @@ def _bias_factors_kernel(
         w = tl.load(w_ptr + row_offsets + keys[None, :], mask=mask, other=-float("inf")).to(tl.float32)
         _store_operand(a_hi_ptr, a_lo_ptr, row_offsets + keys[None, :], tl.exp(w - anchor[:, None]) * OPERAND_SCALE,
                        mask, SPLIT, 1.0)
-
-
-@triton.jit
-def _either(a, b):
-    """Combine of a running OR of flag bits (an associative scan)."""
-    return a | b
 
 
 @triton.jit
@@ -731,7 +726,10 @@ def _aft_tile(
         flags = tl.where(fits, 0, 2)
         if OWN_HALF:
             flags |= ((ev != 0.0) & (tl.abs(ev) < 2.0**-14)).to(tl.int32)
-        flags = tl.associative_scan(tl.max(flags, 1), 0, _either)
+        # OR-ed down the rows as two running counts, one per flag bit (a sum is a builtin scan, fast under the
+        # Triton interpreter, where a scan with its own combine calls it once per entry).
+        flags = tl.max(flags, 1)
+        flags = (tl.cumsum(flags & 2, 0) > 0).to(tl.int32) * 2 | (tl.cumsum(flags & 1, 0) > 0).to(tl.int32)
         eev_hi, eev_lo = _operand_parts(_pairs(e * (OPERAND_SCALE / E_HEADROOM), ev), OWN_SPLIT, OWN_DTYPE,
                                         LO_SCALE)
         # The tile's whole square of w is loaded (masked by T alone: vector loads), the keys after t selected out.
@@ -967,7 +965,8 @@ def chunkwise(
                k, v, block_ref, block_peak, T, H, D, BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
         Launch(_key_prefix_kernel, (B * H, triton.cdiv(D, prefix_block_d)),
                block_ref, block_peak, block_unscale, running_unscale, n_blocks, D,
-               HALF_OPERANDS=half_operands, SCAN_BLOCKS=PREFIX_SCAN_BLOCKS, BLOCK_D=prefix_block_d, num_warps=4),
+               HALF_OPERANDS=half_operands, SCAN_BLOCKS=min(PREFIX_SCAN_BLOCKS, triton.next_power_of_2(n_blocks)),
+               BLOCK_D=prefix_block_d, num_warps=4),
         Launch(_key_factors_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
                k, v, eev_hi, eev_lo, move, block_ref, block_unscale, T, H, D,
                SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
