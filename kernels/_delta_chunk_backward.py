@@ -34,12 +34,13 @@ as kernels/kda.py's forward forms its A rows. Every exponent is a direct sum of 
 row factors' too (G_t over [0, t], G_C - G_t over (t, C)); a gate per head comes as kernels/_delta.py's compensated
 pair, its differences taken part by part.
 
-The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written. The
-inverse, W, U and kda's grams (what T's conditioning amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22),
-as do dL's two factors of X; the other products (the sequential passes, the sums over V, the cotangent products)
-use PRECISION: for bf16 inputs "fp16", each fp32 operand scaled by a power of two and rounded to fp16 (2^-11
-relative, 4x below bf16's floor; one tensor-core product instead of tf32x3's three TF32 ones: reports/bench.md
-has its speed and excess against tf32x3's), for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
+The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written but the
+tiles the "fp16" path (below) stores between kernels. The inverse, W, U and kda's grams (what T's conditioning
+amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22), as do dL's two factors of X; the other products (the
+sequential passes, the sums over V, the cotangent products) use PRECISION: for bf16 inputs "fp16", each fp32 operand
+scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one tensor-core product instead
+of tf32x3's three TF32 ones: reports/bench.md has its speed and excess against tf32x3's), for fp16 inputs "tf32x3"
+("fp16" would sit at their own floor).
 
 On the "fp16" path every operand of the sequential passes' and the sums kernel's products is rounded as
 _numerics.to_scratch stores it: fp16, scaled by the power of two of a peak (2^-11 relative down to 2^-27 of the
@@ -55,8 +56,14 @@ per piece, each scaled by its piece's bound (_dot_pieces); one whose rows are ke
 W^T dDelta) is one fp16 product, each row scaled by its own piece's bound (_row_bounds). So the passes' loops form
 no row factor, scan no gate and reduce only what the recursion makes: S and Delta (_states_kernel), dS' and dDelta
 (_reverse_kernel), each [K, BV] or [C, BV] tile of a chunk and V block stored at half the bytes against its peak
-(``peaks``), which the pass that makes it and the sums kernel multiply as stored. The other paths store the same
-tiles in ACC, unrounded (W in its own buffer, A: its own tile), and no peaks but v's.
+(``peaks``), which the pass that makes it and the sums kernel multiply as stored. The sums kernel stores its [C, K]
+sums the same way, each [C, SUMS_KEY_BLOCK] tile of a chunk against its own peak (``sum_bounds``): dQg and dKd,
+which the gradients kernel reads back in ACC, and -dW (in W's buffer), which it multiplies as stored. Its [C, C]
+sums, dA and dDelta V^T, and <S, dS'> stay in ACC: dA reaches the gates' gradient elementwise, as the row sums minus
+the column sums of dA * A and then dg's reverse cumulative sum, and dDelta V^T through dT, dL and the same row and
+column sums of dL * L; those sums cancel, so a rounding 2^-11 of a tile's peak is not small beside what is left
+(stored in fp16, they measure gated_deltanet's g up to 1.2 times bf16's floor, 1.0 in ACC: reports/bench.md). The
+other paths store the same tiles in ACC, unrounded (W and -dW in one buffer, A: its own tile), and no peaks but v's.
 
 For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X),
 and evaluated in fp32 it measured 4 to 7 times fp32's floor on the registry's inputs (the float64 blueprint of these
@@ -66,19 +73,22 @@ equations rounded to fp32 does the same), where the recurrent backward sits at 1
 Five launches, seven with per-channel gates:
 
 - ``_channel_grams_kernel`` (kda only; grid (chunks, B*H)): A and K K^T * Gamma of every chunk by anchors.
-- ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given), X, W and U of every chunk, stored in
-  ACC; kda's row factors exp(G), exp(G_C - G), which the gradients kernel reads instead of repeating their sums,
-  and a gate's exp(G_C) per key channel; the sequential passes' W, A, Kd and Qg ("fp16": rounded, W, Kd and Qg
-  piece by piece of key channels, with their peaks); the peaks of each [C, BV] block of v and dO.
+- ``_local_kernel`` (grid (chunks, B*H), parallel): the grams (kda: given, and taken into the tensor cores'
+  accumulator layout, in which the inverse's reductions stay inside a warp: _gram_in_dot_layout), X, W and U of
+  every chunk, stored in ACC; kda's row factors exp(G), exp(G_C - G), which the gradients kernel reads instead of
+  repeating their sums, and a gate's exp(G_C) per key channel; the sequential passes' W, A, Kd and Qg ("fp16":
+  rounded, W, Kd and Qg piece by piece of key channels, with their peaks); the peaks of each [C, BV] block of v and
+  dO.
 - ``_states_kernel`` (grid (V blocks, B*H), the chunks in order): the state entering every chunk and its Delta,
   recomputed from W, Kd and U (the forward keeps no chunk states: [B, H, T/C, K, V], K/C times v's size;
   recomputing costs one sequential pass); "fp16": stored in fp16 with their peaks.
 - ``_reverse_kernel`` (grid (V blocks, B*H), the chunks backwards): dDelta of every chunk and the state's
   cotangent leaving it, from A, Kd, Qg, W and dO; the last dS is the initial state's gradient; "fp16": stored in
   fp16 with their peaks.
-- ``_sums_kernel`` (grid (K blocks of SUMS_KEY_BLOCK + 1, chunks, B*H), parallel): the sums over V above, stored
-  in ACC: each key block's program (two at K = 128) dQg, -dW, dKd ([C, SUMS_KEY_BLOCK] each) and <S, dS'> on
-  its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each), and dv; every product of stored tiles.
+- ``_sums_kernel`` (grid (K blocks of SUMS_KEY_BLOCK + 1, chunks, B*H), parallel): the sums over V above: each
+  key block's program (two at K = 128) dQg, -dW, dKd ([C, SUMS_KEY_BLOCK] each; "fp16": stored in fp16 with their
+  peaks) and <S, dS'> on its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each), those two and
+  <S, dS'> in ACC, and dv; every product of stored tiles.
 - ``_gradients_kernel`` (grid (chunks, B*H), parallel): from those, the chunk algebra, key block by key block: dT,
   dL, the chunk's dbeta and, with a gate per head or none, dq, dk and dg, written once each in the input dtype;
   kda's go to scratch as the row factors' parts and the grams' cotangents.
@@ -90,11 +100,13 @@ S and dS, columns of V apart, never mix: the two sequential passes split V into 
 The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at C =
 64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB a
 thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and
-[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, GRADIENTS_KEY_BLOCK] tiles on the keys' side, and neither
-spills at the bench's tiles (the sums kernel at 4 warps, the gradients kernel at 8); the price is the sums' round
-trip through memory: at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, fp32 ACC) 0.81 GB of scratch
-(dQg and dKd 512 MiB, dA and dDelta V^T 256 MiB, <S, dS'> 4 MiB; -dW goes to W's buffer, which no kernel reads after
-the reverse pass), written once and read once (-dW twice, once for dT and once for dKg). The sequential passes'
+[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's
+tiles and bf16 inputs (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes
+(4 bytes of spill loads), the gradients kernel at 8 spills nothing. The price is the sums' round trip through
+memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096,
+H = 16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's
+fp16 buffer (which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and
+<S, dS'> 4 MiB in ACC, plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes'
 outputs there: S and dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16"
 path (bf16 inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and
 Delta, dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead
@@ -128,14 +140,14 @@ from attnlab.kernels._util import block_size, state_block
 STATE_TILE = 4096
 NUM_WARPS = 4
 # Key channels a program of the sums kernel (its three [C, SUMS_KEY_BLOCK] fp32 sums) and a step of the gradients
-# kernel; the sums kernel's V step (the [SUMS_KEY_BLOCK, SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO,
-# Delta and dDelta; it divides the sequential passes' BV, whose blocks' bounds it takes); the two kernels' warps.
-# At C = 64, K = V = 128 (sm_90a ptxas) 64 keys at 4 warps and a V step of 32 spill nothing. All 128 keys in one
+# kernel (which takes the sums' bounds key block by key block); the sums kernel's V step (the [SUMS_KEY_BLOCK,
+# SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO, Delta and dDelta; it divides the sequential passes' BV,
+# whose blocks' bounds it takes); the two kernels' warps. At C = 64, K = V = 128 (sm_90a ptxas, bf16 inputs) 64
+# keys at 4 warps and a V step of 32 take 255 registers and spill 8 bytes a thread (4 of loads). All 128 keys in one
 # program at 8 warps (Delta, dDelta and dO read once, not twice) is slower (reports/bench.md) and faults on an H100
 # with tf32x3 products (an illegal memory access the interpreter does not reproduce). The gradients kernel at 4
 # warps spills 0.25 to 1 KB, at 8 none.
 SUMS_KEY_BLOCK = 64
-GRADIENTS_KEY_BLOCK = 64
 SUMS_BV = 32
 SUMS_NUM_WARPS = 4
 GRADIENTS_NUM_WARPS = 8
@@ -181,6 +193,13 @@ BOUND_W = tl.constexpr(1)
 BOUND_KD = tl.constexpr(2)
 BOUND_QG = tl.constexpr(3)
 BOUNDS = tl.constexpr(4)
+# And the bounds of _sums_kernel's sums on the "fp16" path, per chunk in ``sum_bounds`` [B*H*chunks, SUM_BOUNDS *
+# key blocks]: a row of ``key blocks`` (of SUMS_KEY_BLOCK channels: the sums kernel's key programs, the gradients
+# kernel's steps) for each of dQg, dKd and -dW.
+SUM_QG = tl.constexpr(0)
+SUM_KD = tl.constexpr(1)
+SUM_W = tl.constexpr(2)
+SUM_BOUNDS = tl.constexpr(3)
 
 
 @triton.jit
@@ -276,6 +295,12 @@ def _peaks_at(chunk_row, v_block, V, BV: tl.constexpr):
 def _bounds_at(chunk_row, OPERAND: tl.constexpr, PIECES: tl.constexpr):
     """The first of OPERAND's ``bounds`` (one per piece of key channels) of chunk ``chunk_row``."""
     return (chunk_row * BOUNDS + OPERAND) * PIECES
+
+
+@triton.jit
+def _sum_bounds_at(chunk_row, OPERAND: tl.constexpr, key_blocks):
+    """The first of OPERAND's ``sum_bounds`` (one per key block) of chunk ``chunk_row``."""
+    return (chunk_row * SUM_BOUNDS + OPERAND) * key_blocks
 
 
 @triton.jit
@@ -538,6 +563,18 @@ def _channel_grams_kernel(
 
 
 @triton.jit
+def _gram_in_dot_layout(kk, C: tl.constexpr, ACC: tl.constexpr):
+    """kk (loaded: per-channel gates) in the tensor cores' accumulator layout, as the accumulator of a product of
+    zeros: kk + 0, the same values (none is -0). A gate per head's kk, itself a product, has that layout; a loaded one
+    keeps the load's, which splits each block of unit_lower_inverse's rows across warps, so that every step of its
+    substitution reduces across warps, through shared memory and a barrier (reports/bench.md, session 25: kda's
+    local kernel 3.4 -> 1.5 ms). fp64 ACC (fp32 inputs): kk as it is."""
+    if ACC == tl.float32:
+        kk = tl.dot(tl.zeros([C, 16], dtype=tl.float16), tl.zeros([16, C], dtype=tl.float16), kk)
+    return kk
+
+
+@triton.jit
 def _local_kernel(
     q_ptr, k_ptr, v_ptr, beta_ptr, g_ptr, do_ptr, x_ptr, u_ptr, a_ptr, kk_ptr, factors_ptr, decays_ptr,
     stored_w_ptr, stored_a_ptr, kd_qg_ptr, bounds_ptr, peaks_ptr, T, H, K, V,
@@ -553,8 +590,8 @@ def _local_kernel(
     (PASS_PRECISION): W, Kd = exp(G_C - G) K and Qg = scale exp(G) Q piece by piece of BKC key channels, each piece
     against its own peak, and A against its whole tile's (the peaks in ``bounds``); a gate's exp(G_C)
     (``decays``, per key channel); and the peak of each [C, BV] block of dO and of v (PEAK_DO, the bound of the
-    reverse pass's and _sums_kernel's dO; PEAK_V, _sums_kernel's). W is stored only there (on the other paths
-    ``stored_w`` is W's ACC buffer, -dW's later); A in ACC as well, for _gradients_kernel."""
+    reverse pass's and _sums_kernel's dO; PEAK_V, _sums_kernel's). W is stored only there (``stored_w``, -dW's
+    later); A in ACC as well, for _gradients_kernel."""
     ROUNDED: tl.constexpr = PASS_PRECISION == "fp16" or PASS_PRECISION == "fp16_emulated"
     PIECES: tl.constexpr = BK // BKC
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
@@ -563,7 +600,7 @@ def _local_kernel(
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     if CHANNEL:
-        kk = tl.load(kk_ptr + gram_offsets)
+        kk = _gram_in_dot_layout(tl.load(kk_ptr + gram_offsets), C, ACC)
     else:
         k = _rows_of(k_ptr, token, valid, tl.arange(0, BK), K)
         decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
@@ -764,14 +801,16 @@ def _from_stored(x, bound, ACC: tl.constexpr, PRECISION: tl.constexpr):
 @triton.jit
 def _sums_kernel(
     v_ptr, beta_ptr, x_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr, do_ptr, dv_ptr, key_sums_ptr,
-    dw_ptr, value_sums_ptr, pairing_ptr, peaks_ptr, T, H, K, V,
+    dw_ptr, value_sums_ptr, pairing_ptr, sum_bounds_ptr, peaks_ptr, T, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STATE_BV: tl.constexpr, PRECISION: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """One chunk of one head (grid (key blocks + 1, chunks, B*H)): the sums over V of the module docstring's dual,
-    V block by V block, stored in ACC for _gradients_kernel. A key block's program: dO S^T (= dQg), dDelta S^T
+    V block by V block, accumulated in ACC, for _gradients_kernel. A key block's program: dO S^T (= dQg), dDelta S^T
     (= -dW), Delta dS'^T (= dKd) on its BK keys, [C, BK] each, and <S, dS'> per key channel; the last program:
-    dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta.
+    dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta. The [C, BK]
+    sums are stored as to_scratch makes them against their own peaks (_store_operand; on the "fp16" path fp16, the
+    peaks in ``sum_bounds``), the [C, C] ones and <S, dS'> in ACC.
 
     Every product is of stored tiles: on the "fp16" path S, dS', Delta and dDelta as the sequential passes stored
     them (fp16, scaled by their bounds) and dO and v scaled by theirs into fp16 (exact: 16-bit inputs), the bounds
@@ -819,9 +858,14 @@ def _sums_kernel(
                                PRECISION)
             pairing += _from_stored(S_t, s_bound, ACC, PRECISION) * _from_stored(dS_t, ds_bound, ACC, PRECISION)
         key_sums = scratch_row[:, None] * (2 * K) + keys[None, :]
-        tl.store(key_sums_ptr + key_sums, d_qg, mask=key_ok[None, :])
-        tl.store(key_sums_ptr + key_sums + K, d_kd, mask=key_ok[None, :])
-        tl.store(dw_ptr + scratch_row[:, None] * K + keys[None, :], minus_dw, mask=key_ok[None, :])
+        key_blocks = tl.num_programs(0) - 1
+        sum_bounds = sum_bounds_ptr + key_block
+        _store_operand(key_sums_ptr + key_sums, d_qg, key_ok[None, :],
+                       sum_bounds + _sum_bounds_at(chunk_row, SUM_QG, key_blocks), PRECISION)
+        _store_operand(key_sums_ptr + key_sums + K, d_kd, key_ok[None, :],
+                       sum_bounds + _sum_bounds_at(chunk_row, SUM_KD, key_blocks), PRECISION)
+        _store_operand(dw_ptr + scratch_row[:, None] * K + keys[None, :], minus_dw, key_ok[None, :],
+                       sum_bounds + _sum_bounds_at(chunk_row, SUM_W, key_blocks), PRECISION)
         tl.store(pairing_ptr + chunk_row * K + keys, tl.sum(pairing, axis=0), mask=key_ok)
     else:
         X = tl.load(x_ptr + scratch_row[:, None] * C + rows[None, :])
@@ -858,7 +902,7 @@ def _sums_kernel(
 @triton.jit
 def _gradients_kernel(
     q_ptr, k_ptr, beta_ptr, g_ptr, factors_ptr, decays_ptr, x_ptr, a_ptr, kk_ptr, key_sums_ptr, dw_ptr,
-    value_sums_ptr, pairing_ptr, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
+    value_sums_ptr, pairing_ptr, sum_bounds_ptr, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
     T, H, K, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
     ACC: tl.constexpr,
@@ -866,12 +910,15 @@ def _gradients_kernel(
     """One chunk of one head: from _sums_kernel's sums, the chunk algebra of the module docstring's dual, key block
     by key block of BK channels: dT (its dW Kg^T a sum over the blocks), dX and dL, then dbeta and, with a gate per
     head or none, dq, dk and dg of the chunk's rows (per-channel gates: the row factors' parts and the grams'
-    cotangents, for _channel_cotangents_kernel). Only [C, BK] tiles of the keys' side are live at once."""
+    cotangents, for _channel_cotangents_kernel). Only [C, BK] tiles of the keys' side are live at once. BK is the
+    sums kernel's key block, whose sums' bounds each step takes: dQg and dKd are read back in ACC (_from_stored), -dW
+    enters its two products as stored (_dot_stored)."""
     scale = _scale_in(scale_hi, scale_lo, ACC)
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
     chunk_row = bh.to(tl.int64) * tl.num_programs(0) + chunk
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
+    key_blocks = tl.cdiv(K, BK)
     X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     dT = tl.load(value_sums_ptr + value_sums + C)  # dDelta V^T
@@ -880,7 +927,10 @@ def _gradients_kernel(
         _decay, from_start, _to_end, _chunk_decay = _stored_gate_factors(
             g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
         dw = -tl.load(dw_ptr + scratch_row[:, None] * K + keys[None, :], mask=(keys < K)[None, :], other=0.0)
-        dT = _dot(dw, tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), dT, ACC, PRECISION)
+        dw_bound = _load_bound(sum_bounds_ptr + _sum_bounds_at(chunk_row, SUM_W, key_blocks) + key_start // BK,
+                               PRECISION)
+        kg, kg_bound = _operand(tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), PRECISION)
+        dT = _dot_stored(dw, dw_bound, kg, kg_bound, dT, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
     # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
     dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
@@ -901,7 +951,7 @@ def _gradients_kernel(
     through_L = beta[:, None] * dL * kk  # dL * L
     through_A = dA * tl.load(a_ptr + gram_offsets)  # (a gate per head) the pairwise decays' parts of dG
     dG = tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1) - tl.sum(through_A, axis=0)
-    ut = X * beta[None, :]
+    ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
     for key_start in range(0, K, BK):
         keys = key_start + tl.arange(0, BK)
         key_ok = keys < K
@@ -911,10 +961,18 @@ def _gradients_kernel(
         qf = _rows_of(q_ptr, token, valid, keys, K).to(ACC)
         key_rows = scratch_row[:, None] * K + keys[None, :]
         key_sums = scratch_row[:, None] * (2 * K) + keys[None, :]
-        d_kg = _mm(tl.trans(ut), -tl.load(dw_ptr + key_rows, mask=key_ok[None, :], other=0.0), ACC, PRECISION)
-        d_kd = tl.load(key_sums_ptr + key_sums + K, mask=key_ok[None, :], other=0.0)
+        sum_bounds = sum_bounds_ptr + key_start // BK
+        d_kg = _product(ut_t, ut_bound, -tl.load(dw_ptr + key_rows, mask=key_ok[None, :], other=0.0),
+                        _load_bound(sum_bounds + _sum_bounds_at(chunk_row, SUM_W, key_blocks), PRECISION), ACC,
+                        PRECISION)
+        d_kd = _from_stored(tl.load(key_sums_ptr + key_sums + K, mask=key_ok[None, :], other=0.0),
+                            _load_bound(sum_bounds + _sum_bounds_at(chunk_row, SUM_KD, key_blocks), PRECISION), ACC,
+                            PRECISION)
         # The row factors' parts: Qg = scale exp(G) Q, Kg = exp(G) K, Kd = exp(G_C - G) K, and G_C's (the last row's).
-        dq_rows = scale * from_start * tl.load(key_sums_ptr + key_sums, mask=key_ok[None, :], other=0.0)
+        d_qg = _from_stored(tl.load(key_sums_ptr + key_sums, mask=key_ok[None, :], other=0.0),
+                            _load_bound(sum_bounds + _sum_bounds_at(chunk_row, SUM_QG, key_blocks), PRECISION), ACC,
+                            PRECISION)
+        dq_rows = scale * from_start * d_qg
         dk_rows = from_start * d_kg + to_end * d_kd
         to_end_terms = to_end * kf * d_kd
         dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
@@ -1039,13 +1097,14 @@ def products_precision(dtype: torch.dtype) -> str:
 
 def tiles(K: int, V: int) -> tuple[int, int, int, int, int, int]:
     """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel, BK of the gradients
-    kernel) for head dims K, V. The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes).
+    kernel) for head dims K, V. The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes);
+    the gradients kernel's BK is the sums kernel's (whose key blocks' bounds it takes).
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
     where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
-    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV), min(BK, GRADIENTS_KEY_BLOCK)
+    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV), min(BK, SUMS_KEY_BLOCK)
 
 
 def chunkwise_backward(
@@ -1072,11 +1131,10 @@ def chunkwise_backward(
     stored = dict(acc, dtype=torch.float16) if rounded else acc
     X = torch.empty((B * H * chunks * C, C), **acc)
     A, kk = torch.empty_like(X), torch.empty_like(X)
-    w = torch.empty((B * H * chunks * C, K), **acc)  # -dW (_sums_kernel); unrounded, W first
+    # W for the passes, then -dW (_sums_kernel: the passes read W before it overwrites it), each as to_scratch stores
+    # it; A rounded for the passes beside its own ACC tile (which _gradients_kernel reads), unrounded that tile.
+    w = torch.empty((B * H * chunks * C, K), **stored)
     u = torch.empty((B * H * chunks * C, V), **acc)
-    # W and A rounded for the passes; unrounded, W's buffer (the passes read W before _sums_kernel overwrites it)
-    # and A's own ACC tile (which _gradients_kernel reads).
-    stored_w = torch.empty((B * H * chunks * C, K), **stored) if rounded else w
     stored_a = torch.empty((B * H * chunks * C, C), **stored) if rounded else A
     kd_qg = torch.empty((B * H * chunks * C, 2 * K), **stored)
     bounds = torch.empty((B * H * chunks, BOUNDS.value * (BK // piece_keys)), dtype=torch.float32, device=q.device)
@@ -1106,7 +1164,7 @@ def chunkwise_backward(
     else:
         parts, d_kk, d_a, factors = X, X, X, X  # unused pointers
     decays = torch.empty((B * H * chunks, K), **acc) if g is not None else X  # exp(G_C) per key channel
-    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, do, X, u, A, kk, factors, decays, stored_w, stored_a, kd_qg,
+    _local_kernel[(chunks, B * H)](q, k, v, beta, gate, do, X, u, A, kk, factors, decays, w, stored_a, kd_qg,
                                    bounds, peaks, T, H, K, V, scale_hi, scale_lo,
                                    BKC=piece_keys, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
                                    PRECISION="tf32x3", PASS_PRECISION=precision,
@@ -1114,24 +1172,29 @@ def chunkwise_backward(
     common["PRECISION"] = precision
     passes = {n: value for n, value in common.items() if n != "CHANNEL"}  # they read no row factors
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        stored_w, kd_qg, bounds, decays, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
+        w, kd_qg, bounds, decays, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
         HAS_INITIAL=state is not None, BKC=piece_keys, BV=BV, num_stages=stages["states"], **passes)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
-        stored_w, stored_a, kd_qg, bounds, decays, do, d_state[0] if d_state is not None else w, d_states, d_delta,
+        w, stored_a, kd_qg, bounds, decays, do, d_state[0] if d_state is not None else w, d_states, d_delta,
         d_initial if d_initial is not None else w, peaks, T, H, K, V, HAS_D_FINAL=d_state is not None,
         STORE_D_INITIAL=d_initial is not None, BKC=piece_keys, BV=BV, num_stages=stages["reverse"], **passes)
-    # The sums over V: dQg and dKd beside each other, -dW in W's buffer (no kernel reads W after the reverse
-    # pass), dA and dDelta V^T beside each other, <S, dS'> per chunk and key channel.
-    key_sums = torch.empty((B * H * chunks * C, 2 * K), **acc)
+    # The sums over V: dQg and dKd beside each other and -dW in W's buffer (no kernel reads W after the reverse pass),
+    # as to_scratch stores them (fp16 on the "fp16" path, against their peaks in ``sum_bounds``); dA and dDelta V^T
+    # beside each other and <S, dS'> per chunk and key channel in ACC.
+    key_sums = torch.empty((B * H * chunks * C, 2 * K), **stored)
     value_sums = torch.empty((B * H * chunks * C, 2 * C), **acc)
     pairing = torch.empty((B * H * chunks, K), **acc)
-    _sums_kernel[(triton.cdiv(K, key_block) + 1, chunks, B * H)](
-        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, peaks, T, H, K, V,
-        C=C,
+    key_blocks = triton.cdiv(K, key_block)
+    assert gradients_key_block == key_block  # the gradients kernel's steps take the sums' bounds
+    sum_bounds = (torch.empty((B * H * chunks, SUM_BOUNDS.value * key_blocks), dtype=torch.float32, device=q.device)
+                  if rounded else peaks)  # an unused pointer off the "fp16" path
+    _sums_kernel[(key_blocks + 1, chunks, B * H)](
+        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, sum_bounds, peaks,
+        T, H, K, V, C=C,
         BK=key_block, BV=sums_BV, STATE_BV=BV, PRECISION=precision, ACC=ACC, num_warps=SUMS_NUM_WARPS,
         num_stages=stages["sums"])
     _gradients_kernel[(chunks, B * H)](
-        q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, dq, dk, dbeta,
+        q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, sum_bounds, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
         num_stages=stages["gradients"], **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:

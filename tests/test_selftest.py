@@ -18,18 +18,24 @@ from attnlab.properties import specimens
 from attnlab.properties.targets import function_target
 
 
-def test_selftest_catches_every_specimen_and_flags_no_correct_kernel() -> None:
-    # Every specimen; of attnlab's kernels, two (gla: gates, both forms, a backward; rwkv4: a log-scale state).
-    # properties/test_kernel_properties.py holds every kernel to the same suite, so the rest would run it twice.
+# Every specimen in both dtypes; of attnlab's kernels, gla (gates, both forms, a backward) and, in the slow tier,
+# rwkv4 (a log-scale state) and fp32 too. properties/test_kernel_properties.py holds every kernel to the same suite,
+# so the rest would run it twice; under the interpreter a kernel's suite takes tens of seconds a dtype.
+@pytest.mark.parametrize("kernels, kernel_dtypes", [
+    pytest.param(["gla"], [torch.float16], id="gla-fp16"),
+    pytest.param(["gla", "rwkv4"], [torch.float16, torch.float32], id="gla-rwkv4-fp16-fp32", marks=pytest.mark.slow),
+])
+def test_selftest_catches_every_specimen_and_flags_no_correct_kernel(kernels, kernel_dtypes) -> None:
     jobs = os.cpu_count() or 1
     rows = (selftest.run_selftest(include="specimens", jobs=jobs, progress=False)
-            + selftest.run_selftest(include="kernels", names=["gla", "rwkv4"], jobs=jobs, progress=False))
+            + selftest.run_selftest(include="kernels", names=kernels, dtypes=kernel_dtypes, jobs=jobs, progress=False))
     table = selftest.table(rows)
     print(table)
     kinds = {row.job.kind for row in rows}
-    assert "specimen" in kinds
+    assert kinds == {"specimen", "kernel"}
     assert {row.job.name for row in rows if row.job.kind == "specimen"} == {
         s.name for s in specimens.SPECIMENS if s.broken_pass in selftest.suite_passes()}
+    assert {row.job.dtype for row in rows if row.job.kind == "kernel"} == set(kernel_dtypes)
     failures = [f"{row.label} {row.job.dtype}: " + "; ".join(f.message.splitlines()[0] for f in row.caught_by + row.errors)
                 for row in rows if not row.passed]
     assert not failures, table + "\n\n" + "\n".join(failures)

@@ -2,13 +2,13 @@
 
 Its gradients are tested under the interpreter with every other backward (tests/test_kernel_gradients.py), but the
 interpreter runs code the compiler rejects (a name carried through a loop at another type, an early return from a
-constexpr branch) and knows no register or shared-memory limit. So each of the seven kernels is compiled for
-Hopper here, in both of its arithmetics (fp32 for 16-bit inputs, fp64 for fp32 inputs), ungated, with a gate per
-head and with one per key channel (kda; the two anchored kernels only there; the sums kernel, which reads no gate,
-once), at the smallest tiles (quick); and the sums and gradients kernels, the largest, at the tiles the launcher
-takes (``tiles``) for the widest head dims (K = V = 256) in their widest arithmetic (fp64, for fp32 inputs), within
-sm_90's 227 KB of shared memory a block (the bench's K = V = 128 in bf16 takes 16 KB and 64 KB). The compiles run
-in a process of their own, with the interpreter off (this suite's processes run under it).
+constexpr branch) and knows no register or shared-memory limit. So each of the seven kernels is compiled for Hopper
+here, in both of its arithmetics (fp32 for 16-bit inputs; fp64 for fp32 inputs, in the slow tier), ungated, with a
+gate per head and with one per key channel (kda; the two anchored kernels only there; the sums kernel, which reads
+no gate, once), at the smallest tiles (quick); and the sums and gradients kernels, the largest, at the tiles the
+launcher takes (``tiles``) for the widest head dims (K = V = 256) in their widest arithmetic (fp64, for fp32
+inputs), within sm_90's 227 KB of shared memory a block (the bench's K = V = 128 in bf16 takes 16 KB and 64 KB). The
+compiles run in a process of their own, with the interpreter off (this suite's processes run under it).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel
 from attnlab.kernels import _delta_chunk_backward as backward
 from attnlab.metrics import measure_gradients
+from kernel_checks import sweep
 
 SHARED_MEMORY_PER_BLOCK = 232448  # sm_90's opt-in maximum (227 KB)
 
@@ -46,9 +47,9 @@ COMPILE = textwrap.dedent("""
                     "stored_w stored_a kd_qg bounds decays d_final d_states d_delta d_initial peaks",
                     dict(HAS_D_FINAL=True, STORE_D_INITIAL=True)),
         "sums": (backward._sums_kernel, "v beta do dv",
-                 "x states d_states delta d_delta key_sums dw value_sums pairing peaks", {}),
+                 "x states d_states delta d_delta key_sums dw value_sums pairing sum_bounds peaks", {}),
         "gradients": (backward._gradients_kernel, "q k beta g dq dk dbeta dg",
-                      "factors decays x a kk key_sums dw value_sums pairing parts d_kk d_a", {}),
+                      "factors decays x a kk key_sums dw value_sums pairing sum_bounds parts d_kk d_a", {}),
         "channel_grams": (backward._channel_grams_kernel, "q k g", "a kk", {}),
         "channel_cotangents": (backward._channel_cotangents_kernel, "q k g dq dk dg", "parts d_kk d_a", {}),
     }
@@ -56,8 +57,9 @@ COMPILE = textwrap.dedent("""
     GATELESS = ("sums",)  # no gate argument: one compile per arithmetic
 
     DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    # The sequential passes' operands, stored in fp16 on the "fp16" path (bf16 inputs); the bounds always fp32.
-    STORED = ("states", "d_states", "delta", "d_delta", "stored_w", "stored_a", "kd_qg")
+    # The sequential passes' operands and the sums kernel's [C, K] sums (dQg and dKd, -dW), stored in fp16 on the
+    # "fp16" path (bf16 inputs); the bounds always fp32.
+    STORED = ("states", "d_states", "delta", "d_delta", "stored_w", "stored_a", "kd_qg", "key_sums", "dw")
     WARPS = dict.fromkeys(KERNELS, backward.NUM_WARPS) | {"sums": backward.SUMS_NUM_WARPS,
                                                           "gradients": backward.GRADIENTS_NUM_WARPS}
     WARPS |= dict.fromkeys(CHANNEL_ONLY, backward.CHANNEL_NUM_WARPS)
@@ -69,7 +71,7 @@ COMPILE = textwrap.dedent("""
         precision = backward.products_precision(DTYPES[inputs])
         types |= {f"{n}_ptr": "*fp64" if inputs == "fp32" else "*fp32" for n in scratch_names.split()}
         types |= {f"{n}_ptr": "*fp16" for n in STORED if precision == "fp16"}
-        types |= {"peaks_ptr": "*fp32", "bounds_ptr": "*fp32"}
+        types |= {"peaks_ptr": "*fp32", "bounds_ptr": "*fp32", "sum_bounds_ptr": "*fp32"}
         types |= {n: "i32" for n in ("T", "H", "K", "V")} | {"scale_hi": "fp32", "scale_lo": "fp32"}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         options = dict(constexprs, GATED=gates != "ungated", CHANNEL=gates == "channel", C=C, BK=BK, BV=BV,
@@ -89,9 +91,8 @@ COMPILE = textwrap.dedent("""
 
     if sys.argv[1] == "smallest":
         for name in KERNELS:
-            for inputs in ("bf16", "fp32"):
-                for gates in ("channel",) if name in CHANNEL_ONLY + GATELESS else ("ungated", "head", "channel"):
-                    compile_one(name, inputs, gates, 16, 16, 16, 16)
+            for gates in ("channel",) if name in CHANNEL_ONLY + GATELESS else ("ungated", "head", "channel"):
+                compile_one(name, sys.argv[2], gates, 16, 16, 16, 16)
     else:
         inputs, K = sys.argv[2], int(sys.argv[3])
         C, _, BV, key_block, sums_BV, gradients_key_block = backward.tiles(K, K)
@@ -107,9 +108,11 @@ def compiled(*args: str) -> list[str]:
     return done.stdout.splitlines()
 
 
-def test_every_kernel_compiles_for_hopper_in_every_arithmetic_and_gate_mode() -> None:
-    lines = compiled("smallest")
-    assert len(lines) == 30 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
+# bf16 inputs (fp32 arithmetic) in every run; fp32 inputs (fp64) in the slow tier.
+@pytest.mark.parametrize("inputs", sweep(["bf16", "fp32"]))
+def test_every_kernel_compiles_for_hopper_in_every_gate_mode(inputs) -> None:
+    lines = compiled("smallest", inputs)
+    assert len(lines) == 15 and all(line.startswith("compiled") for line in lines), "\n".join(lines)
 
 
 def test_the_sums_and_gradients_kernels_fit_hopper_at_the_launchers_tiles() -> None:
@@ -224,3 +227,64 @@ def test_the_fp16_path_rounds_each_piece_of_key_channels_against_its_own_peak(na
         values = rounded[stored_tile].reshape(unrounded.shape).float() * _unit(peaks[:, slot.value])[:, None]
         error = (values - unrounded).abs().amax(dim=1)
         assert (error <= 2.0 ** -9 * unrounded.abs().amax(dim=1)).all(), (stored_tile, error)
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_the_fp16_path_stores_each_key_blocks_sums_at_fp16_against_its_own_peak(name, monkeypatch):
+    """_sums_kernel's [C, K] sums (dQg = dO S^T, -dW = dDelta S^T, dKd = Delta dS'^T) go to _gradients_kernel in
+    fp16, each [C, SUMS_KEY_BLOCK] tile of a chunk against its own peak (``sum_bounds``). Here K = 32 in key blocks
+    of 16 over two chunks, and the reference is the float64 sum of the same stored S, dS', Delta, dDelta and dO:
+    each tile's bound is its peak (within 2^-20, fp32's order of summation against float64's; under 2^-23 measured), its
+    largest stored entry lies in [2^13, 2^14] (the power of two of its own peak), and every entry lies within 2^-11
+    of its tile's peak, plus 2^-16 of it for the summation (0.9 of 2^-11 measured). One tile of each sum lies about
+    2^-30 below its chunk's other key block (the state's and its cotangent's rows so): it keeps its 11 bits, where
+    rounded against the other block's peak it would be fp16-subnormal and lie 3.7 to 9.8 times 2^-11 of its peak
+    off."""
+    K, V, C, blocks = 32, 32, 64, 2
+    monkeypatch.setattr(backward, "SUMS_KEY_BLOCK", K // blocks)
+    x = {n: t.half() for n, t in attnlab.formulation(name).sample(B=1, T=80, H=1, K=K, V=V, seed=3).items()}
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(x["v"].shape, generator=gen).half()
+    # The state entering the first chunk (its S) and the cotangent leaving the last (its dS'), their second key
+    # block's rows 2^-30 of the first's: the first chunk's dQg and -dW and the last's dKd far below, in their second
+    # key block, their first's.
+    state, d_state = (torch.randn(1, 1, K, V, generator=gen) for _ in range(2))
+    state[:, :, K // 2:] *= 2.0 ** -30
+    d_state[:, :, K // 2:] *= 2.0 ** -30
+    copies: dict[str, torch.Tensor] = {}
+    monkeypatch.setattr(backward, "products_precision", lambda dtype: "fp16_emulated")
+    monkeypatch.setattr(backward, "_sums_kernel", _Recorded(
+        backward._sums_kernel, copies, ("states", "d_states", "delta", "d_delta", "do", "peaks"),
+        ("key_sums", "dw", "sum_bounds")))
+    backward.chunkwise_backward(q=x["q"], k=x["k"], v=x["v"], beta=x["beta"], g=x.get("g"), scale=K ** -0.5,
+                                state=(state,), do=do, d_state=(d_state,))
+    assert copies["key_sums"].dtype == copies["dw"].dtype == torch.float16
+    peaks = copies["peaks"]  # one V block of 32 columns: a row per chunk
+    chunks = peaks.shape[0]
+
+    def decoded(stored: str, slot) -> torch.Tensor:
+        tile = copies[stored].double().reshape(chunks, -1, V)
+        return tile * _unit(peaks[:, slot.value]).double()[:, None, None]
+
+    S, dS = decoded("states", backward.PEAK_S), decoded("d_states", backward.PEAK_D_S)
+    Delta, dDelta = decoded("delta", backward.PEAK_DELTA), decoded("d_delta", backward.PEAK_D_DELTA)
+    dO = torch.zeros(chunks * C, V, dtype=torch.float64)
+    dO[:do.shape[1]] = do[0, :, 0].double()
+    dO = dO.reshape(chunks, C, V)
+    key_sums = copies["key_sums"].reshape(chunks, C, 2 * K)
+    bounds = copies["sum_bounds"].reshape(chunks, backward.SUM_BOUNDS.value, blocks)  # [chunks, operand, block]
+    operands = {"dQg": (backward.SUM_QG.value, key_sums[..., :K], dO @ S.transpose(1, 2), 0),
+                "dKd": (backward.SUM_KD.value, key_sums[..., K:], Delta @ dS.transpose(1, 2), -1),
+                "-dW": (backward.SUM_W.value, copies["dw"].reshape(chunks, C, K), dDelta @ S.transpose(1, 2), 0)}
+    for label, (operand, stored, reference, far) in operands.items():
+        reference = reference.reshape(chunks, C, blocks, K // blocks)
+        stored = stored.reshape(reference.shape).double()
+        peak = reference.abs().amax(dim=(1, 3))
+        bound = bounds[:, operand].double()
+        assert 0 < peak[far, 1] < 2.0 ** -27 * peak[far, 0], (label, peak)
+        assert ((bound - peak).abs() <= 2.0 ** -20 * peak).all(), (label, bound, peak)
+        largest = stored.abs().amax(dim=(1, 3))
+        assert ((largest >= 2.0 ** 13) & (largest <= 2.0 ** 14)).all(), (label, largest)
+        error = (stored * _unit(bound)[:, None, :, None] - reference).abs()
+        assert (error <= (2.0 ** -11 + 2.0 ** -16) * peak[:, None, :, None]).all(), (
+            label, error.amax(dim=(1, 3)) / peak)
