@@ -20,3 +20,10 @@ if not torch.cuda.is_available():
 
 # tests/kernels/kernel_checks.py holds the bounds every kernel test asserts; tests/test_kernels.py imports them too.
 sys.path.insert(0, str(Path(__file__).parent / "tests" / "kernels"))
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # A third of an interpreted kernel's time went to re-patching triton.language on every helper's call
+    # (tests/kernels/interpreter_speed.py; tests/test_interpreter_speed.py holds it to the same bits).
+    from interpreter_speed import patch_the_language_once_a_launch  # noqa: E402
+
+    patch_the_language_once_a_launch()
