@@ -1095,16 +1095,16 @@ def products_precision(dtype: torch.dtype) -> str:
     return dot_precision("fp16" if dtype == torch.bfloat16 else "tf32x3", dtype)
 
 
-def tiles(K: int, V: int) -> tuple[int, int, int, int, int, int]:
-    """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel, BK of the gradients
-    kernel) for head dims K, V. The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes);
-    the gradients kernel's BK is the sums kernel's (whose key blocks' bounds it takes).
+def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
+    """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel) for head dims K, V.
+    The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes); its BK is also the gradients
+    kernel's (whose steps take the sums' bounds key block by key block).
 
     The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
     where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
-    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV), min(BK, SUMS_KEY_BLOCK)
+    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV)
 
 
 def chunkwise_backward(
@@ -1117,7 +1117,7 @@ def chunkwise_backward(
     the backward takes its own tiles (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BK, BV, key_block, sums_BV, gradients_key_block = tiles(K, V)
+    C, BK, BV, key_block, sums_BV = tiles(K, V)
     channel = g is not None and g.dim() == 4
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
@@ -1185,7 +1185,6 @@ def chunkwise_backward(
     value_sums = torch.empty((B * H * chunks * C, 2 * C), **acc)
     pairing = torch.empty((B * H * chunks, K), **acc)
     key_blocks = triton.cdiv(K, key_block)
-    assert gradients_key_block == key_block  # the gradients kernel's steps take the sums' bounds
     sum_bounds = (torch.empty((B * H * chunks, SUM_BOUNDS.value * key_blocks), dtype=torch.float32, device=q.device)
                   if rounded else peaks)  # an unused pointer off the "fp16" path
     _sums_kernel[(key_blocks + 1, chunks, B * H)](
@@ -1196,7 +1195,7 @@ def chunkwise_backward(
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, sum_bounds, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        num_stages=stages["gradients"], **common | dict(BK=gradients_key_block, num_warps=GRADIENTS_NUM_WARPS))
+        num_stages=stages["gradients"], **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H, triton.cdiv(K, channel_slice["BKC"]))](
             q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C, PRECISION=common["PRECISION"], **channel_slice)

@@ -95,9 +95,9 @@ COMPILE = textwrap.dedent("""
                 compile_one(name, sys.argv[2], gates, 16, 16, 16, 16)
     else:
         inputs, K = sys.argv[2], int(sys.argv[3])
-        C, _, BV, key_block, sums_BV, gradients_key_block = backward.tiles(K, K)
+        C, _, BV, key_block, sums_BV = backward.tiles(K, K)
         compile_one("sums", inputs, "channel", C, key_block, sums_BV, BV)
-        compile_one("gradients", inputs, "channel", C, gradients_key_block, sums_BV, BV)
+        compile_one("gradients", inputs, "channel", C, key_block, sums_BV, BV)
 """)
 
 
