@@ -17,6 +17,13 @@ is a lead to confirm on the GPU, never a verdict on a kernel.
 
 Session 10 reproduced this way the counterexample on which the H100's bf16 run failed (deltanet, K = 1,
 beta = 1: properties/regressions.py).
+
+The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_backward.py) in the same spirit, for
+the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
+the bf16 inputs carried in fp16 (exact inside fp16's range), so that the backward accumulates in fp32 as on bf16
+inputs, and its products forced onto the bf16 inputs' path ("fp16_emulated", for every dtype in the process from
+the first call on). The forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the
+backward than for the forward.
 """
 
 from __future__ import annotations
@@ -42,6 +49,25 @@ def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
     return call
 
 
+def _bf16_backward_as_on_the_gpu(name: str) -> Callable[..., Any]:
+    def call(**inputs: Any) -> Any:
+        from attnlab.kernels import _delta_chunk_backward
+
+        _delta_chunk_backward.products_precision = lambda dtype: "fp16_emulated"
+        carried = {n: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
+                   for n, t in inputs.items()}
+        out = attnlab.kernel(name, "chunkwise")(**carried)
+        if isinstance(out, tuple):
+            return (out[0].to(torch.bfloat16), *out[1:])
+        return out.to(torch.bfloat16)
+
+    call.__name__ = f"{name}_backward"
+    return call
+
+
 deltanet = _bf16_default_as_on_the_gpu("deltanet")
 gated_deltanet = _bf16_default_as_on_the_gpu("gated_deltanet")
 kda = _bf16_default_as_on_the_gpu("kda")
+deltanet_backward = _bf16_backward_as_on_the_gpu("deltanet")
+gated_deltanet_backward = _bf16_backward_as_on_the_gpu("gated_deltanet")
+kda_backward = _bf16_backward_as_on_the_gpu("kda")
