@@ -36,14 +36,19 @@ import torch
 import attnlab
 
 
+def _output_in_bf16(out: Any) -> Any:
+    """The kernel's output (o, or o and the state) with o rounded once to bf16, as the GPU's kernel writes it."""
+    if isinstance(out, tuple):
+        return (out[0].to(torch.bfloat16), *out[1:])
+    return out.to(torch.bfloat16)
+
+
 def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
     def call(**inputs: Any) -> Any:
         carried = {n: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
                    for n, t in inputs.items()}
         out = attnlab.kernel(name, "chunkwise", precision="fp16")(**carried)
-        if isinstance(out, tuple):
-            return (out[0].to(torch.bfloat16), *out[1:])
-        return out.to(torch.bfloat16)
+        return _output_in_bf16(out)
 
     call.__name__ = name
     return call
@@ -57,9 +62,7 @@ def _bf16_backward_as_on_the_gpu(name: str) -> Callable[..., Any]:
         carried = {n: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
                    for n, t in inputs.items()}
         out = attnlab.kernel(name, "chunkwise")(**carried)
-        if isinstance(out, tuple):
-            return (out[0].to(torch.bfloat16), *out[1:])
-        return out.to(torch.bfloat16)
+        return _output_in_bf16(out)
 
     call.__name__ = f"{name}_backward"
     return call
