@@ -139,6 +139,13 @@ from attnlab.kernels._util import block_size, state_block
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
 STATE_TILE = 4096
 NUM_WARPS = 4
+# The fewest key and value channels at which bf16 inputs' products take "fp16" (products_precision). Below, a
+# product is a sum of a few terms, and the chunk algebra's cancellations (dS = exp(G_C) dS' + Qg^T dO - W^T dDelta,
+# dT's two terms) keep the operands' 2^-11 where a sum over many channels would not land on one: at K = V = 1 and
+# T = 1 with a drawn initial state, "fp16" measured excess 14 (d initial_state) and, with beta near 0, 102 (dk)
+# against bf16's floor, 1.0 at tf32x3; at K = V = 4 and 16 up to 1.2 (reports/bench.md, session 26). Heads this
+# narrow cost nothing to multiply at tf32x3.
+FP16_PRODUCTS_MIN_CHANNELS = 16
 # Key channels a program of the sums kernel (its three [C, SUMS_KEY_BLOCK] fp32 sums) and a step of the gradients
 # kernel (which takes the sums' bounds key block by key block); the sums kernel's V step (the [SUMS_KEY_BLOCK,
 # SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO, Delta and dDelta; it divides the sequential passes' BV,
@@ -169,6 +176,12 @@ CHANNEL_SLICE = 32
 # the passes' sums over the key channels take four products each and up to 254 registers; all 128 at once (one
 # bound a tile) 12 to 136 bytes, and for kda 0.6 to 0.8 KB.
 LOCAL_KEY_BLOCK = 64
+# The fewest key channels of a piece at which the local kernel's span sums of per-channel gates ([C, C] 0/1 spans
+# times a [C, piece] gate tile as loaded, _channel_factors) take the gates' own 16-bit tensor-core dot. Triton 3.6's
+# Hopper code for that dot reads a 16- or 32-channel bf16 tile wrongly: an illegal shared-memory read (16 channels,
+# V = 1 or 64) or gradients off by up to 1e10 (17 to 32 channels); 64 is right (reports/bench.md, session 26;
+# triton-lang/triton#11366 is a fault of the same kind). Narrower pieces take the exact fp32 dot on CUDA cores.
+NATIVE_SPAN_KEYS = 64
 # Their [SUB, SUB] products hold whole operands in one warp (as kda's forward A rows do). At 4 warps the
 # cotangents kernel spills nothing (195 registers) and the grams kernel 16 bytes, each reduction then across warps.
 CHANNEL_NUM_WARPS = 1
@@ -1087,12 +1100,14 @@ def _channel_cotangents_kernel(
         tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=in_block)
 
 
-def products_precision(dtype: torch.dtype) -> str:
+def products_precision(dtype: torch.dtype, K: int, V: int) -> str:
     """PRECISION of the sequential passes', the sums kernel's and the gradients kernel's dots for inputs of
-    ``dtype`` (the module docstring): "fp16" for bf16 inputs, "tf32x3" for fp16 (whose own floor "fp16" would
-    reach), fp32 inputs fp64 whatever it says; the interpreter's emulation of "fp16" under it
+    ``dtype`` and head dims K, V (the module docstring): "fp16" for bf16 inputs with at least
+    FP16_PRODUCTS_MIN_CHANNELS key and value channels, "tf32x3" for narrower bf16 heads and for fp16 (whose own
+    floor "fp16" would reach), fp32 inputs fp64 whatever it says; the interpreter's emulation of "fp16" under it
     (_numerics.dot_precision)."""
-    return dot_precision("fp16" if dtype == torch.bfloat16 else "tf32x3", dtype)
+    fp16 = dtype == torch.bfloat16 and min(K, V) >= FP16_PRODUCTS_MIN_CHANNELS
+    return dot_precision("fp16" if fp16 else "tf32x3", dtype)
 
 
 def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
@@ -1122,7 +1137,7 @@ def chunkwise_backward(
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
-    precision = products_precision(q.dtype)
+    precision = products_precision(q.dtype, K, V)
     # The sequential passes' operands as to_scratch stores them: fp16 on the "fp16" path, each tile against its
     # bound (``peaks``: S, dS', Delta, dDelta of each (chunk, V block), their outputs; ``bounds``: W, Kd, Qg of each
     # chunk and piece of key channels, and A of each chunk, the local kernel's), else ACC.
@@ -1168,7 +1183,8 @@ def chunkwise_backward(
                                    bounds, peaks, T, H, K, V, scale_hi, scale_lo,
                                    BKC=piece_keys, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
                                    PRECISION="tf32x3", PASS_PRECISION=precision,
-                                   NATIVE_GATES=native_gates(gate.dtype), num_stages=stages["local"], **common)
+                                   NATIVE_GATES=native_gates(gate.dtype) and piece_keys >= NATIVE_SPAN_KEYS,
+                                   num_stages=stages["local"], **common)
     common["PRECISION"] = precision
     passes = {n: value for n, value in common.items() if n != "CHANNEL"}  # they read no row factors
     _states_kernel[(triton.cdiv(V, BV), B * H)](

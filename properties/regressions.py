@@ -37,6 +37,20 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
         # (the selftest's specimen) is caught whatever the search draws (its draws pass a scale or reach K = 1).
         Case(name="softmax", seed=0, B=1, T=4, H=1, K=16, V=16),
     ),
+    # A drawn initial state at K = V = 1 and T = 1: the delta rules' bf16 backward with "fp16" products measured
+    # d initial_state 14.2 times bf16's floor (the chunk algebra's cancellations keep a single term's 2^-11);
+    # narrow heads now take tf32x3 (found on the H100, session 26; _delta_chunk_backward.FP16_PRODUCTS_MIN_CHANNELS).
+    "backward_matches_oracle[dinitial_state]": (
+        Case(name="deltanet", seed=0, B=1, T=1, H=1, K=1, V=1),
+    ),
+    "backward_matches_oracle[dk]": (
+        # The same with beta near 0: dk 102 times bf16's floor, dbeta 15.6.
+        Case(name="deltanet", seed=0, B=1, T=1, H=1, K=1, V=1, beta_low=0.0, beta_high=0.001),
+        # kda at 16 key channels, V = 1: an illegal shared-memory read in the local kernel's span sums on the H100
+        # (Triton 3.6's dot on a 16-channel bf16 gate tile; 17 to 32 channels gave gradients off by up to 1e10;
+        # session 26, _delta_chunk_backward.NATIVE_SPAN_KEYS).
+        Case(name="kda", seed=345, B=2, T=64, H=2, K=16, V=1, beta_low=0.56, beta_high=1.66, scale=2.0),
+    ),
     # Normalized linear attention at T = 1 in fp32: the state form's numerator and denominator are
     # separate K-term dots, so the output leaves the hull of v by ~3 fp32 roundings (the check's
     # slack counts K for linear_attn since this case).

@@ -21,8 +21,10 @@ beta = 1: properties/regressions.py).
 The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_backward.py) in the same spirit, for
 the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
 the bf16 inputs carried in fp16 (exact inside fp16's range), so that the backward accumulates in fp32 as on bf16
-inputs, and its products forced onto the bf16 inputs' path ("fp16_emulated", for every dtype in the process from
-the first call on). The forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the
+inputs, and its products chosen as for bf16 inputs of the same head dims (products_precision: "fp16_emulated"
+where the GPU takes "fp16", for every dtype in the process from the first call on). They take an initial state
+and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
+26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the
 backward than for the forward. The gradients come back in fp16, the carriers' dtype, where the GPU's are bf16: a
 gradient entry below fp16's normal range (6.1e-5) keeps fewer bits here than there, so a failure on such entries
 is the stand-in's (gated_deltanet's dg of 1.2e-7 at T = 2, beta near 0, read 18 % off: reports/bench.md, session 25).
@@ -36,6 +38,15 @@ from typing import Any
 import torch
 
 import attnlab
+from attnlab.kernels import _delta_chunk_backward
+
+
+_CHOSEN = _delta_chunk_backward.products_precision
+
+
+def _as_for_bf16(dtype: torch.dtype, K: int, V: int) -> str:
+    """The backward's products as chosen for bf16 inputs of these head dims, whatever the carriers' dtype."""
+    return _CHOSEN(torch.bfloat16, K, V)
 
 
 def _output_in_bf16(out: Any) -> Any:
@@ -57,13 +68,11 @@ def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
 
 
 def _bf16_backward_as_on_the_gpu(name: str) -> Callable[..., Any]:
-    def call(**inputs: Any) -> Any:
-        from attnlab.kernels import _delta_chunk_backward
-
-        _delta_chunk_backward.products_precision = lambda dtype: "fp16_emulated"
+    def call(initial_state: Any = None, return_state: bool = False, **inputs: Any) -> Any:
         carried = {n: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
                    for n, t in inputs.items()}
-        out = attnlab.kernel(name, "chunkwise")(**carried)
+        _delta_chunk_backward.products_precision = _as_for_bf16
+        out = attnlab.kernel(name, "chunkwise")(**carried, initial_state=initial_state, return_state=return_state)
         return _output_in_bf16(out)
 
     call.__name__ = f"{name}_backward"

@@ -1,0 +1,72 @@
+"""Under the Triton interpreter, every load and store a kernel makes checked against the memory its launch was given.
+
+On a GPU an address past a tensor's allocation is an illegal memory access, reported asynchronously and fatal to
+the process's CUDA context (every later call in it fails); a small overrun that lands inside the caching
+allocator's segment is not reported at all. The interpreter, which runs the kernel on the CPU through numpy, reads
+and writes any host address it is given. :func:`checked_addresses` makes it refuse: while it is active, each
+launch records the storages of its tensor arguments, and each load or store raises :class:`OutOfBounds` when an
+address its mask lets through (with the element's size) is not inside one of them. It catches the overrun where
+the GPU would read past the end silently, and names the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+
+
+class OutOfBounds(AssertionError):
+    """A kernel loaded or stored outside every tensor its launch was given."""
+
+
+@contextlib.contextmanager
+def checked_addresses() -> Iterator[None]:
+    """Check every masked-in address of every interpreted launch inside the block (module docstring)."""
+    from triton.runtime import interpreter
+
+    launches: list[tuple[str, np.ndarray, np.ndarray]] = []  # (kernel, sorted starts, their ends)
+    executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
+    original_args, original_load, original_store = (
+        executor._init_args_hst, builder.create_masked_load, builder.create_masked_store)
+
+    def record_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = original_args(self, args_dev, kwargs)
+        spans = sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
+                        for a in (*args_hst, *kwargs_hst.values()) if hasattr(a, "untyped_storage")
+                        for s in (a.untyped_storage(),)})
+        starts = np.array([s for s, _ in spans], dtype=np.uint64)
+        ends = np.array([e for _, e in spans], dtype=np.uint64)
+        launches.append((getattr(self.fn, "__name__", "kernel"), starts, ends))
+        return args_hst, kwargs_hst
+
+    def check(ptrs, mask, what: str) -> None:
+        kernel, starts, ends = launches[-1]
+        wanted = np.broadcast_to(mask.data, ptrs.data.shape)
+        addresses = ptrs.data[wanted].astype(np.uint64)
+        if addresses.size == 0:
+            return
+        size = np.uint64(ptrs.get_element_ty().primitive_bitwidth // 8)
+        at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
+        inside = (at >= 0) & (addresses + size <= ends[np.maximum(at, 0)])
+        if not inside.all():
+            bad = addresses[~inside]
+            raise OutOfBounds(f"{kernel}: a {what} of {bad.size} of {addresses.size} addresses outside every tensor of "
+                              f"its launch (first at {int(bad[0]):#x}; tensors at "
+                              + ", ".join(f"[{int(s):#x}, {int(e):#x})" for s, e in zip(starts, ends)) + ")")
+
+    def load(self, ptrs, mask, other, *rest):
+        check(ptrs, mask, "load")
+        return original_load(self, ptrs, mask, other, *rest)
+
+    def store(self, ptrs, value, mask, *rest):
+        check(ptrs, mask, "store")
+        return original_store(self, ptrs, value, mask, *rest)
+
+    executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = record_args, load, store
+    try:
+        yield
+    finally:
+        executor._init_args_hst, builder.create_masked_load, builder.create_masked_store = (
+            original_args, original_load, original_store)

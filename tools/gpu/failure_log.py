@@ -1,0 +1,48 @@
+"""A pytest plugin for the property suite on a lent GPU (``-p failure_log``, tools/gpu on the path): it writes what
+pytest keeps to its end, as it happens, so that a run the device's limit kills still leaves it.
+
+- ``$OUT/failures.log``: each failed test's report when it fails (pytest prints them only in its summary; with
+  pytest-xdist the controller writes it).
+- ``$OUT/cases-WORKER.log``: each case a gradient check runs (attnlab.properties.checks.gradient_run), written
+  before it runs. After a CUDA fault, which kills the worker's CUDA context so that every later case fails (and
+  hypothesis shrinks the failure to the smallest case, which says nothing), the last line of the worker's file is
+  the case that faulted (a tab-separated line: label, dtype, mode, chunk size, case), which tools/gpu/fault_case.py
+runs again alone; with ``CUDA_LAUNCH_BLOCKING=1`` the failure's traceback names the launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+OUT = os.environ.get("OUT", ".")
+
+
+def _log_cases() -> None:
+    from attnlab.properties import checks
+
+    run = checks.gradient_run
+    path = os.path.join(OUT, f"cases-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log")
+
+    @functools.wraps(run)
+    def logged(target, case, dtype, device="cpu", mode="full", chunk_size=None):
+        with open(path, "a") as f:
+            f.write("\t".join((target.label, str(dtype).removeprefix("torch."), mode, repr(chunk_size), repr(case)))
+                    + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return run(target, case, dtype, device, mode, chunk_size)
+
+    checks.gradient_run = logged
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _log_cases()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed:
+        with open(os.path.join(OUT, "failures.log"), "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
