@@ -39,8 +39,9 @@ tiles the "fp16" path (below) stores between kernels. The inverse, W, U and kda'
 amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22), as do dL's two factors of X; the other products (the
 sequential passes, the sums over V, the cotangent products) use PRECISION: for bf16 inputs "fp16", each fp32 operand
 scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one tensor-core product instead
-of tf32x3's three TF32 ones: reports/bench.md has its speed and excess against tf32x3's), for fp16 inputs "tf32x3"
-("fp16" would sit at their own floor).
+of tf32x3's three TF32 ones, 2.4x faster at the bench shape: reports/bench.md has its speed and excess against
+tf32x3's), but "tf32x3" for bf16 heads of fewer than 16 key or value channels (products of so few terms keep the
+cancellations' 2^-11: FP16_PRODUCTS_MIN_CHANNELS); for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
 
 On the "fp16" path every operand of the sequential passes' and the sums kernel's products is rounded as
 _numerics.to_scratch stores it: fp16, scaled by the power of two of a peak (2^-11 relative down to 2^-27 of the

@@ -25,6 +25,7 @@ from attnlab.kernel import backward_forms, kernel, kernel_options
 from attnlab.metrics import measure_gradients
 from attnlab.registry import bounds_for, formulation, names
 from attnlab.properties.traits import time_axes
+from memory_bounds import checked_addresses
 
 INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run where there is no GPU")
 
@@ -32,6 +33,8 @@ SIZES = dict(B=1, T=40, H=2, K=16, V=16)
 CUT = 21  # the causality test's first position with do = 0
 # On the GPU: several chunks of every chunk size, head dims of the bench's tiles.
 GPU_SIZES = dict(B=2, T=300, H=2, K=64, V=64)
+# Shapes that leave most of every tile masked: one token and one channel; a length and head dims off every block.
+NARROW_SIZES = [dict(B=2, T=1, H=1, K=1, V=1), dict(B=1, T=65, H=1, K=17, V=3)]
 
 
 DIFFERENTIABLE = [(name, form) for name in names() for form in backward_forms(name)]
@@ -111,6 +114,17 @@ def test_every_gradient_matches_the_oracle(name, form, dtype, stateful):
     if stateful and formulation(name).state is None:
         pytest.skip(f"{name} has no state")
     check_gradients(name, form, dtype, stateful)
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("sizes", NARROW_SIZES, ids=["T1-K1-V1", "T65-K17-V3"])
+@pytest.mark.parametrize("name,form", DIFFERENTIABLE, ids=[f"{n}-{f}" for n, f in DIFFERENTIABLE])
+def test_every_kernel_stays_inside_its_tensors(name, form, sizes):
+    """Forward and backward, with a state where the formulation has one, every load and store lands inside the
+    tensors of its launch (tests/kernels/memory_bounds.py; a lane a mask lets past its tensor reads another
+    allocation silently on a GPU, or faults there), and the gradients hold their bound."""
+    with checked_addresses():
+        check_gradients(name, form, torch.float16, formulation(name).state is not None, sizes=sizes)
 
 
 @pytest.mark.gpu

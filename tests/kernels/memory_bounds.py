@@ -26,35 +26,36 @@ def checked_addresses() -> Iterator[None]:
     """Check every masked-in address of every interpreted launch inside the block (module docstring)."""
     from triton.runtime import interpreter
 
-    launches: list[tuple[str, np.ndarray, np.ndarray]] = []  # (kernel, sorted starts, their ends)
+    launches: list[tuple[str, list[tuple[int, int, str]]]] = []  # (kernel, sorted (start, end, argument))
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
     original_args, original_load, original_store = (
         executor._init_args_hst, builder.create_masked_load, builder.create_masked_store)
 
     def record_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = original_args(self, args_dev, kwargs)
-        spans = sorted({(s.data_ptr(), s.data_ptr() + s.nbytes())
-                        for a in (*args_hst, *kwargs_hst.values()) if hasattr(a, "untyped_storage")
-                        for s in (a.untyped_storage(),)})
-        starts = np.array([s for s, _ in spans], dtype=np.uint64)
-        ends = np.array([e for _, e in spans], dtype=np.uint64)
-        launches.append((getattr(self.fn, "__name__", "kernel"), starts, ends))
+        named = {**dict(zip(self.arg_names, args_hst)), **kwargs_hst}
+        spans = sorted({(s.data_ptr(), s.data_ptr() + s.nbytes(), n)
+                        for n, t in named.items() if hasattr(t, "untyped_storage") for s in (t.untyped_storage(),)})
+        launches.append((getattr(self.fn, "__name__", "kernel"), spans))
         return args_hst, kwargs_hst
 
     def check(ptrs, mask, what: str) -> None:
-        kernel, starts, ends = launches[-1]
-        wanted = np.broadcast_to(mask.data, ptrs.data.shape)
+        kernel, spans = launches[-1]
+        wanted = np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)  # an int mask (bool & int) too
         addresses = ptrs.data[wanted].astype(np.uint64)
-        if addresses.size == 0:
+        if addresses.size == 0 or not spans:
             return
+        starts = np.array([s for s, _, _ in spans], dtype=np.uint64)
+        ends = np.array([e for _, e, _ in spans], dtype=np.uint64)
         size = np.uint64(ptrs.get_element_ty().primitive_bitwidth // 8)
         at = np.searchsorted(starts, addresses, side="right").astype(np.int64) - 1
         inside = (at >= 0) & (addresses + size <= ends[np.maximum(at, 0)])
         if not inside.all():
-            bad = addresses[~inside]
-            raise OutOfBounds(f"{kernel}: a {what} of {bad.size} of {addresses.size} addresses outside every tensor of "
-                              f"its launch (first at {int(bad[0]):#x}; tensors at "
-                              + ", ".join(f"[{int(s):#x}, {int(e):#x})" for s, e in zip(starts, ends)) + ")")
+            bad = int(addresses[~inside][0])
+            start, end, name = min(spans, key=lambda span: min(abs(bad - span[0]), abs(bad - span[1])))
+            where = (f"{start - bad} bytes before" if bad < start else f"{bad - end + int(size)} bytes past the end of")
+            raise OutOfBounds(f"{kernel}: a {what} of {int((~inside).sum())} of {addresses.size} addresses outside "
+                              f"every tensor of its launch, the first {where} `{name}` ({end - start} bytes)")
 
     def load(self, ptrs, mask, other, *rest):
         check(ptrs, mask, "load")

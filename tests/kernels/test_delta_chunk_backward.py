@@ -9,6 +9,10 @@ no gate, once), at the smallest tiles (quick); and the sums and gradients kernel
 launcher takes (``tiles``) for the widest head dims (K = V = 256) in their widest arithmetic (fp64, for fp32
 inputs), within sm_90's 227 KB of shared memory a block (the bench's K = V = 128 in bf16 takes 16 KB and 64 KB). The
 compiles run in a process of their own, with the interpreter off (this suite's processes run under it).
+
+Beside the compiles: the "fp16" path's roundings (each stored operand and sum at fp16's 11 bits against its own
+peak), the narrow heads on which bf16 inputs take tf32x3 products instead (emulated on the CPU), and, on a GPU, kda
+at the narrow key pieces where Triton's Hopper dot of the span sums went wrong.
 """
 
 from __future__ import annotations
