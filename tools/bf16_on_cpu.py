@@ -24,8 +24,9 @@ the bf16 inputs carried in fp16 (exact inside fp16's range), so that the backwar
 inputs, and its products chosen as for bf16 inputs of the same head dims (products_precision: "fp16_emulated"
 where the GPU takes "fp16", for every dtype in the process from the first call on). They take an initial state
 and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
-26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the
-backward than for the forward. The gradients come back in fp16, the carriers' dtype, where the GPU's are bf16: a
+26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The
+forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the backward than for the
+forward. The gradients come back in fp16, the carriers' dtype, where the GPU's are bf16: a
 gradient entry below fp16's normal range (6.1e-5) keeps fewer bits here than there, so a failure on such entries
 is the stand-in's (gated_deltanet's dg of 1.2e-7 at T = 2, beta near 0, read 18 % off: reports/bench.md, session 25).
 """
@@ -39,7 +40,6 @@ import torch
 
 import attnlab
 from attnlab.kernels import _delta_chunk_backward
-
 
 _CHOSEN = _delta_chunk_backward.products_precision
 

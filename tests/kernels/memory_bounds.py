@@ -6,7 +6,8 @@ allocator's segment is not reported at all. The interpreter, which runs the kern
 and writes any host address it is given. :func:`checked_addresses` makes it refuse: while it is active, each
 launch records the storages of its tensor arguments, and each load or store raises :class:`OutOfBounds` when an
 address its mask lets through (with the element's size) is not inside one of them. It catches the overrun where
-the GPU would read past the end silently, and names the kernel.
+the GPU would read past the end silently, and names the kernel and the nearest argument. Pointer loads and stores
+only: block pointers and tensor descriptors (TMA) take other paths of the interpreter, unchecked.
 """
 
 from __future__ import annotations
