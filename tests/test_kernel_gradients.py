@@ -7,7 +7,9 @@ excess over the larger of its rounding floor in the dtype it is returned in and 
 bound is the entry's gradient accuracy bound (bf16 1.5, fp16 2), and in fp32 the forward's bound on the registry's
 inputs (4, not the 48 any input is held to: these are the default inputs). Every backward is causal: with do zero
 from a position on, the gradients there are exactly zero. A form without a backward refuses inputs that require
-grad with a message that says so. The ``gpu`` tests run the same check in bf16 and fp16 on the GPU, at
+grad with a message that says so. At shapes that leave most of every tile masked (one token and one channel; a
+length and head dims off every block) each form also runs with every load and store checked against its launch's
+tensors (tests/kernels/memory_bounds.py). The ``gpu`` tests run the same check in bf16 and fp16 on the GPU, at
 a length of several chunks and head dims of 64 (each prints its excess per gradient).
 """
 
