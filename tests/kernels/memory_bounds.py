@@ -27,7 +27,7 @@ def checked_addresses() -> Iterator[None]:
     """Check every masked-in address of every interpreted launch inside the block (module docstring)."""
     from triton.runtime import interpreter
 
-    launches: list[tuple[str, list[tuple[int, int, str]]]] = []  # (kernel, sorted (start, end, argument))
+    launch: dict[str, object] = {}  # the launch in progress: its kernel and sorted (start, end, argument) spans
     executor, builder = interpreter.GridExecutor, interpreter.InterpreterBuilder
     original_args, original_load, original_store = (
         executor._init_args_hst, builder.create_masked_load, builder.create_masked_store)
@@ -37,11 +37,11 @@ def checked_addresses() -> Iterator[None]:
         named = {**dict(zip(self.arg_names, args_hst)), **kwargs_hst}
         spans = sorted({(s.data_ptr(), s.data_ptr() + s.nbytes(), n)
                         for n, t in named.items() if hasattr(t, "untyped_storage") for s in (t.untyped_storage(),)})
-        launches.append((getattr(self.fn, "__name__", "kernel"), spans))
+        launch.update(kernel=getattr(self.fn, "__name__", "kernel"), spans=spans)
         return args_hst, kwargs_hst
 
     def check(ptrs, mask, what: str) -> None:
-        kernel, spans = launches[-1]
+        kernel, spans = launch["kernel"], launch["spans"]
         wanted = np.broadcast_to(mask.data.astype(bool), ptrs.data.shape)  # an int mask (bool & int) too
         addresses = ptrs.data[wanted].astype(np.uint64)
         if addresses.size == 0 or not spans:

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ import torch
 import attnlab
 from attnlab.properties import checks
 from attnlab.properties.strategies import Case
-from attnlab.properties.targets import function_target, own_kernel_target
+from attnlab.properties.targets import own_kernel_target, resolve
 from attnlab.gradients import gradient_dtypes, gradient_floor, oracle_gradients
 from attnlab.kernel import kernel
 from attnlab.kernels import _delta_chunk_backward as backward
@@ -83,7 +84,9 @@ COMPILE = textwrap.dedent("""
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         options = dict(constexprs, GATED=gates != "ungated", CHANNEL=gates == "channel", C=C, BK=BK, BV=BV,
                        STATE_BV=STATE_BV,
-                       BKC=min(BK, backward.CHANNEL_SLICE), NATIVE_GATES=inputs != "fp32", ACC=acc,
+                       BKC=min(BK, backward.CHANNEL_SLICE), ACC=acc,
+                       NATIVE_GATES=inputs != "fp32" and (name != "local"
+                                                         or min(BK, backward.LOCAL_KEY_BLOCK) >= backward.NATIVE_SPAN_KEYS),
                        PRECISION="tf32x3" if name in ("local", "channel_grams")
                        else precision, PASS_PRECISION=precision)
         options = {n: value for n, value in options.items() if n in kernel.arg_names}
@@ -307,23 +310,16 @@ NARROW_HEADS = [
 ]
 
 
-def _bf16_backward_on_the_cpu(name: str):
-    """The chunkwise kernel as its bf16 backward runs on the GPU (tools/bf16_on_cpu.py): bf16 inputs carried in
-    fp16, exactly, and the backward's products chosen as for bf16 inputs of the same head dims, emulated."""
-    def call(initial_state=None, return_state=False, **inputs):
-        carried = {n: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
-                   for n, t in inputs.items()}
-        out = kernel(name, "chunkwise")(**carried, initial_state=initial_state, return_state=return_state)
-        return (out[0].to(torch.bfloat16), *out[1:]) if isinstance(out, tuple) else out.to(torch.bfloat16)
-
-    return function_target(call, name, f"attnlab:{name}/chunkwise as bf16")
+# tools/bf16_on_cpu.py: the bf16 backward as it runs on the GPU, emulated (bf16 inputs carried in fp16, exactly;
+# the products chosen as for bf16 inputs of the same head dims), loaded as a user's --attnlab-kernel is.
+BF16_ON_CPU = Path(__file__).resolve().parents[2] / "tools" / "bf16_on_cpu.py"
 
 
 @pytest.mark.parametrize("case", NARROW_HEADS, ids=["state", "state-beta-near-0"])
 def test_narrow_heads_take_tf32x3_products_in_bf16(case, monkeypatch):
-    chosen = backward.products_precision
-    monkeypatch.setattr(backward, "products_precision", lambda dtype, K, V: chosen(torch.bfloat16, K, V))
-    target = _bf16_backward_on_the_cpu(case.name)
+    # The stand-in replaces products_precision for the rest of its process: restored after this test.
+    monkeypatch.setattr(backward, "products_precision", backward.products_precision)
+    target = resolve(f"{BF16_ON_CPU}:{case.name}_backward", case.name)
 
     def verdicts():
         checks._GRADIENT_RUNS.clear()

@@ -19,6 +19,21 @@ def _copy(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
 
 
+@triton.jit
+def _copy_in_the_first_program(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    first = (offsets < n) & (tl.program_id(0) == 0)  # an integer mask under the interpreter, not a boolean one
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=first), mask=first)
+
+
+@INTERPRETER_ONLY
+def test_an_integer_mask_is_a_mask_not_indices():
+    x, y = torch.randn(1), torch.empty(1)
+    with checked_addresses():  # taken as indices, its 0s and 1s would pick lanes 0 and 1: one past the tensor
+        _copy_in_the_first_program[(2,)](x, y, 1, BLOCK=16)
+    assert torch.equal(x, y)
+
+
 @INTERPRETER_ONLY
 def test_a_load_past_its_tensor_is_refused():
     x, y = torch.randn(8), torch.empty(8)

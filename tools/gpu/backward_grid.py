@@ -7,7 +7,8 @@ precision: where the bf16 backward's figures depend on the head dims (narrow til
 For each formulation, K = V = each dim, T = each length (B = 1, H = 1, seed 0, the registry's inputs, a drawn
 initial state and final-state cotangent) and each PRECISION of the backward's products ("chosen": as
 kernels/_delta_chunk_backward.products_precision chooses): the worst gradient's figure and verdict of
-backward_matches_oracle (and with --forward the output's of matches_oracle). A developer's instrument
+backward_matches_oracle (and with --forward the output's of matches_oracle). Run from tools/gpu or with it on the
+path (it takes replay_failures.products). A developer's instrument
 (tools/gpu/README.md); one line per case, printed as it is measured (a CUDA fault ends the process).
 """
 
@@ -18,10 +19,10 @@ import sys
 
 import torch
 
-from attnlab.kernels import _delta_chunk_backward
 from attnlab.properties import checks
 from attnlab.properties.strategies import Case
 from attnlab.properties.targets import own_kernel_target
+from replay_failures import products
 
 
 def _ints(text: str) -> list[int]:
@@ -39,7 +40,6 @@ def main() -> int:
     parser.add_argument("--forward", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    chosen = _delta_chunk_backward.products_precision
     for name in args.names.split(","):
         target = own_kernel_target(name, "chunkwise")
         for T in args.lengths:
@@ -49,14 +49,9 @@ def main() -> int:
                     result = checks.check_matches_oracle(target, case, dtype, args.device)
                     print(f"{name} T={T} K=V={dim} forward: {result.verdict} {result.figure:.3g}", flush=True)
                 for precision in args.precisions.split(","):
-                    _delta_chunk_backward.products_precision = (
-                        chosen if precision == "chosen" else (lambda *_, p=precision: p))
-                    checks._GRADIENT_RUNS.clear()  # cached by case, not by the products' precision
-                    try:
+                    with products(precision):
                         results = [checks.check_backward_matches_oracle(target, case, dtype, args.device, g)
                                    for g in checks.gradient_names(target)]
-                    finally:
-                        _delta_chunk_backward.products_precision = chosen
                     worst = max(results, key=lambda r: r.figure)
                     figures = " ".join(f"{r.property.split('[')[1][:-1]} {r.figure:.3g}" for r in results)
                     print(f"{name} T={T} K=V={dim} {precision}: worst {worst.verdict} ({figures})", flush=True)

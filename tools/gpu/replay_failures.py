@@ -16,8 +16,10 @@ A developer's instrument (tools/gpu/README.md); prints one line per (check, prec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -30,6 +32,20 @@ HEADER = re.compile(r"property (?P<prop>\S+) (?:FAILED|IMPRECISE)\S* .*?for attn
                     r"in (?P<dtype>\w+) on (?P<device>\w+)")
 INPUT = re.compile(r"input: (?P<case>Case\(.*\))\s*$")
 CHECK = re.compile(r"(?P<base>\w+)\[(?P<gradient>\w+)\]")
+
+
+@contextlib.contextmanager
+def products(precision: str) -> Iterator[None]:
+    """The delta backward's products at ``precision`` inside the block ("chosen": as products_precision chooses),
+    with the gradient checks' cached runs dropped (they are cached by case, not by the products' precision)."""
+    chosen = _delta_chunk_backward.products_precision
+    if precision != "chosen":
+        _delta_chunk_backward.products_precision = lambda *_: precision
+    checks._GRADIENT_RUNS.clear()
+    try:
+        yield
+    finally:
+        _delta_chunk_backward.products_precision = chosen
 
 
 def failures(log: str) -> list[tuple[str, str, str, str, str]]:
@@ -57,7 +73,6 @@ def main() -> int:
     with open(args.log) as f:
         items = failures(f.read())
     print(f"{len(items)} failed or imprecise checks in {args.log}", flush=True)
-    chosen = _delta_chunk_backward.products_precision
     for prop, name, form, dtype_name, case_text in items:
         check = CHECK.fullmatch(prop)
         if check is None or form != "chunkwise":
@@ -68,16 +83,12 @@ def main() -> int:
         for variant in args.variants.split(","):
             dtype, precision = variant.split(":")
             dtype = dtype or dtype_name
-            _delta_chunk_backward.products_precision = (
-                chosen if precision == "chosen" else (lambda *_, p=precision: p))
-            checks._GRADIENT_RUNS.clear()  # its runs are cached by case, not by the products' precision
             try:
-                result = run(target, case, getattr(torch, dtype), args.device, check["gradient"])
+                with products(precision):
+                    result = run(target, case, getattr(torch, dtype), args.device, check["gradient"])
                 verdict = f"{result.verdict} figure {result.figure:.4g} ({result.detail[:160]})"
             except Exception as error:  # noqa: BLE001 - report and go on to the next
                 verdict = f"raised {type(error).__name__}: {error}"
-            finally:
-                _delta_chunk_backward.products_precision = chosen
             print(f"{prop} {name} {dtype} {precision}: {verdict}\n    {case_text}", flush=True)
     return 0
 
