@@ -41,6 +41,11 @@ for the dtype chosen with ``--attnlab-dtype``.
 the kernel is differentiable, i.e. its output requires grad when its inputs do). ``backward`` on a kernel that is
 not differentiable is a usage error. A backward that raises fails its properties with the kernel's message.
 
+A CUDA fault (an illegal memory access and the like) loses the CUDA context of its process: the property it struck
+fails with the input that faulted, unshrunk ("CUDA FAULT"), and under pytest-xdist the worker then ends before its
+next test, which xdist reports as crashed, while a fresh worker runs the rest. Without xdist the later properties
+fail unrun ("NOT RUN"), naming the fault. ``pytest --lf`` runs them again.
+
 Hypothesis profiles ``attnlab-ci`` (derandomized, bounded), ``attnlab-dev``,
 ``attnlab-gpu`` and ``attnlab-thorough`` are registered at import; one is
 loaded (``--attnlab-profile``, else the ``HYPOTHESIS_PROFILE`` environment
@@ -54,6 +59,7 @@ Other projects' test runs are left alone.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +159,21 @@ def parse_passes(text: str | None) -> tuple[str, ...] | None:
     if bad or not passes:
         raise ValueError(f"--attnlab-passes {text!r}: expected forward, backward or forward,backward")
     return passes
+
+
+# The exit status of a pytest-xdist worker ended for a lost CUDA context (pytest_runtest_protocol).
+LOST_CONTEXT_EXIT = 3
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """End a pytest-xdist worker whose CUDA context a property search lost before it runs another test: every CUDA
+    call there would fail. xdist reports this test as crashed and runs the rest on a fresh worker."""
+    suite = sys.modules.get("attnlab.properties.suite")  # no search ran in this process without it
+    if suite is not None and suite.lost_context() is not None and hasattr(item.config, "workerinput"):  # xdist's
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(LOST_CONTEXT_EXIT)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -41,7 +41,9 @@ sequential passes, the sums over V, the cotangent products) use PRECISION: for b
 scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one tensor-core product instead
 of tf32x3's three TF32 ones, 2.4x faster at the bench shape: reports/bench.md has its speed and excess against
 tf32x3's), but "tf32x3" for bf16 heads of fewer than 16 key or value channels (products of so few terms keep the
-cancellations' 2^-11: FP16_PRODUCTS_MIN_CHANNELS); for fp16 inputs "tf32x3" ("fp16" would sit at their own floor).
+cancellations' 2^-11: FP16_PRODUCTS_MIN_CHANNELS) and for fewer than 64 positions B * H * T (one entry's
+cancellation is then a gradient's figure: FP16_PRODUCTS_MIN_POSITIONS); for fp16 inputs "tf32x3" ("fp16" would sit
+at their own floor).
 
 On the "fp16" path every operand of the sequential passes' and the sums kernel's products is rounded as
 _numerics.to_scratch stores it: fp16, scaled by the power of two of a peak (2^-11 relative down to 2^-27 of the
@@ -63,7 +65,13 @@ which the gradients kernel reads back in ACC, and -dW (in W's buffer), which it 
 sums, dA and dDelta V^T, and <S, dS'> stay in ACC: dA reaches the gates' gradient elementwise, as the row sums minus
 the column sums of dA * A and then dg's reverse cumulative sum, and dDelta V^T through dT, dL and the same row and
 column sums of dL * L; those sums cancel, so a rounding 2^-11 of a tile's peak is not small beside what is left
-(stored in fp16, they measure gated_deltanet's g up to 1.2 times bf16's floor, 1.0 in ACC: reports/bench.md). The
+(stored in fp16, they measure gated_deltanet's g up to 1.2 times bf16's floor, 1.0 in ACC: reports/bench.md). They
+are sums over V of dO and v (exact in fp16) against Delta and dDelta, and one of them can be a single cancelling
+dot: with do zero from position 1, dbeta_0 = A_00 (dO_0 . v_0); at 2^-11, dDelta made that 16.5 times bf16's floor
+(reports/bench.md, session 27). So on the "fp16" path the passes also store what rounding Delta and dDelta left, in
+fp16 on the same scale (_numerics.scratch_residual, 2^-22 with the stored tile), and the [C, C] sums multiply both
+tiles. -dW, dT's other term, takes dDelta as stored, as the reverse pass's W^T dDelta does: its part of dG
+(through dKg) must be of the same dDelta as theirs, and -dW is itself stored at 2^-11 of its peak. The
 other paths store the same tiles in ACC, unrounded (W and -dW in one buffer, A: its own tile), and no peaks but v's.
 
 For fp32 inputs ACC is fp64: the chunk algebra cancels (S' = (exp(G_C) I - Kd^T W) S + ..., dL's two factors of X),
@@ -88,8 +96,8 @@ Five launches, seven with per-channel gates:
   fp16 with their peaks.
 - ``_sums_kernel`` (grid (K blocks of SUMS_KEY_BLOCK + 1, chunks, B*H), parallel): the sums over V above: each
   key block's program (two at K = 128) dQg, -dW, dKd ([C, SUMS_KEY_BLOCK] each; "fp16": stored in fp16 with their
-  peaks) and <S, dS'> on its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each), those two and
-  <S, dS'> in ACC, and dv; every product of stored tiles.
+  peaks) and <S, dS'> on its keys, the last program dA (unmasked) and dDelta V^T ([C, C] each; "fp16": Delta's and
+  dDelta's residuals too), those two and <S, dS'> in ACC, and dv; every product of stored tiles.
 - ``_gradients_kernel`` (grid (chunks, B*H), parallel): from those, the chunk algebra, key block by key block: dT,
   dL, the chunk's dbeta and, with a gate per head or none, dq, dk and dg, written once each in the input dtype;
   kda's go to scratch as the row factors' parts and the grams' cotangents.
@@ -104,18 +112,18 @@ thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C
 [SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's
 tiles and bf16 inputs (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes
 (4 bytes of spill loads), the gradients kernel at 8 spills nothing. The price is the sums' round trip through
-memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096,
-H = 16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's
-fp16 buffer (which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and
-<S, dS'> 4 MiB in ACC, plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes'
-outputs there: S and dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16"
-path (bf16 inputs), 0.75 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once and
-Delta, dDelta and dO three times (its two key programs and its value program): 1.6 GiB at the bench's bf16 instead
-of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC, 256 MiB in fp16; on the
-"fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which _gradients_kernel
-reads; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds and, gated,
-4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in both
-passes, A and Qg in the reverse one).
+memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096, H =
+16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16 buffer
+(which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in ACC,
+plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and dS'
+512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16 inputs), with
+Delta's and dDelta's residuals 1 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS'
+once, Delta, dDelta and dO three times (its two key programs and its value program) and the residuals once: 1.9 GiB at
+the bench's bf16 instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC, 256
+MiB in fp16; on the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which
+_gradients_kernel reads; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds
+and, gated, 4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in
+both passes, A and Qg in the reverse one).
 
 Per-channel gates make the row factors [C, K] fp32 tiles where a gate per head has [C, 1] columns, and the anchored
 kernels one warp a program; held live across the products, those tiles spill. So the local kernel forms W, the
@@ -132,8 +140,8 @@ import triton.language as tl
 
 from attnlab.kernels._delta import SUB, _chunk_cumulative_gate, _chunk_total_gate
 from attnlab.kernels._numerics import (
-    dot_precision, dot_scratches, from_scratch, native_gates, peak, scaled_dot, span_sums, split_dot_into, to_scratch,
-    unit_lower_inverse,
+    dot_precision, dot_scratches, from_scratch, native_gates, peak, scaled_dot, scratch_residual, span_sums,
+    split_dot_into, to_scratch, unit_lower_inverse,
 )
 from attnlab.kernels._util import block_size, state_block
 
@@ -147,6 +155,14 @@ NUM_WARPS = 4
 # against bf16's floor, 1.0 at tf32x3; at K = V = 4 and 16 up to 1.2 (reports/bench.md, session 26). Heads this
 # narrow cost nothing to multiply at tf32x3.
 FP16_PRODUCTS_MIN_CHANNELS = 16
+# The fewest positions (B * H * T) at which bf16 inputs' products take "fp16". The figure is normwise over a
+# gradient's entries, and with few positions one entry's cancellation is the figure: dbeta_t and a gate per head's
+# dg_t are a position's sums over V and K channels (dT_tt = dDelta_t . (v_t - S^T kg_t); dg_t also the chunk's
+# <S, dS'>), which cancel down to a small value now and then, and the "fp16" path's operands (S, dS', Delta, dDelta
+# stored at 2^-11) then leave 2^-11 of the parts: at T = 1 with a drawn state, Gated DeltaNet's dg measured 168
+# times bf16's floor (tf32x3: 1.00); at T = 4, 3.4; at T = 16 and 64, 1.35 and 1.58 (reports/bench.md, session 27).
+# Problems this small are launch-bound: tf32x3 costs them nothing.
+FP16_PRODUCTS_MIN_POSITIONS = 64
 # Key channels a program of the sums kernel (its three [C, SUMS_KEY_BLOCK] fp32 sums) and a step of the gradients
 # kernel (which takes the sums' bounds key block by key block); the sums kernel's V step (the [SUMS_KEY_BLOCK,
 # SUMS_BV] tiles of S and dS', the [C, SUMS_BV] ones of dO, Delta and dDelta; it divides the sequential passes' BV,
@@ -713,8 +729,8 @@ def _decayed(S, decays_ptr, chunk_row, keys, K, GATED: tl.constexpr):
 
 @triton.jit
 def _states_kernel(
-    stored_w_ptr, kd_qg_ptr, bounds_ptr, decays_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, peaks_ptr, T, H, K, V,
-    GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+    stored_w_ptr, kd_qg_ptr, bounds_ptr, decays_ptr, u_ptr, s0_ptr, states_ptr, delta_ptr, delta_low_ptr, peaks_ptr,
+    T, H, K, V, GATED: tl.constexpr, HAS_INITIAL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
     BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The state entering every chunk and its Delta, in order: Delta = U - W S, S' = exp(G_C) S + Kd^T Delta (in
@@ -743,6 +759,8 @@ def _states_kernel(
         delta_stored = to_scratch(delta, delta_bound, PRECISION)
         tl.store(delta_ptr + scratch, delta_stored, mask=value_ok[None, :])
         if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+            tl.store(delta_low_ptr + scratch, scratch_residual(delta, delta_stored, delta_bound),
+                     mask=value_ok[None, :])
             tl.store(peaks + PEAK_S, s_bound)
             tl.store(peaks + PEAK_DELTA, delta_bound)
         kd = _key_rows(kd_qg_ptr, scratch_row, keys, K, 2 * K)
@@ -754,7 +772,7 @@ def _states_kernel(
 @triton.jit
 def _reverse_kernel(
     stored_w_ptr, stored_a_ptr, kd_qg_ptr, bounds_ptr, decays_ptr, do_ptr, d_final_ptr, d_states_ptr, d_delta_ptr,
-    d_initial_ptr, peaks_ptr, T, H, K, V,
+    d_delta_low_ptr, d_initial_ptr, peaks_ptr, T, H, K, V,
     GATED: tl.constexpr, HAS_D_FINAL: tl.constexpr, STORE_D_INITIAL: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -790,6 +808,8 @@ def _reverse_kernel(
         d_delta_stored = to_scratch(d_delta, dd_bound, PRECISION)
         tl.store(d_delta_ptr + scratch_row[:, None] * V + values[None, :], d_delta_stored, mask=value_ok[None, :])
         if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+            tl.store(d_delta_low_ptr + scratch_row[:, None] * V + values[None, :],
+                     scratch_residual(d_delta, d_delta_stored, dd_bound), mask=value_ok[None, :])
             tl.store(peaks + PEAK_D_S, ds_bound)
             tl.store(peaks + PEAK_D_DELTA, dd_bound)
         qg = _key_rows(kd_qg_ptr + K, scratch_row, keys, K, 2 * K)
@@ -814,8 +834,8 @@ def _from_stored(x, bound, ACC: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _sums_kernel(
-    v_ptr, beta_ptr, x_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr, do_ptr, dv_ptr, key_sums_ptr,
-    dw_ptr, value_sums_ptr, pairing_ptr, sum_bounds_ptr, peaks_ptr, T, H, K, V,
+    v_ptr, beta_ptr, x_ptr, states_ptr, d_states_ptr, delta_ptr, d_delta_ptr, delta_low_ptr, d_delta_low_ptr, do_ptr,
+    dv_ptr, key_sums_ptr, dw_ptr, value_sums_ptr, pairing_ptr, sum_bounds_ptr, peaks_ptr, T, H, K, V,
     C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STATE_BV: tl.constexpr, PRECISION: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -824,7 +844,8 @@ def _sums_kernel(
     (= -dW), Delta dS'^T (= dKd) on its BK keys, [C, BK] each, and <S, dS'> per key channel; the last program:
     dO Delta^T (dA before the mask) and dDelta V^T (dT's first term), [C, C] each, and dv = T^T dDelta. The [C, BK]
     sums are stored as to_scratch makes them against their own peaks (_store_operand; on the "fp16" path fp16, the
-    peaks in ``sum_bounds``), the [C, C] ones and <S, dS'> in ACC.
+    peaks in ``sum_bounds``), the [C, C] ones and <S, dS'> in ACC; on the "fp16" path the [C, C] ones add the
+    products with Delta's and dDelta's residuals (the module docstring).
 
     Every product is of stored tiles: on the "fp16" path S, dS', Delta and dDelta as the sequential passes stored
     them (fp16, scaled by their bounds) and dO and v scaled by theirs into fp16 (exact: 16-bit inputs), the bounds
@@ -899,6 +920,9 @@ def _sums_kernel(
             v = to_scratch(tl.load(v_ptr + token[:, None] * V + values[None, :], mask=in_values,
                                    other=0.0).to(tl.float32), v_bound, PRECISION)
             dT = _dot_stored(d_delta, dd_bound, tl.trans(v), v_bound, dT, ACC, PRECISION)
+            if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+                d_delta_low = tl.load(d_delta_low_ptr + scratch, mask=(values < V)[None, :], other=0.0)
+                dT = _dot_stored(d_delta_low, dd_bound, tl.trans(v), v_bound, dT, ACC, PRECISION)
             dv = _dot_stored(X_t, x_bound, d_delta, dd_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
             dv = dv * beta[:, None]  # T^T dDelta
             tl.store(dv_ptr + token[:, None] * V + values[None, :], dv.to(dv_ptr.dtype.element_ty), mask=in_values)
@@ -906,8 +930,11 @@ def _sums_kernel(
             do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
             do = to_scratch(tl.load(do_ptr + token[:, None] * V + values[None, :], mask=in_values,
                                     other=0.0).to(tl.float32), do_bound, PRECISION)
-            dA = _dot_stored(do, do_bound, tl.trans(delta), _load_bound(peaks + PEAK_DELTA, PRECISION), dA, ACC,
-                             PRECISION)
+            delta_bound = _load_bound(peaks + PEAK_DELTA, PRECISION)
+            dA = _dot_stored(do, do_bound, tl.trans(delta), delta_bound, dA, ACC, PRECISION)
+            if PRECISION == "fp16" or PRECISION == "fp16_emulated":
+                delta_low = tl.load(delta_low_ptr + scratch, mask=(values < V)[None, :], other=0.0)
+                dA = _dot_stored(do, do_bound, tl.trans(delta_low), delta_bound, dA, ACC, PRECISION)
         value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
         tl.store(value_sums_ptr + value_sums, dA)
         tl.store(value_sums_ptr + value_sums + C, dT)
@@ -1101,13 +1128,14 @@ def _channel_cotangents_kernel(
         tl.store(dg_ptr + out, dg.to(dg_ptr.dtype.element_ty), mask=in_block)
 
 
-def products_precision(dtype: torch.dtype, K: int, V: int) -> str:
+def products_precision(dtype: torch.dtype, K: int, V: int, positions: int) -> str:
     """PRECISION of the sequential passes', the sums kernel's and the gradients kernel's dots for inputs of
-    ``dtype`` and head dims K, V (the module docstring): "fp16" for bf16 inputs with at least
-    FP16_PRODUCTS_MIN_CHANNELS key and value channels, "tf32x3" for narrower bf16 heads and for fp16 (whose own
-    floor "fp16" would reach), fp32 inputs fp64 whatever it says; the interpreter's emulation of "fp16" under it
-    (_numerics.dot_precision)."""
-    fp16 = dtype == torch.bfloat16 and min(K, V) >= FP16_PRODUCTS_MIN_CHANNELS
+    ``dtype``, head dims K, V and ``positions`` = B * H * T (the module docstring): "fp16" for bf16 inputs with at
+    least FP16_PRODUCTS_MIN_CHANNELS key and value channels and FP16_PRODUCTS_MIN_POSITIONS positions, "tf32x3" for
+    narrower or smaller bf16 problems and for fp16 (whose own floor "fp16" would reach), fp32 inputs fp64 whatever
+    it says; the interpreter's emulation of "fp16" under it (_numerics.dot_precision)."""
+    fp16 = (dtype == torch.bfloat16 and min(K, V) >= FP16_PRODUCTS_MIN_CHANNELS
+            and positions >= FP16_PRODUCTS_MIN_POSITIONS)
     return dot_precision("fp16" if fp16 else "tf32x3", dtype)
 
 
@@ -1138,7 +1166,7 @@ def chunkwise_backward(
     chunks = triton.cdiv(T, C)
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
-    precision = products_precision(q.dtype, K, V)
+    precision = products_precision(q.dtype, K, V, B * H * T)
     # The sequential passes' operands as to_scratch stores them: fp16 on the "fp16" path, each tile against its
     # bound (``peaks``: S, dS', Delta, dDelta of each (chunk, V block), their outputs; ``bounds``: W, Kd, Qg of each
     # chunk and piece of key channels, and A of each chunk, the local kernel's), else ACC.
@@ -1158,6 +1186,9 @@ def chunkwise_backward(
     states = torch.empty((B * H, chunks, K, V), **stored)
     d_states = torch.empty_like(states)
     d_delta = torch.empty_like(delta)
+    # On the "fp16" path what rounding Delta and dDelta left (_numerics.scratch_residual), for _sums_kernel's [C, C]
+    # sums; unused pointers otherwise.
+    delta_low, d_delta_low = (torch.empty_like(delta), torch.empty_like(delta)) if rounded else (delta, delta)
     peaks = torch.empty((B * H * chunks * triton.cdiv(V, BV), PEAKS.value), dtype=torch.float32, device=q.device)
     dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g) if g is not None else None
@@ -1189,11 +1220,11 @@ def chunkwise_backward(
     common["PRECISION"] = precision
     passes = {n: value for n, value in common.items() if n != "CHANNEL"}  # they read no row factors
     _states_kernel[(triton.cdiv(V, BV), B * H)](
-        w, kd_qg, bounds, decays, u, state[0] if state is not None else w, states, delta, peaks, T, H, K, V,
+        w, kd_qg, bounds, decays, u, state[0] if state is not None else w, states, delta, delta_low, peaks, T, H, K, V,
         HAS_INITIAL=state is not None, BKC=piece_keys, BV=BV, num_stages=stages["states"], **passes)
     _reverse_kernel[(triton.cdiv(V, BV), B * H)](
         w, stored_a, kd_qg, bounds, decays, do, d_state[0] if d_state is not None else w, d_states, d_delta,
-        d_initial if d_initial is not None else w, peaks, T, H, K, V, HAS_D_FINAL=d_state is not None,
+        d_delta_low, d_initial if d_initial is not None else w, peaks, T, H, K, V, HAS_D_FINAL=d_state is not None,
         STORE_D_INITIAL=d_initial is not None, BKC=piece_keys, BV=BV, num_stages=stages["reverse"], **passes)
     # The sums over V: dQg and dKd beside each other and -dW in W's buffer (no kernel reads W after the reverse pass),
     # as to_scratch stores them (fp16 on the "fp16" path, against their peaks in ``sum_bounds``); dA and dDelta V^T
@@ -1205,7 +1236,8 @@ def chunkwise_backward(
     sum_bounds = (torch.empty((B * H * chunks, SUM_BOUNDS.value * key_blocks), dtype=torch.float32, device=q.device)
                   if rounded else peaks)  # an unused pointer off the "fp16" path
     _sums_kernel[(key_blocks + 1, chunks, B * H)](
-        v, beta, X, states, d_states, delta, d_delta, do, dv, key_sums, w, value_sums, pairing, sum_bounds, peaks,
+        v, beta, X, states, d_states, delta, d_delta, delta_low, d_delta_low, do, dv, key_sums, w, value_sums, pairing,
+        sum_bounds, peaks,
         T, H, K, V, C=C,
         BK=key_block, BV=sums_BV, STATE_BV=BV, PRECISION=precision, ACC=ACC, num_warps=SUMS_NUM_WARPS,
         num_stages=stages["sums"])

@@ -104,6 +104,15 @@ def to_scratch(a, a_bound, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def scratch_residual(a, a_stored, a_bound):
+    """What the "fp16" to_scratch left out of ``a`` (stored as ``a_stored`` against ``a_bound``), on the same scale
+    and rounded to fp16 in turn: a_stored + this is ``a`` to about 2^-22 (each fp16 value 2^-11 of its own size),
+    so that a product that cancels can take both tiles where one would keep only the first's 2^-11."""
+    a_up, _ = pow2_scale(a_bound, 13)
+    return (a * a_up - a_stored.to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
 def from_scratch(a, a_bound, PRECISION: tl.constexpr):
     """The fp32 value of an operand that to_scratch stored with the same bound (unscaled for "fp16")."""
     if PRECISION == "fp16" or PRECISION == "fp16_emulated":

@@ -82,6 +82,16 @@ BACKWARD_RAISED = "the backward raised (refused)"
 # A forward that raises NotImplementedError declines the input (Python's "not supported"; torch's pinned SDPA backends
 # have no kernel for some shapes): the search skips the case (attnlab.properties.suite), a verdict counts them.
 DECLINED = "the kernel declined this input (NotImplementedError)"
+# CUDA's "sticky" errors, as torch and Triton word them: after one, the process's CUDA context is lost and every
+# later CUDA call fails whatever its input, so a result that failed on one says where the kernel faulted and nothing
+# about its arithmetic (attnlab.properties.suite stops there instead of shrinking).
+CUDA_FAULTS = ("illegal memory access", "illegal address", "unspecified launch failure", "misaligned address",
+               "device-side assert", "illegal instruction", "hardware stack error", "uncorrectable ecc")
+
+
+def is_cuda_fault(result: CheckResult) -> bool:
+    """Whether ``result`` failed on a CUDA error that loses the context (:data:`CUDA_FAULTS`)."""
+    return result.failed and any(fault in result.detail.lower() for fault in CUDA_FAULTS)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -1269,7 +1279,7 @@ BACKWARD_CHECKS = {
     "backward_chunk_size_invariance": check_backward_chunk_size_invariance,
     "backward_split_and_resume": check_backward_split_and_resume,
 }
-__all__ += ["keys_shift_invariant", "BACKWARD_RAISED", "BACKWARD_CHECKS", "GradientRun", "gradient_run", "gradient_names", "gradient_bounds",
+__all__ += ["keys_shift_invariant", "BACKWARD_RAISED", "CUDA_FAULTS", "is_cuda_fault", "BACKWARD_CHECKS", "GradientRun", "gradient_run", "gradient_names", "gradient_bounds",
             "check_backward_matches_oracle", "check_backward_finite", "check_backward_query_identity",
             "check_backward_shift_identity", "check_backward_causality", "check_backward_split_and_resume",
             "check_backward_chunk_size_invariance"]

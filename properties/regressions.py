@@ -51,6 +51,19 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
         # session 26, _delta_chunk_backward.NATIVE_SPAN_KEYS).
         Case(name="kda", seed=345, B=2, T=64, H=2, K=16, V=1, beta_low=0.56, beta_high=1.66, scale=2.0),
     ),
+    # One position with a drawn state: Gated DeltaNet's dg_0 is a small difference of large parts (the chunk's
+    # <S, dS'> among them), and the "fp16" products (S and dS' stored at 2^-11) measured 168 times bf16's floor;
+    # problems under 64 positions now take tf32x3 (found with tools/bf16_on_cpu.py, session 27;
+    # _delta_chunk_backward.FP16_PRODUCTS_MIN_POSITIONS).
+    "backward_matches_oracle[dg]": (
+        Case(name="gated_deltanet", seed=2, B=1, T=1, H=1, K=31, V=24, key_coherence=0.999),
+    ),
+    # do zero from position 1: dbeta_0 = A_00 (dO_0 . v_0), a dot over V that cancels 14-fold, and dDelta stored at
+    # 2^-11 left it 16.5 times bf16's floor (found on the H100, session 27; the "fp16" path's [C, C] sums now take
+    # Delta's and dDelta's residuals, and two positions take tf32x3).
+    "backward_causality[dbeta]": (
+        Case(name="gated_deltanet", seed=18699, B=1, T=2, H=1, K=31, V=24, key_coherence=0.999, cut=1),
+    ),
     # Normalized linear attention at T = 1 in fp32: the state form's numerator and denominator are
     # separate K-term dots, so the output leaves the hull of v by ~3 fp32 roundings (the check's
     # slack counts K for linear_attn since this case).

@@ -14,6 +14,13 @@ correctness bound) ends it only under ``strict``; otherwise the search goes
 on looking for a failure, keeps the worst imprecise result, and warns
 (:class:`ImpreciseWarning`) once at its end. ``strict`` defaults to
 :data:`POLICY` (the pytest plugin's ``--attnlab-strict``).
+
+A CUDA fault (checks.is_cuda_fault: an illegal memory access and the like) loses the process's CUDA context: every
+later CUDA call fails, whatever its input. Shrinking it would fail every smaller case the same way and report the
+smallest, which says nothing, and every later search in the process would fail the same way too. So the search
+stops calling the kernel at the first fault and reports that case as drawn, and :func:`lost_context` keeps it: a
+later search in the process fails at once, unrun, naming it (the pytest plugin ends a pytest-xdist worker instead,
+so that a fresh one runs the rest).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import hypothesis
@@ -37,7 +44,7 @@ from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SI
 from attnlab.properties.targets import Target
 
 __all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "Policy", "POLICY", "ImpreciseWarning", "search", "run",
-           "sizes_for", "applicable", "PASSES", "backward_properties", "base_name"]
+           "sizes_for", "applicable", "PASSES", "backward_properties", "base_name", "LostContext", "lost_context"]
 
 CaseStrategy = Callable[[Target, torch.dtype, Sizes], st.SearchStrategy[Case]]
 Check = Callable[[Target, Case, torch.dtype, str], CheckResult]
@@ -178,6 +185,36 @@ class Policy:
 POLICY = Policy()
 
 
+@dataclass(frozen=True)
+class LostContext:
+    """The CUDA fault that lost this process's CUDA context: the result it failed with, and the search it ended."""
+
+    result: CheckResult
+    search: str  # "PROPERTY on TARGET in DTYPE"
+
+    def fault_message(self) -> str:
+        return (f"CUDA FAULT in {self.search}: the kernel's launch lost this process's CUDA context\n"
+                f"{self.result.message()}\n"
+                "  the input is the first that faulted, as drawn: after a fault every CUDA call fails, so no smaller "
+                "input could be told apart, and none was tried\n"
+                "  every later CUDA call in this process fails: under pytest-xdist (-n) the worker ends before its "
+                "next test, which is reported as crashed, and a fresh worker runs the rest; run it again with "
+                "pytest --lf")
+
+    def not_run_message(self) -> str:
+        return (f"NOT RUN: this process's CUDA context was lost earlier, in {self.search}, on "
+                f"{self.result.case!r}: every CUDA call here fails. Run this test again in a fresh process "
+                "(pytest --lf), or run the suite under pytest-xdist (-n), whose workers are replaced after a fault.")
+
+
+_LOST: list[LostContext] = []  # the process's CUDA fault, once it happened
+
+
+def lost_context() -> LostContext | None:
+    """The CUDA fault that lost this process's CUDA context, if a search met one."""
+    return _LOST[0] if _LOST else None
+
+
 @dataclass
 class Outcome:
     """What one search found: examples run, the first result that ended the search (1-based), the worst result,
@@ -198,6 +235,7 @@ class Outcome:
     imprecise: CheckResult | None = None
     first_not_held: CheckResult | None = None
     budget_spent: bool = False  # the search stopped drawing at its deadline, before max_examples
+    cuda_fault: CheckResult | None = None  # the failure that lost the CUDA context (it is also ``failure``)
     declined: int = 0  # inputs the kernel declined (NotImplementedError): skipped, not counted in examples
     first_declined: CheckResult | None = None
 
@@ -217,6 +255,28 @@ class Outcome:
     def result(self) -> CheckResult | None:
         """The result the verdict rests on: the failure, else the worst imprecise result, else the worst one."""
         return self.failure or self.imprecise or self.worst
+
+
+# What the check returns in place of a CUDA fault, and after it: no kernel runs on a lost context.
+_NOT_RUN = "not run: the CUDA context was lost"
+
+
+def _stopping_at_a_cuda_fault(check: Check, record: Outcome) -> Check:
+    """``check`` that keeps the first CUDA fault in ``record.cuda_fault`` and, for it and every later case, returns a
+    held result without calling the kernel: hypothesis, which shrinks what fails, then never sees the fault.
+
+    The handling wraps the check rather than living in the search's own test function because that function's
+    source seeds hypothesis' derandomized draws (its function digest): editing it would change every draw."""
+
+    def checked(target: Target, case: Case, dtype: torch.dtype, device: str) -> CheckResult:
+        if record.cuda_fault is None:
+            result = check(target, case, dtype, device)
+            if not checks.is_cuda_fault(result):
+                return result
+            record.cuda_fault, record.first_failure = result, record.examples + 1
+        return CheckResult(record.property, HELD, 0.0, 1.0, _NOT_RUN, target.label, case, dtype, device)
+
+    return checked
 
 
 def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,
@@ -244,6 +304,9 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     """
     record = outcome if outcome is not None else Outcome(prop.name, target.label, dtype)
     strict = POLICY.strict if strict is None else strict
+    where = f"{prop.name} on {target.label} in {str(dtype).removeprefix('torch.')}"
+
+    prop = replace(prop, check=_stopping_at_a_cuda_fault(prop.check, record))
 
     def check_one(case: Case) -> None:
         if deadline is not None and record.examples + record.declined > len(replay) and time.monotonic() > deadline:
@@ -284,6 +347,9 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     test._hypothesis_internal_add_digest = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
 
     def run_search() -> None:
+        lost = lost_context()
+        if lost is not None and lost.result.device == device:
+            raise AssertionError(lost.not_run_message())
         try:
             test()
         except Unsatisfiable:
@@ -295,6 +361,10 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
             record.failure, record.first_failure = record.first_declined, 1
             raise AssertionError(f"{target.label} declined every input drawn ({record.declined}): "
                                  f"{record.first_declined.message()}") from None
+        if record.cuda_fault is not None:
+            record.failure = record.worst = record.cuda_fault
+            _LOST.append(LostContext(record.cuda_fault, where))
+            raise AssertionError(_LOST[-1].fault_message())
         if warn and record.imprecise is not None and record.failure is None:
             warnings.warn(ImpreciseWarning(
                 f"{record.imprecise.message()}\n  (passes: imprecise is not failed; --attnlab-strict fails it)"),

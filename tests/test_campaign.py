@@ -315,6 +315,32 @@ def test_inputs_a_kernel_declines_are_skipped_and_counted_and_declining_all_is_r
     assert campaign_report.classify({**asdict(every), "measure": every.measure})[0] == "limitation"
 
 
+def test_a_cuda_fault_ends_the_search_on_the_case_that_faulted_and_later_searches_do_not_run(monkeypatch) -> None:
+    import torch
+    from attnlab.properties import checks
+
+    monkeypatch.setattr(suite, "_LOST", [])  # this process's record of a lost context, left as it was
+    ideal = rounded_oracle_target("retnet")
+    calls = []
+
+    def kernel(**x):
+        calls.append(x["q"].shape[1])
+        if len(calls) >= 3:  # the third call faults, and every call after it, as on a lost CUDA context
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return ideal.function(**x)
+
+    target = function_target(kernel, "retnet", "faults")
+    properties = {p.name: p for p in suite.applicable(target)}
+    sizes = suite.sizes_for("cpu", "ci")
+    outcome = suite.run(properties["matches_oracle"], target, torch.float32, "cpu", sizes)
+    assert outcome.failure is outcome.cuda_fault and checks.is_cuda_fault(outcome.failure), outcome
+    assert len(calls) == 3 and outcome.first_failure == 3  # no call after the fault: nothing shrunk
+    assert suite.lost_context() is not None and suite.lost_context().result is outcome.cuda_fault
+    later = suite.run(properties["causality"], target, torch.float32, "cpu", sizes)
+    assert later.verdict == "error" and later.errors[0].startswith("AssertionError: NOT RUN: "), later
+    assert "matches_oracle on faults in float32" in later.errors[0] and len(calls) == 3
+
+
 def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_stops() -> None:
     target = own_kernel_target("retnet", "recurrent")
     prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")

@@ -8,6 +8,7 @@ result passes with a warning unless ``--attnlab-strict``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,6 +42,24 @@ def good(*, q, k, v, g, scale=None, initial_state=None, return_state=False):
 def stale_gate(*, q, k, v, g, scale=None):
     """Broken: token t decays the state by the previous token's gate."""
     return gla(q=q, k=k, v=v, g=g, scale=scale, decay_offset=1)
+
+
+_context_lost = False
+
+
+def faults_once(*, q, k, v, g, scale=None, initial_state=None, return_state=False):
+    """Stands for a kernel whose launch faults once in the run, in the first test that calls it (the file
+    FAULT_MARKER names does not exist yet): that call and every later one in its process raise CUDA's sticky error,
+    as a lost context does; other processes run it correctly."""
+    import os
+    global _context_lost
+    marker = os.environ["FAULT_MARKER"]
+    if "PYTEST_CURRENT_TEST" in os.environ and not os.path.exists(marker):
+        open(marker, "w").close()
+        _context_lost = True
+    if _context_lost:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    return good(q=q, k=k, v=v, g=g, scale=scale, initial_state=initial_state, return_state=return_state)
 '''
 
 
@@ -50,8 +69,31 @@ def run_properties(tmp_path: Path, *options: str) -> subprocess.CompletedProcess
                "--attnlab-profile", "ci", "--attnlab-device", "cpu", *options]
     if not any(o.startswith("--attnlab-passes") for o in options):
         command += ["--attnlab-passes", "forward"]  # these kernels are differentiable: the backward is tested below
-    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    # A fresh pytest, as a user starts it: none of this test's own PYTEST_* variables (PYTEST_CURRENT_TEST would
+    # make faults_once fault outside a test).
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}
+    env |= {"PYTHONPATH": str(tmp_path), "FAULT_MARKER": str(tmp_path / "faulted")}
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+
+
+FAULTING = ("--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:faults_once", "--attnlab-dtype", "float32",
+            "-rA")
+
+
+def test_a_cuda_fault_is_reported_as_drawn_and_the_tests_after_it_are_not_run(tmp_path: Path) -> None:
+    report = run_properties(tmp_path, *FAULTING).stdout
+    assert "4 failed" in report, report[-4000:]
+    assert report.count("CUDA FAULT in ") == 1 and "the kernel's launch lost this process's CUDA context" in report
+    assert "the implementation raised" in report and "an illegal memory access was encountered" in report
+    assert "input: Case(name='gla', seed=" in report
+    assert "Falsifying example" not in report  # never shrunk
+    assert report.count("NOT RUN: this process's CUDA context was lost earlier, in ") == 3
+
+
+def test_under_xdist_a_fresh_worker_runs_the_tests_after_a_cuda_fault(tmp_path: Path) -> None:
+    report = run_properties(tmp_path, *FAULTING, "-n", "1").stdout
+    assert "2 failed, 2 passed" in report, report[-4000:]
+    assert report.count("CUDA FAULT in ") == 1 and "crashed" in report and "NOT RUN" not in report
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

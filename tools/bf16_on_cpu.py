@@ -21,7 +21,7 @@ beta = 1: properties/regressions.py).
 The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_backward.py) in the same spirit, for
 the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
 the bf16 inputs carried in fp16 (exact inside fp16's range), so that the backward accumulates in fp32 as on bf16
-inputs, and its products chosen as for bf16 inputs of the same head dims (products_precision: "fp16_emulated"
+inputs, and its products chosen as for bf16 inputs of the same shape (products_precision: "fp16_emulated"
 where the GPU takes "fp16", for every dtype in the process from the first call on). They take an initial state
 and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
 26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The
@@ -44,9 +44,9 @@ from attnlab.kernels import _delta_chunk_backward
 _CHOSEN = _delta_chunk_backward.products_precision
 
 
-def _as_for_bf16(dtype: torch.dtype, K: int, V: int) -> str:
-    """The backward's products as chosen for bf16 inputs of these head dims, whatever the carriers' dtype."""
-    return _CHOSEN(torch.bfloat16, K, V)
+def _as_for_bf16(dtype: torch.dtype, K: int, V: int, positions: int) -> str:
+    """The backward's products as chosen for bf16 inputs of this shape, whatever the carriers' dtype."""
+    return _CHOSEN(torch.bfloat16, K, V, positions)
 
 
 def _output_in_bf16(out: Any) -> Any:

@@ -4,10 +4,10 @@ pytest keeps to its end, as it happens, so that a run the device's limit kills s
 - ``$OUT/failures.log``: each failed test's report when it fails (pytest prints them only in its summary; with
   pytest-xdist the controller writes it).
 - ``$OUT/cases-WORKER.log``: each case a gradient check runs (attnlab.properties.checks.gradient_run), written
-  before it runs. After a CUDA fault, which kills the worker's CUDA context so that every later case fails (and
-  hypothesis shrinks the failure to the smallest case, which says nothing), the last line of the worker's file is
-  the case that faulted (a tab-separated line: label, dtype, mode, chunk size, case), which tools/gpu/fault_case.py
-runs again alone; with ``CUDA_LAUNCH_BLOCKING=1`` the failure's traceback names the launch.
+  before it runs (a tab-separated line: label, dtype, mode, chunk size, case). A worker's last line is the case it
+  was on when the run was killed; for a CUDA fault, which the suite reports itself (unshrunk, as "CUDA FAULT",
+  attnlab.properties.suite), it is the case that faulted, which tools/gpu/fault_case.py runs again alone; with
+  ``CUDA_LAUNCH_BLOCKING=1`` the failure's traceback names the launch.
 """
 
 from __future__ import annotations
