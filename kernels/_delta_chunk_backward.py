@@ -112,15 +112,15 @@ thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C
 [SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's
 tiles and bf16 inputs (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes
 (4 bytes of spill loads), the gradients kernel at 8 spills nothing. The price is the sums' round trip through
-memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096, H =
-16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16 buffer
-(which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in ACC,
-plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and dS'
-512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16 inputs), with
+memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096,
+H = 16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16
+buffer (which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in
+ACC, plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and
+dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16 inputs), with
 Delta's and dDelta's residuals 1 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS'
 once, Delta, dDelta and dO three times (its two key programs and its value program) and the residuals once: 1.9 GiB at
-the bench's bf16 instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC, 256
-MiB in fp16; on the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which
+the bench's bf16 instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC,
+256 MiB in fp16; on the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which
 _gradients_kernel reads; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds
 and, gated, 4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in
 both passes, A and Qg in the reverse one).

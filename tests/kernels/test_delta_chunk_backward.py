@@ -35,6 +35,7 @@ from attnlab.kernel import kernel
 from attnlab.kernels import _delta_chunk_backward as backward
 from attnlab.metrics import measure_gradients
 from kernel_checks import sweep
+from memory_bounds import checked_addresses
 
 SHARED_MEMORY_PER_BLOCK = 232448  # sm_90's opt-in maximum (227 KB)
 
@@ -159,6 +160,23 @@ def test_the_fp16_path_stores_its_operands_at_fp16s_precision(name, monkeypatch)
                                                                                           base=reference))
     for n, m in measured.items():
         assert m.nonfinite == 0 and m.excess <= FP16_PATH_BOUND, (n, m.as_dict())
+
+
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_the_fp16_path_stays_inside_its_tensors(name, monkeypatch):
+    """The "fp16" path's stores and loads (its residual tiles among them) at partial chunks and tiles, with a state:
+    every masked-in address inside a tensor of its launch (memory_bounds; tests/test_kernel_gradients.py checks the
+    other paths)."""
+    monkeypatch.setattr(backward, "products_precision", lambda *_: "fp16_emulated")
+    f = attnlab.formulation(name)
+    x = {n: t.half() if isinstance(t, torch.Tensor) else t for n, t in f.sample(B=1, T=65, H=1, K=17, V=3, seed=4).items()}
+    leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()
+              if isinstance(t, torch.Tensor) and f.arg(n).differentiable}
+    state = torch.randn(1, 1, 17, 3, generator=torch.Generator().manual_seed(6)).requires_grad_()
+    with checked_addresses():
+        o, final = kernel(name, "chunkwise")(**{**x, **leaves}, initial_state=state, return_state=True)
+        grads = torch.autograd.grad(o.float().sum() + final.sum(), [*leaves.values(), state])
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 class _Recorded:
