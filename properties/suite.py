@@ -25,6 +25,7 @@ so that a fresh one runs the rest).
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -263,10 +264,7 @@ _NOT_RUN = "not run: the CUDA context was lost"
 
 def _stopping_at_a_cuda_fault(check: Check, record: Outcome) -> Check:
     """``check`` that keeps the first CUDA fault in ``record.cuda_fault`` and, for it and every later case, returns a
-    held result without calling the kernel: hypothesis, which shrinks what fails, then never sees the fault.
-
-    The handling wraps the check rather than living in the search's own test function because that function's
-    source seeds hypothesis' derandomized draws (its function digest): editing it would change every draw."""
+    held result without calling the kernel: hypothesis, which shrinks what fails, then never sees the fault."""
 
     def checked(target: Target, case: Case, dtype: torch.dtype, device: str) -> CheckResult:
         if record.cuda_fault is None:
@@ -344,7 +342,12 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give; the backward
     # properties of one check share it across gradients, so that they draw the same cases and share one backward
     # pass per case (checks.gradient_run's cache).
-    test._hypothesis_internal_add_digest = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()  # type: ignore[attr-defined]
+    key = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()
+    test._hypothesis_internal_add_digest = key  # type: ignore[attr-defined]
+    # Derandomized (the ci profile), the draws come from that key alone: hypothesis would seed them from check_one's
+    # source too, so that any edit of it changed every draw of the suite.
+    if (settings if settings is not None else hypothesis.settings.default).derandomize:
+        test = hypothesis.seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))(test)
 
     def run_search() -> None:
         lost = lost_context()
