@@ -169,7 +169,8 @@ def test_the_fp16_path_stays_inside_its_tensors(name, monkeypatch):
     other paths)."""
     monkeypatch.setattr(backward, "products_precision", lambda *_: "fp16_emulated")
     f = attnlab.formulation(name)
-    x = {n: t.half() if isinstance(t, torch.Tensor) else t for n, t in f.sample(B=1, T=65, H=1, K=17, V=3, seed=4).items()}
+    x = {n: t.half() if isinstance(t, torch.Tensor) else t
+         for n, t in f.sample(B=1, T=65, H=1, K=17, V=3, seed=4).items()}
     leaves = {n: t.detach().clone().requires_grad_() for n, t in x.items()
               if isinstance(t, torch.Tensor) and f.arg(n).differentiable}
     state = torch.randn(1, 1, 17, 3, generator=torch.Generator().manual_seed(6)).requires_grad_()
