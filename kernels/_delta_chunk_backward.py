@@ -160,8 +160,9 @@ FP16_PRODUCTS_MIN_CHANNELS = 16
 # dg_t are a position's sums over V and K channels (dT_tt = dDelta_t . (v_t - S^T kg_t); dg_t also the chunk's
 # <S, dS'>), which cancel down to a small value now and then, and the "fp16" path's operands (S, dS', Delta, dDelta
 # stored at 2^-11) then leave 2^-11 of the parts: at T = 1 with a drawn state, Gated DeltaNet's dg measured 168
-# times bf16's floor (tf32x3: 1.00); at T = 4, 3.4; at T = 16 and 64, 1.35 and 1.58 (reports/bench.md, session 27).
-# Problems this small are launch-bound: tf32x3 costs them nothing.
+# times bf16's floor (tf32x3: 1.00); at T = 4, 3.4; at T = 16, 1.35; from 64 positions on, where "fp16" stays, up
+# to 2.05 (dbeta), under the correctness bound (reports/bench.md, session 27). Problems this small are launch-bound:
+# tf32x3 costs them nothing.
 FP16_PRODUCTS_MIN_POSITIONS = 64
 # Key channels a program of the sums kernel (its three [C, SUMS_KEY_BLOCK] fp32 sums) and a step of the gradients
 # kernel (which takes the sums' bounds key block by key block); the sums kernel's V step (the [SUMS_KEY_BLOCK,
