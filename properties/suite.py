@@ -204,8 +204,8 @@ class LostContext:
 
     def not_run_message(self) -> str:
         return (f"NOT RUN: this process's CUDA context was lost earlier, in {self.search}, on "
-                f"{self.result.case!r}: every CUDA call here fails. Run this test again in a fresh process "
-                "(pytest --lf), or run the suite under pytest-xdist (-n), whose workers are replaced after a fault.")
+                f"{self.result.case!r}: every CUDA call here fails. Run it again in a fresh process (under pytest: "
+                "pytest --lf, or -n N, whose workers are replaced after a fault).")
 
 
 _LOST: list[LostContext] = []  # the process's CUDA fault, once it happened

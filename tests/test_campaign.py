@@ -341,6 +341,29 @@ def test_a_cuda_fault_ends_the_search_on_the_case_that_faulted_and_later_searche
     assert "matches_oracle on faults in float32" in later.errors[0] and len(calls) == 3
 
 
+def test_validate_does_not_minimize_a_cuda_fault(monkeypatch) -> None:
+    import torch
+    from attnlab.commands.validate import run_property
+    from attnlab.conventions import ATTNLAB
+
+    monkeypatch.setattr(suite, "_LOST", [])
+    ideal = rounded_oracle_target("retnet")
+    calls = []
+
+    def kernel(**x):
+        calls.append(x["q"].shape[1])
+        if len(calls) >= 3:  # the first two draws (the smallest) pass; the third faults, and every call after it
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return ideal.function(**x)
+
+    target = function_target(kernel, "retnet", "faults")
+    prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")
+    verdict = run_property(prop, target, torch.float32, "cpu", suite.sizes_for("cpu", "ci"), "default", 6, ATTNLAB,
+                           None, 20)
+    assert verdict.status == "failed" and verdict.minimize_checks == 0 and len(calls) == 3, (verdict, calls)
+    assert verdict.case == verdict.found and calls[-1] > 1  # reported as drawn, not the smallest case
+
+
 def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_stops() -> None:
     target = own_kernel_target("retnet", "recurrent")
     prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")

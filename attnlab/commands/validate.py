@@ -425,7 +425,8 @@ def run_property(prop: Any, target: Any, dtype: torch.dtype, device: str, sizes:
     elif outcome.failure is not None:
         failure = outcome.failure
         case, result, runs = failure.case, failure, 0
-        if minimize_tries > 0 and case is not None:
+        # A CUDA fault loses the process's context: every smaller case would fail the same way (suite's docstring).
+        if minimize_tries > 0 and case is not None and outcome.cuda_fault is None:
             seconds = MINIMIZE_SECONDS if deadline is None else min(MINIMIZE_SECONDS, max(5.0, deadline - time.monotonic()))
             case, result, runs = minimize(prop, target, case, failure, dtype, device, fit, tries=minimize_tries,
                                           seconds=seconds)
