@@ -72,7 +72,8 @@ def run_properties(tmp_path: Path, *options: str) -> subprocess.CompletedProcess
     # A fresh pytest, as a user starts it: none of this test's own PYTEST_* variables (PYTEST_CURRENT_TEST would
     # make faults_once fault outside a test).
     env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_")}
-    env |= {"PYTHONPATH": str(tmp_path), "FAULT_MARKER": str(tmp_path / "faulted")}
+    # COLUMNS as a pipe's default: the short summary's lines are cut to the width, so a wider one repeats more text.
+    env |= {"PYTHONPATH": str(tmp_path), "FAULT_MARKER": str(tmp_path / "faulted"), "COLUMNS": "80"}
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
 
 
@@ -80,9 +81,15 @@ FAULTING = ("--attnlab-formulation", "gla", "--attnlab-kernel", "mykernels:fault
             "-rA")
 
 
+def failure_reports(stdout: str) -> str:
+    """The report's failure sections, without the short summary that repeats their first lines."""
+    return stdout.split(" short test summary info ")[0]
+
+
 def test_a_cuda_fault_is_reported_as_drawn_and_the_tests_after_it_are_not_run(tmp_path: Path) -> None:
-    report = run_properties(tmp_path, *FAULTING).stdout
-    assert "4 failed" in report, report[-4000:]
+    stdout = run_properties(tmp_path, *FAULTING).stdout
+    assert "4 failed" in stdout, stdout[-4000:]
+    report = failure_reports(stdout)
     assert report.count("CUDA FAULT in ") == 1 and "the kernel's launch lost this process's CUDA context" in report
     assert "the implementation raised" in report and "an illegal memory access was encountered" in report
     assert "input: Case(name='gla', seed=" in report
@@ -91,8 +98,9 @@ def test_a_cuda_fault_is_reported_as_drawn_and_the_tests_after_it_are_not_run(tm
 
 
 def test_under_xdist_a_fresh_worker_runs_the_tests_after_a_cuda_fault(tmp_path: Path) -> None:
-    report = run_properties(tmp_path, *FAULTING, "-n", "1").stdout
-    assert "2 failed, 2 passed" in report, report[-4000:]
+    stdout = run_properties(tmp_path, *FAULTING, "-n", "1").stdout
+    assert "2 failed, 2 passed" in stdout, stdout[-4000:]
+    report = failure_reports(stdout)
     assert report.count("CUDA FAULT in ") == 1 and "crashed" in report and "NOT RUN" not in report
 
 
