@@ -9,6 +9,7 @@ float64 oracle times ``(1 + eps)``, rounded once to the input dtype: its excess 
 from __future__ import annotations
 
 import json
+import math
 import re
 import os
 import subprocess
@@ -277,6 +278,34 @@ def test_a_bench_training_step_resets_the_gradients_it_accumulates() -> None:
     assert torch.equal(x.grad, first)
 
 
+def test_a_training_steps_memory_floor_adds_the_cotangent_and_every_gradient() -> None:
+    from attnlab.commands.bench import bytes_moved
+
+    f = attnlab.formulation("gated_deltanet")
+    x = {n: t.to(torch.bfloat16) for n, t in f.sample(B=1, T=8, H=2, K=4, V=4, seed=0).items()}
+    out = torch.empty(1, 8, 2, 4, dtype=torch.bfloat16)
+    inputs = 2 * (3 * 64 + 2 * 16)  # q, k, v [1, 8, 2, 4]; g, beta [1, 8, 2]; bf16
+    assert bytes_moved(f, x, out, backward=False) == inputs + 128
+    assert bytes_moved(f, x, out, backward=True) == inputs + 128 + 128 + inputs  # do read, every gradient written
+
+
+def test_the_bench_table_gives_the_backward_in_forwards_where_both_passes_ran() -> None:
+    from attnlab.commands.bench import markdown, with_backward_over_forward
+
+    def row(name: str, timed_pass: str, ms: float) -> dict:
+        return {"formulation": name, "setting": "default", "pass": timed_pass, "kernel": "k", "ours_ms": ms,
+                "floor_ms": 0.5, "peer": None, "peer_ms": math.nan, "ratio": math.nan}
+
+    rows = with_backward_over_forward([row("kda", "forward + backward", 3.5), row("kda", "forward", 1.0),
+                                       row("gla", "forward + backward", 2.0)])
+    assert rows[0]["backward_over_forward"] == 2.5
+    assert "backward_over_forward" not in rows[1] and "backward_over_forward" not in rows[2]  # gla: no forward row
+    table = [line for line in markdown(rows, {}).splitlines() if line.startswith("|")]
+    assert table[0].endswith("| ours / floor | backward / forward |")
+    assert table[2] == "| kda | forward + backward | `k` | 3.500 | none | n/a | n/a | 0.500 | 7.0 | 2.50 |"
+    assert table[3].endswith("| 0.500 | 2.0 |  |") and table[4].endswith("| 4.0 |  |")
+
+
 @pytest.mark.gpu
 def test_bench_times_forward_and_training_steps_beside_the_peer_gpu(tmp_path: Path) -> None:
     result = run_cli("bench", "--formulations", "gla,kda", "--passes", "forward,backward", "-B", "1", "-T", "256",
@@ -287,3 +316,5 @@ def test_bench_times_forward_and_training_steps_beside_the_peer_gpu(tmp_path: Pa
     for name in ("gla", "kda"):  # a gate per head and one per key channel
         forward, step = rows[(name, "default", "forward")], rows[(name, "default", "forward + backward")]
         assert 0 < forward["ours_ms"] < step["ours_ms"] and "error" not in step, step
+        assert 0 < forward["floor_ms"] < step["floor_ms"]
+        assert step["backward_over_forward"] == pytest.approx((step["ours_ms"] - forward["ours_ms"]) / forward["ours_ms"])

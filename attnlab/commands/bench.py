@@ -6,13 +6,17 @@ same formulation where it has one, torch's scaled_dot_product_attention pinned t
 is done once, before the timing, so the timed call is exactly the peer's own. attnlab's kernel runs with the
 peer's ``our_options`` (the options under which it computes the same function). Times are medians of
 ``triton.testing.do_bench`` after a warm-up call (compilation stays out of the numbers); the ratio ours / peer
-is the figure to read, since absolute times depend on the GPU. The memory floor is the time to read every
-input and write the output once at the measured device-to-device bandwidth.
+is the figure to read, since absolute times depend on the GPU. The memory floor is the time to move the bytes
+no implementation can avoid, at the measured device-to-device bandwidth: for the forward, every input read and the
+output written once; for a training step, also the output's cotangent read and every gradient written once
+(each tensor once: a lower bound, not what a kernel that recomputes or saves intermediates moves).
 
 Passes: "forward" times the call; "backward" times the forward and the backward together (``o.backward(do)``
 with a fixed random ``do``, every differentiable input a leaf whose gradient is reset before each step), as a
 training step meets them, for attnlab's kernel and the peer alike (the peer's converted inputs are its leaves,
-so no conversion is timed). A kernel without a backward gets a row saying so.
+so no conversion is timed). A kernel without a backward gets a row saying so. Where both passes ran, the
+training step's row also gives attnlab's backward / forward: (step - forward) / forward, the backward's cost in
+forwards, the figure to read where the peer has no backward on this GPU.
 """
 
 from __future__ import annotations
@@ -54,8 +58,17 @@ def peer_output(f: Formulation | str, x: Inputs) -> torch.Tensor:
     return call.result(call())
 
 
-def _bytes_moved(x: Inputs, out: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in x.values()) + out.numel() * out.element_size()
+def _nbytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def bytes_moved(f: Formulation, x: Inputs, out: torch.Tensor, backward: bool) -> int:
+    """The memory floor's bytes (module docstring): ``x``'s tensors read and ``out`` written; ``backward``, also
+    ``out``'s cotangent read and the gradient of each of ``f``'s differentiable inputs in ``x`` written."""
+    moved = _nbytes(x.values()) + _nbytes([out])
+    if backward:
+        moved += _nbytes([out]) + _nbytes(x[a.name] for a in f.args if a.differentiable and a.name in x)
+    return moved
 
 
 def measured_bandwidth(device: str = "cuda") -> float:
@@ -131,19 +144,21 @@ PASS_LABELS = {"forward": "forward", "backward": "forward + backward"}
 
 
 def _timed_ours(ours: Any, inputs: dict[str, Any], f: Formulation, backward: bool) -> tuple[float, Any, str | None]:
-    """(median ms, the forward's output, None) of attnlab's kernel (``backward``: forward and backward, no output),
-    or (nan, None, the error)."""
+    """(median ms, the forward's output, None) of attnlab's kernel (``backward``: forward and backward), or (nan,
+    None, the error)."""
     if not backward:
         return _timed(lambda: ours(**inputs))
     differentiable = {a.name for a in f.args if a.differentiable}
     grad_inputs = {n: _leaf(t) if n in differentiable else t for n, t in inputs.items()}
     leaves = [t for t in grad_inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad]
     try:
+        with torch.no_grad():
+            out = ours(**inputs)
         step = forward_backward(lambda: ours(**grad_inputs), leaves)
     except Exception as error:  # noqa: BLE001 - recorded in the row
         return math.nan, None, _error_text(error)
     ms, _, error = _timed(step)
-    return ms, None, error
+    return ms, out, error
 
 
 def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype,
@@ -171,7 +186,7 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
                 row: dict[str, Any] = {
                     "formulation": name, "setting": setting, "pass": PASS_LABELS[timed_pass], "kernel": repr(ours),
                     "ours_ms": ours_ms,
-                    "floor_ms": 1e3 * _bytes_moved(x, out) / bandwidth if out is not None else math.nan,
+                    "floor_ms": 1e3 * bytes_moved(f, x, out, backward) / bandwidth if out is not None else math.nan,
                     "peer": peer.label if peer else None, "peer_ms": peer_ms, "ratio": ours_ms / peer_ms,
                 }
                 if error:
@@ -183,6 +198,17 @@ def run(names: list[str] | list[Formulation], *, B: int, T: int, H: int, K: int,
                 rows.append(row)
         del x, inputs
         torch.cuda.empty_cache()
+    return with_backward_over_forward(rows)
+
+
+def with_backward_over_forward(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with each training step's ``backward_over_forward``, (step - forward) / forward of attnlab's
+    kernel in the same setting, where its forward row is among them."""
+    forward = {(r["formulation"], r["setting"]): r["ours_ms"] for r in rows if r["pass"] == PASS_LABELS["forward"]}
+    for row in rows:
+        key = (row["formulation"], row["setting"])
+        if row["pass"] == PASS_LABELS["backward"] and key in forward:
+            row["backward_over_forward"] = (row["ours_ms"] - forward[key]) / forward[key]
     return rows
 
 
@@ -190,13 +216,14 @@ def markdown(rows: list[dict[str, Any]], header: dict[str, str]) -> str:
     lines = ["# attnlab kernel benchmark", ""]
     lines += [f"- {k}: {v}" for k, v in header.items()]
     lines += ["", "| formulation | pass | kernel | ours (ms) | peer | peer (ms) | ours / peer | memory floor (ms) | "
-              "ours / floor |", "|---|---|---|---:|---|---:|---:|---:|---:|"]
+              "ours / floor | backward / forward |", "|---|---|---|---:|---|---:|---:|---:|---:|---:|"]
     def cell(value: float, digits: int, otherwise: str = "n/a") -> str:
         return f"{value:.{digits}f}" if value == value else otherwise
 
     for r in rows:
         ours = cell(r["ours_ms"], 3, r.get("error") or "n/a")
         lines.append(f"| {r['formulation']} | {r.get('pass', 'forward')} | `{r['kernel']}` | {ours} | {r['peer'] or 'none'} | {cell(r['peer_ms'], 3, r.get('peer_error', 'n/a'))} | "
-                     f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} |")
+                     f"{cell(r['ratio'], 2)} | {cell(r['floor_ms'], 3)} | {cell(r['ours_ms'] / r['floor_ms'], 1)} | "
+                     f"{cell(r.get('backward_over_forward', math.nan), 2, '')} |")
     return "\n".join(lines) + "\n"
 

@@ -1,15 +1,16 @@
 """Nsight Compute on one kernel launch at the bench shape (B=8, T=4096, H=16, K=V=128, bf16): where its time goes.
 
-    python3 tools/gpu/ncu.py profile NAME ours|peer REGEX OUT    ncu on the first launch of a kernel whose name
+    python3 tools/gpu/ncu.py profile NAME SIDE REGEX OUT         ncu on the first launch of a kernel whose name
                                                                  matches REGEX after a warm-up call: the summary
                                                                  sections (occupancy, issue rate, registers) in
                                                                  OUT/ncu-LABEL.txt and the SASS source page in
                                                                  OUT/ncu-LABEL-sass.csv, with its digest printed
     python3 tools/gpu/ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
                                                                  and the lines with the most stall samples
-    python3 tools/gpu/ncu.py call NAME ours|peer                 (what ncu runs) the warm-up call and the profiled one
+    python3 tools/gpu/ncu.py call NAME SIDE                      (what ncu runs) the warm-up call and the profiled one
 
-LABEL is NAME-ours|peer-REGEX. Used in session 6 on the delta rules' three passes and fla's (bash tools/gpu/job ncu).
+SIDE is ours, peer, or ours-backward (the bench's training step, forward and backward, for the backward's
+launches). LABEL is NAME-SIDE-REGEX. Used in session 6 on the delta rules' three passes and fla's (bash tools/gpu/job ncu).
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ def call(name: str, side: str) -> None:
     import torch
 
     import attnlab
-    from attnlab.commands.bench import peer_call, peer_inputs
+    from attnlab.commands.bench import forward_backward, peer_call, peer_inputs
 
     f = attnlab.formulation(name)
     x = {n: t.to(device="cuda", dtype=torch.bfloat16) for n, t in f.sample(B=8, T=4096, H=16, K=128, V=128, seed=0).items()}
-    run = peer_call(name, x) if side == "peer" else lambda: attnlab.kernel(name, "chunkwise")(**peer_inputs(name, x))
+    inputs = peer_inputs(name, x)
+    ours = attnlab.kernel(name, "chunkwise")
+    if side == "peer":
+        run = peer_call(name, x)
+    elif side == "ours-backward":
+        leaves = [t.requires_grad_() for n, t in inputs.items() if isinstance(t, torch.Tensor) and f.arg(n).differentiable]
+        run = forward_backward(lambda: ours(**inputs), leaves)
+    else:
+        run = lambda: ours(**inputs)  # noqa: E731
     for _ in range(2):
         run()
     torch.cuda.synchronize()
