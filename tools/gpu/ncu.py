@@ -41,7 +41,8 @@ def call(name: str, side: str) -> None:
     if side == "peer":
         run = peer_call(name, x)
     elif side == "ours-backward":
-        leaves = [t.requires_grad_() for n, t in inputs.items() if isinstance(t, torch.Tensor) and f.arg(n).differentiable]
+        leaves = [t.requires_grad_() for n, t in inputs.items()
+                  if isinstance(t, torch.Tensor) and f.arg(n).differentiable]
         run = forward_backward(lambda: ours(**inputs), leaves)
     else:
         run = lambda: ours(**inputs)  # noqa: E731
