@@ -81,10 +81,12 @@ def rel_err(o: Any, ref: Any) -> float:
 
 
 def max_err(o: Any, ref: Any) -> float:
-    """``max |o - ref| / max |ref|``; inf when ``o`` has a non-finite entry."""
+    """``max |o - ref| / max |ref|``; inf when ``o`` has a non-finite entry, 0 when there is none (as ``norm``)."""
     o, ref = _flat(o), _flat(ref)
     if not bool(torch.isfinite(o).all()):
         return math.inf
+    if ref.numel() == 0:
+        return 0.0
     scale = ref.abs().max().item()
     difference = (o - ref).abs().max().item()
     return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)

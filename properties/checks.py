@@ -243,8 +243,11 @@ def _contract_problem(o: Any, ref: torch.Tensor, dtype: torch.dtype) -> str:
 
 
 def _measurement_detail(m: Measurement, o: torch.Tensor) -> str:
+    past_range = (f"; {m.overflowed} past the dtype's range, returned as the infinity they round to and left out of "
+                  "the errors" if m.overflowed else "")
     return (f"rel_err {m.rel_err:.3e}, max_err {m.max_err:.3e}, floor_round {m.floor_round:.3e}, "
-            f"floor_cond {m.floor_cond:.3e} (computed only when needed), non-finite entries {m.nonfinite} of {o.numel()}")
+            f"floor_cond {m.floor_cond:.3e} (computed only when needed), non-finite entries {m.nonfinite} of {o.numel()}"
+            + past_range)
 
 
 def max_ulps(o: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:

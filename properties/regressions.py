@@ -57,6 +57,11 @@ REGRESSIONS: dict[str, tuple[Case, ...]] = {
     # _delta_chunk_backward.FP16_PRODUCTS_MIN_POSITIONS).
     "backward_matches_oracle[dg]": (
         Case(name="gated_deltanet", seed=2, B=1, T=1, H=1, K=31, V=24, key_coherence=0.999),
+        # retnet without decay (g = 0) over 62 steps in fp16: both heads' exact dg lie past fp16's range, the kernel
+        # returns their infinities (correctly rounded), and the check, left nothing to measure, raised on an empty
+        # max (found by the slow tier on the CPU, session 28; metrics.max_err).
+        Case(name="retnet", seed=156, B=1, T=62, H=2, K=16, V=7, gate_low=0.0, key_coherence=0.99, spread=4.0,
+             scale=1.6975264769543368),
     ),
     # do zero from position 1: dbeta_0 = A_00 (dO_0 . v_0), a dot over V that cancels 14-fold, and dDelta stored at
     # 2^-11 left it 16.5 times bf16's floor (found on the H100, session 27; the "fp16" path's [C, C] sums now take

@@ -123,5 +123,13 @@ def test_an_exact_value_past_the_dtypes_range_must_come_back_as_its_infinity():
     # The finite entries are still measured: an error there is scored against their own floor.
     off = measure(torch.tensor([math.inf, 1.0, 2.5]), ref, torch.float16)
     assert off.rel_err == pytest.approx(0.5 / math.sqrt(5.0))
+    # Every entry past the range and returned as its infinity (retnet's dg over 62 undecayed fp16 steps, found by the
+    # property suite's slow tier): nothing is left to measure, and that is exact, not an error of the harness.
+    everything = measure(torch.tensor([math.inf, -math.inf]), torch.tensor([7e4, -9e4], dtype=torch.float64),
+                         torch.float16)
+    assert (everything.overflowed, everything.nonfinite, everything.max_err, everything.excess) == (2, 0, 0.0, 1.0)
+    saturated = measure(torch.tensor([65504.0, -math.inf]), torch.tensor([7e4, -9e4], dtype=torch.float64),
+                        torch.float16)
+    assert saturated.nonfinite == 1 and verdict(saturated, 1.5, 48) == FAILED
     # In bf16 the same value is representable: no overflow, an ordinary rounding floor.
     assert measure(ref.to(torch.bfloat16), ref, torch.bfloat16).overflowed == 0
