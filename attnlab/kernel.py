@@ -163,20 +163,31 @@ class _KernelFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, *d_final: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        *tensors, o = ctx.saved_tensors
-        names = ctx.names
-        inputs = dict(zip(names, tensors))
-        state = tuple(tensors[len(names):]) or None
-        d_state = None
-        if any(d is not None for d in d_final):
-            d_state = tuple(torch.zeros(shape, dtype=torch.float32, device=o.device) if d is None
-                            else d.to(torch.float32).contiguous() for d, shape in zip(d_final, ctx.final_shapes))
-        if do is None:
-            do = torch.zeros_like(o)
-        call = {**ctx.kwargs, **inputs, **({"state": state} if "state" in ctx.kwargs else {})}
-        grads = ctx.kernel._backward(**call, o=o, saved=ctx.saved, do=do.contiguous(), d_state=d_state)
-        state_grads = tuple(grads["initial_state"]) if state is not None else ()
-        return (None, None, None, None, *(grads[n] for n in names), *state_grads)
+        grads = node_gradients(ctx, do, d_final)
+        state_grads = tuple(grads["initial_state"]) if ctx.has_state else ()
+        return (None, None, None, None, *(grads[n] for n in ctx.names), *state_grads)
+
+
+def node_gradients(node: Any, do: torch.Tensor | None, d_final: tuple[torch.Tensor | None, ...],
+                   **backward_options: Any) -> dict[str, Any]:
+    """The kernel module's backward at one differentiable call's autograd node (``o.grad_fn``): the gradients by
+    input name ("initial_state": the state's parts), from ``do`` and the final state's parts' cotangents as autograd
+    hands them over (None: zero). What :class:`_KernelFunction`'s backward returns; ``backward_options`` go to the
+    module's backward, for a tool that wants its gradients otherwise (tools/bf16_on_cpu.py: in fp32, from an fp32
+    ``do``)."""
+    *tensors, o = node.saved_tensors
+    inputs = dict(zip(node.names, tensors))
+    state = tuple(tensors[len(node.names):]) or None
+    d_state = None
+    if any(d is not None for d in d_final):
+        d_state = tuple(torch.zeros(shape, dtype=torch.float32, device=o.device) if d is None
+                        else d.to(torch.float32).contiguous()
+                        for d, shape in zip(d_final, node.final_shapes))
+    if do is None:
+        do = torch.zeros_like(o)
+    call = {**node.kwargs, **inputs, **({"state": state} if "state" in node.kwargs else {})}
+    return node.kernel._backward(**call, o=o, saved=node.saved, do=do.contiguous(), d_state=d_state,
+                                 **backward_options)
 
 
 def _differentiable_call(kernel: Kernel, kwargs: dict[str, Any], differentiable: dict[str, torch.Tensor],

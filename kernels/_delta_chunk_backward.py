@@ -1154,12 +1154,15 @@ def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
 
 def chunkwise_backward(
     *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g: torch.Tensor | None, scale: float,
-    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None, **forward_options,
+    state: tuple[torch.Tensor] | None, do: torch.Tensor, d_state: tuple[torch.Tensor] | None,
+    grad_dtype: torch.dtype | None = None, **forward_options,
 ) -> dict[str, torch.Tensor | tuple[torch.Tensor]]:
-    """Gradients of q, k, v, beta, g (gated only) in their dtypes and, with an initial state, "initial_state" in
-    fp32, by the launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K]
-    kda (per-channel gates). The forward's options (its chunk size, the state pass's precision and tiles) do not apply:
-    the backward takes its own tiles (:func:`tiles`)."""
+    """Gradients of q, k, v, beta, g (gated only) in their dtypes (or ``grad_dtype``: tools/bf16_on_cpu.py takes
+    fp32, to round them once to bf16 as the GPU writes them) and, with an initial state, "initial_state" in fp32, by
+    the launches of the module docstring. g None is DeltaNet, g [B, T, H] Gated DeltaNet, g [B, T, H, K] kda
+    (per-channel gates). ``do`` may be of any float dtype: the kernels read it in ACC. The forward's options (its
+    chunk size, the state pass's precision and tiles) do not apply: the backward takes its own tiles
+    (:func:`tiles`)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, BK, BV, key_block, sums_BV = tiles(K, V)
@@ -1191,8 +1194,8 @@ def chunkwise_backward(
     # sums; unused pointers otherwise.
     delta_low, d_delta_low = (torch.empty_like(delta), torch.empty_like(delta)) if rounded else (delta, delta)
     peaks = torch.empty((B * H * chunks * triton.cdiv(V, BV), PEAKS.value), dtype=torch.float32, device=q.device)
-    dq, dk, dv, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(beta)
-    dg = torch.empty_like(g) if g is not None else None
+    dq, dk, dv, dbeta = (torch.empty_like(x, dtype=grad_dtype) for x in (q, k, v, beta))
+    dg = torch.empty_like(g, dtype=grad_dtype) if g is not None else None
     d_initial = torch.empty((B, H, K, V), **acc) if state is not None else None
     gate = g if g is not None else beta  # an unused pointer when ungated
     scale_hi = float(torch.tensor(scale, dtype=torch.float32))

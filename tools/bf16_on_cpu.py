@@ -26,9 +26,10 @@ where the GPU takes "fp16", for every dtype in the process from the first call o
 and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
 26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The
 forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the backward than for the
-forward. The gradients come back in fp16, the carriers' dtype, where the GPU's are bf16: a
-gradient entry below fp16's normal range (6.1e-5) keeps fewer bits here than there, so a failure on such entries
-is the stand-in's (gated_deltanet's dg of 1.2e-7 at T = 2, beta near 0, read 18 % off: reports/bench.md, session 25).
+forward. The backward gets ``do`` with bf16's values in fp32 and writes the gradients in fp32, each then rounded
+once to bf16, as the GPU writes them (_CarriedInFp16). Before session 28 they came back in the fp16 carriers: an
+entry below fp16's normal range (6.1e-5) kept only fp16's subnormal spacing, and the suite failed the stand-in
+where the GPU's kernel is right (gated_deltanet's dv of 3e-5 and 2e-7 at beta near 0: 8.1 times bf16's floor).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 import attnlab
+from attnlab.kernel import node_gradients
 from attnlab.kernels import _delta_chunk_backward
 
 _CHOSEN = _delta_chunk_backward.products_precision
@@ -67,13 +69,42 @@ def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
     return call
 
 
+class _CarriedInFp16(torch.autograd.Function):
+    """attnlab's kernel on fp16 carriers of bf16 inputs, its gradients as the GPU's bf16 kernel writes them.
+
+    The forward runs ``run`` on fp16 copies (exact inside fp16's range) with autograd on, and keeps the kernel's
+    node; o comes back rounded to bf16. The backward calls that node's module backward itself
+    (attnlab.kernel.node_gradients) with ``do`` in fp32, holding bf16's values exactly (autograd would hand the
+    kernel an fp16 ``do``), and gradients in fp32 (grad_dtype), each rounded once to its input's dtype here: the
+    one rounding the GPU makes where it writes them, with bf16's range (fp16 carriers would keep a gradient below
+    6.1e-5 only to fp16's subnormal spacing)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[..., Any], names: tuple[str, ...], *tensors: torch.Tensor) -> Any:
+        with torch.enable_grad():
+            out = run(**{n: (t.detach().half() if t.dtype == torch.bfloat16 else t.detach()).requires_grad_()
+                         for n, t in zip(names, tensors)})
+        o, *final = out if isinstance(out, tuple) else (out,)
+        ctx.node, ctx.names, ctx.dtypes = o.grad_fn, names, [t.dtype for t in tensors]
+        return (o.detach().to(torch.bfloat16), *(f.detach() for f in final))
+
+    @staticmethod
+    def backward(ctx: Any, do: torch.Tensor, *d_final: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        grads = node_gradients(ctx.node, do.float(), d_final, grad_dtype=torch.float32)
+        grads["initial_state"] = grads.get("initial_state", (None,))[0]
+        return (None, None, *(grads[n].to(dtype) for n, dtype in zip(ctx.names, ctx.dtypes)))
+
+
 def _bf16_backward_as_on_the_gpu(name: str) -> Callable[..., Any]:
     def call(initial_state: Any = None, return_state: bool = False, **inputs: Any) -> Any:
-        carried = {n: t.half() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
-                   for n, t in inputs.items()}
         _delta_chunk_backward.products_precision = _as_for_bf16
-        out = attnlab.kernel(name, "chunkwise")(**carried, initial_state=initial_state, return_state=return_state)
-        return _output_in_bf16(out)
+        kernel = attnlab.kernel(name, "chunkwise")
+        inputs["initial_state"] = initial_state
+        tensors = {n: t for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+        rest = {n: value for n, value in inputs.items() if n not in tensors}
+        out = _CarriedInFp16.apply(lambda **carried: kernel(**carried, **rest, return_state=return_state),
+                                   tuple(tensors), *tensors.values())
+        return out if return_state else out[0]
 
     call.__name__ = f"{name}_backward"
     return call

@@ -379,6 +379,20 @@ def test_the_fp16_paths_square_sums_keep_a_cancelling_dot_exact(monkeypatch):
         assert result.held, result.message()
 
 
+# The stand-in's own artifact: with beta near 0 and scale 0.05, position 0's dv is about 3e-5 and 2e-7, under fp16's
+# normal range, and the stand-in's gradients came back in its fp16 carriers, at fp16's subnormal spacing
+# (backward_causality[dv] 8.1 times bf16's floor; session 28). They now come back in fp32, from a do that holds
+# bf16's values, and are rounded once to bf16, as the GPU writes them.
+def test_the_stand_in_rounds_its_gradients_once_to_bf16(monkeypatch):
+    case = Case(name="gated_deltanet", seed=0, B=1, T=2, H=2, K=5, V=1, beta_low=0.0, beta_high=0.001, scale=0.05,
+                cut=1)
+    target = _bf16_target(case.name, monkeypatch)
+    checks._GRADIENT_RUNS.clear()
+    for gradient in checks.gradient_names(target):
+        result = checks.check_backward_causality(target, case, torch.bfloat16, "cpu", gradient)
+        assert result.held, result.message()
+
+
 # kda's local kernel at 16 and 32 key channels a piece: Triton 3.6's Hopper dot of the span sums on a bf16 gate
 # tile that narrow faulted (an illegal shared-memory read) or gave gradients off by up to 1e10 (session 26), which
 # the interpreter, computing those sums in fp32, never reaches (NATIVE_SPAN_KEYS).
