@@ -20,8 +20,8 @@ beta = 1: properties/regressions.py).
 
 The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_backward.py) in the same spirit, for
 the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
-the bf16 inputs carried in fp16 (exact inside fp16's range), so that the backward accumulates in fp32 as on bf16
-inputs, and its products chosen as for bf16 inputs of the same shape (products_precision: "fp16_emulated"
+the bf16 inputs carried in fp16 (exact from 2^-17 to fp16's largest; below, fp16's subnormals hold fewer than
+bf16's 8 bits), so that the backward accumulates in fp32 as on bf16 inputs, and its products chosen as for bf16 inputs of the same shape (products_precision: "fp16_emulated"
 where the GPU takes "fp16", for every dtype in the process from the first call on). They take an initial state
 and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
 26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The
@@ -72,7 +72,7 @@ def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
 class _CarriedInFp16(torch.autograd.Function):
     """attnlab's kernel on fp16 carriers of bf16 inputs, its gradients as the GPU's bf16 kernel writes them.
 
-    The forward runs ``run`` on fp16 copies (exact inside fp16's range) with autograd on, and keeps the kernel's
+    The forward runs ``run`` on fp16 copies (exact from 2^-17 up) with autograd on, and keeps the kernel's
     node; o comes back rounded to bf16. The backward calls that node's module backward itself
     (attnlab.kernel.node_gradients) with ``do`` in fp32, holding bf16's values exactly (autograd would hand the
     kernel an fp16 ``do``), and gradients in fp32 (grad_dtype), each rounded once to its input's dtype here: the
