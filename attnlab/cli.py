@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     for dim, default in (("B", 8), ("T", 4096), ("H", 16), ("K", 128), ("V", 128)):
         bench.add_argument(f"-{dim}", type=int, default=default)
     bench.add_argument("--passes", type=report.passes_arg, default=[report.FORWARD],
-                       help="comma-separated: forward, backward (forward and backward together, as in training); "
-                            "default forward")
+                       help="comma-separated: forward, backward (forward and backward together, as in training; "
+                            "with forward too, the table gives the backward / forward); default forward")
     bench.add_argument("--out", help="write the table as Markdown here (and .json beside it)")
     bench.set_defaults(func=cmd_bench)
     report.add_parser(sub)
