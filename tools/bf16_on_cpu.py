@@ -91,7 +91,8 @@ class _CarriedInFp16(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, do: torch.Tensor, *d_final: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         grads = node_gradients(ctx.node, do.float(), d_final, grad_dtype=torch.float32)
-        grads["initial_state"] = grads.get("initial_state", (None,))[0]
+        if "initial_state" in grads:  # the delta rules' state is one part; the caller passed it as a tensor
+            grads["initial_state"] = grads["initial_state"][0]
         return (None, None, *(grads[n].to(dtype) for n, dtype in zip(ctx.names, ctx.dtypes)))
 
 
