@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_plugin import THIRD_PARTY_KERNELS  # noqa: E402 - the plugin tests' third-party GLA: good and stale_gate
 
-# A kernel that kills its process on longer inputs: a worker crash mid-campaign; and one that is not differentiable.
+# A kernel that kills the process running a campaign's item (a worker crash mid-campaign) and answers the campaign's
+# probe of its convention, which runs in the command's own process before the items (ATTNLAB_CAMPAIGN_PLAN is set
+# for the items alone); keyed to the drawn length instead (T > 8), an item whose time ran out before a longer draw
+# held, under CI's load. And one that is not differentiable.
 CRASHING_KERNEL = '''
 
 def frozen(*, q, k, v, g, scale=None):
@@ -47,8 +50,8 @@ def frozen(*, q, k, v, g, scale=None):
         return gla(q=q, k=k, v=v, g=g, scale=scale)
 
 def crashes(*, q, k, v, g, scale=None):
-    if q.shape[1] > 8:
-        import os
+    import os
+    if os.environ.get("ATTNLAB_CAMPAIGN_PLAN"):
         os._exit(3)
     return gla(q=q, k=k, v=v, g=g, scale=scale)
 '''
