@@ -681,6 +681,14 @@ def detail_row(prop: str, figure: float | None, detail: str, measure: str = "gra
                 "1.732e-04, floor_cond 1.201e-07, non-finite entries 0 of 1"), "accuracy", "the error itself is 0.85 ulps"),
     (detail_row("backward_matches_oracle[dq]", 38.3, "dq: rel_err 6.6e-02, max_err 6.6e-02, floor_round 1.7e-03, "
                 "floor_cond 1.2e-07, non-finite entries 0 of 4096"), "bug", "25.5x the bound"),
+    # A stale gate's minimal counterexample (T = 2, K = V = 1): an exactly representable output, or two entries whose
+    # rounding floor is luck, and an error of dozens of ulps: a bug all the same.
+    (detail_row("matches_oracle", 4.1e5, "o: rel_err 5.0e-02, max_err 5.0e-02, floor_round 0.000e+00, non-finite "
+                "entries 0 of 2", "excess = rel_err / floor"), "bug", "the exact output is representable in bfloat16 and fla"),
+    (detail_row("matches_oracle", 0.4, "o: rel_err 6.0e-03, max_err 6.0e-03, floor_round 0.000e+00, non-finite "
+                "entries 0 of 2", "excess = rel_err / floor"), "representable", "so any rounding shows"),
+    (detail_row("backward_matches_oracle[dg]", 2.0e3, "dg: rel_err 2.0e-01, max_err 2.0e-01, floor_round 1.0e-04, "
+                "floor_cond 1.2e-07, non-finite entries 0 of 2"), "bug", "x the bound"),
     (detail_row("split_and_resume", None, "returned o in float32, expected the input dtype bfloat16", "excess"),
      "contract", "returned o in float32"),
     (detail_row("backward_causality[dq]", 3.0, "4 entries of dq at positions >= 2 are not exactly zero",

@@ -70,13 +70,22 @@ def _number(detail: str, key: str) -> float | None:
         return None
 
 
+def _far_past_rounding(rel: float | None, bound: float | None, eps: float) -> bool:
+    """A relative error that is a bug whatever the output's own rounding floor: BUG_RATIO times the bound counted in
+    typical roundings (TYPICAL_ROUNDING eps). Where that floor is 0 (an exactly representable output) or luck (a few
+    entries), the excess says nothing, and a grossly wrong kernel's minimal counterexample (a stale gate at T = 2,
+    K = V = 1) would otherwise read as rounding."""
+    return rel is not None and bound is not None and rel >= BUG_RATIO * bound * TYPICAL_ROUNDING * eps
+
+
 def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
     """(kind, why) of a failed or erring verdict; kind is "bug", "representable", "contract", "accuracy", "limitation"
     or "error".
 
     bug: the kernel raised, returned NaN/inf where the oracle is finite, broke an identity (causality; a
     split-and-resumed final state, convexity or another identity by ACCURACY_RATIO times its rounding allowance or
-    more) or missed the bound by 10x or more. representable: the exact output is representable in the dtype
+    more) or missed the bound by 10x or more (in typical roundings where the output's own floor is 0 or a few entries'
+    luck: _far_past_rounding). representable: the exact output is representable in the dtype
     (floor_round 0), so any rounding at all shows as an unbounded excess. accuracy: past the bound by less (on the
     default inputs below 4x: "less accurate than the bound"; a gradient of at most FEW_ENTRIES entries whose realized
     rounding floor is far below the typical one). contract: the kernel returns another dtype or shape than its
@@ -117,21 +126,22 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
     if floor_round == 0.0 and "excess" in measure and _number(detail, "rel_err") == math.inf:
         return "representable", ("the exact value is zero here (its floors are 0), so any rounding at all, fp32 "
                                  "accumulation noise included, reads as an infinite excess")
+    rel, eps = _number(detail, "rel_err"), _eps(v["dtype"])
     if floor_round == 0.0 and "excess" in measure:
-        eps = _eps(v["dtype"])
         ulps = re.search(r"off by up to ([0-9.eE+-]+) ulps", detail)
         if ulps:
             off = f"off by up to {float(ulps.group(1)):.3g} ulps"
         else:
-            rel, max_err = _number(detail, "rel_err"), _number(detail, "max_err")
+            max_err = _number(detail, "max_err")
             off = (f"off by {rel / eps:.2g} ulps norm-wise (rel_err {rel:.3g}, max_err {max_err:.3g})"
                    if rel is not None and max_err is not None else "off by a few ulps")
+        if _far_past_rounding(rel, bound, eps):
+            return "bug", (f"the exact output is representable in {v['dtype']} and {who} is {off}, past "
+                           f"{BUG_RATIO:g}x the bound in typical roundings")
         return "representable", f"the exact output is representable in {v['dtype']}, so any rounding shows; {who} is {off}"
     entries = re.search(r"non-finite entries \d+ of (\d+)", detail)
-    rel = _number(detail, "rel_err")
-    eps = _eps(v["dtype"])
     if entries and int(entries.group(1)) <= FEW_ENTRIES and floor_round is not None and rel is not None \
-            and floor_round < TYPICAL_ROUNDING * eps / 4:
+            and floor_round < TYPICAL_ROUNDING * eps / 4 and not _far_past_rounding(rel, bound, eps):
         return "accuracy", (f"{entries.group(1)} entries: rounding them once happened to cost only {floor_round:.2g} "
                             f"relative (typically about {TYPICAL_ROUNDING * eps:.2g}), so the excess overstates; the "
                             f"error itself is {rel / eps:.2g} ulps")
