@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_plugin import THIRD_PARTY_KERNELS  # noqa: E402 - the plugin tests' third-party GLA: good and stale_gate
 
 # A kernel that kills the process running a campaign's item (a worker crash mid-campaign) and answers the campaign's
-# probe of its convention, which runs in the command's own process before the items (ATTNLAB_CAMPAIGN_PLAN is set
-# for the items alone); keyed to the drawn length instead (T > 8), an item whose time ran out before a longer draw
+# probe of its convention, which runs in the command's own process before the items (campaign.PLAN_ENV is set for
+# the items alone); keyed to the drawn length instead (T > 8), an item whose time ran out before a longer draw
 # held, under CI's load. And one that is not differentiable.
-CRASHING_KERNEL = '''
+CRASHING_KERNEL = f'''
 
 def frozen(*, q, k, v, g, scale=None):
     import torch
@@ -51,7 +51,7 @@ def frozen(*, q, k, v, g, scale=None):
 
 def crashes(*, q, k, v, g, scale=None):
     import os
-    if os.environ.get("ATTNLAB_CAMPAIGN_PLAN"):
+    if os.environ.get({campaign.PLAN_ENV!r}):
         os._exit(3)
     return gla(q=q, k=k, v=v, g=g, scale=scale)
 '''
@@ -684,7 +684,8 @@ def detail_row(prop: str, figure: float | None, detail: str, measure: str = "gra
     # A stale gate's minimal counterexample (T = 2, K = V = 1): an exactly representable output, or two entries whose
     # rounding floor is luck, and an error of dozens of ulps: a bug all the same.
     (detail_row("matches_oracle", 4.1e5, "o: rel_err 5.0e-02, max_err 5.0e-02, floor_round 0.000e+00, non-finite "
-                "entries 0 of 2", "excess = rel_err / floor"), "bug", "the exact output is representable in bfloat16 and fla"),
+                "entries 0 of 2", "excess = rel_err / floor"), "bug",
+     "the exact output is representable in bfloat16 and fla"),
     (detail_row("matches_oracle", 0.4, "o: rel_err 6.0e-03, max_err 6.0e-03, floor_round 0.000e+00, non-finite "
                 "entries 0 of 2", "excess = rel_err / floor"), "representable", "so any rounding shows"),
     (detail_row("backward_matches_oracle[dg]", 2.0e3, "dg: rel_err 2.0e-01, max_err 2.0e-01, floor_round 1.0e-04, "

@@ -21,8 +21,9 @@ beta = 1: properties/regressions.py).
 The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_backward.py) in the same spirit, for
 the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
 the bf16 inputs carried in fp16 (exact from 2^-17 to fp16's largest; below, fp16's subnormals hold fewer than
-bf16's 8 bits), so that the backward accumulates in fp32 as on bf16 inputs, and its products chosen as for bf16 inputs of the same shape (products_precision: "fp16_emulated"
-where the GPU takes "fp16", for every dtype in the process from the first call on). They take an initial state
+bf16's 8 bits), so that the backward accumulates in fp32 as on bf16 inputs, and its products chosen as for bf16
+inputs of the same shape (products_precision: "fp16_emulated" where the GPU takes "fp16", for every dtype in the
+process from the first call on). They take an initial state
 and return the final one, as the kernels do: the suite then draws both (a stand-in without them, before session
 26, missed the failures a drawn state brings out on the GPU, which it now reproduces to three digits). The
 forward then runs its fp16 inputs' path, not the bf16 one: a closer stand-in for the backward than for the

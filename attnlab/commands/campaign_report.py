@@ -123,10 +123,10 @@ def classify(v: dict[str, Any], who: str = "the kernel") -> tuple[str, str]:
         if ratio >= ACCURACY_RATIO:
             return "bug", f"{base} is an identity, broken by {ratio:.3g}x its rounding allowance"
         return "accuracy", f"{base} is kept only up to {ratio:.3g}x its rounding allowance (a few ulps): less accurate than the bound"
-    if floor_round == 0.0 and "excess" in measure and _number(detail, "rel_err") == math.inf:
+    rel, eps = _number(detail, "rel_err"), _eps(v["dtype"])
+    if floor_round == 0.0 and "excess" in measure and rel == math.inf:
         return "representable", ("the exact value is zero here (its floors are 0), so any rounding at all, fp32 "
                                  "accumulation noise included, reads as an infinite excess")
-    rel, eps = _number(detail, "rel_err"), _eps(v["dtype"])
     if floor_round == 0.0 and "excess" in measure:
         ulps = re.search(r"off by up to ([0-9.eE+-]+) ulps", detail)
         if ulps:
