@@ -131,17 +131,44 @@ causal) and lse_td = log sum_s exp(w_ts + k_sd),
     dk_sd = sum_t P_tsd do_td (v_sd - o_td)          (so sum_s dk_sd = 0: a shift of k changes nothing)
     dw_ts = sum_{b,h,d} P_tsd do_td (v_sd - o_td)    (w is shared by batch and heads)
 
-Per (query block, key block) tile P factorizes like the forward's sums:
-P = A_ts E_sd F_td with A = exp(w - m_t), E = exp(k - m_d) (the tile's
-own maxima, both in [0, 1]) and F = exp(m_t + m_d - lse_td), so with G = do * F every
-sum is two matrix products: dv = E * (A^T G), dk = E * (v * (A^T G) -
-A^T (G * o)), dw = A * sum_{b,h} (G (E * v)^T - (G * o) E^T). Two kernels,
-no atomics: one program per (key block, b * h, channel block) loops over
-query blocks for dk and dv; one per (query block, key block) loops over b, h
-and channel blocks for dw, its fp32 sum in a fixed order (deterministic).
-Dot operands are fp16 scaled by powers of two for 16-bit inputs, split for
-fp16 inputs (lo scaled by 2^11 and its cross products summed apart), fp32
-with "ieee" for fp32 inputs.
+Two ways to the same sums, both without atomics (every fp32 sum in a fixed
+order, deterministic):
+
+- Factorized (16-bit inputs; the comment above _backward_bias_kernel has its
+  math): P_tsd = A_ts H_td exp(k_sd) with one reference per row of w
+  (A = exp(w - M_t) in [0, 1], H = exp(M_t - lse)), so every sum is a
+  product of operands made once each: A ([T, T], shared by every head), do H
+  and do o H per query tile and channel for dk and dv (the forward's main
+  loop turned over: one program per key block, head and channel block, over
+  the query tiles), and, for dw, do H, do o H, exp(k) v and exp(k) as rows of
+  [T, B * H * D], so that dw's sum over batch, heads and channels is one
+  [T, B H D] x [B H D, T] product (two) per tile. Six launches: A; the key
+  rows; the query rows; the query columns; dk and dv; dw. Every operand group
+  is scaled to its own peak (fp16 at 2^-11, "split" for fp16 inputs) and
+  every scale is kept as a logarithm, so no exponential of a large number is
+  formed alone (keys shifted by 60 stay at the floor).
+- Per tile (fp32 inputs; and any 16-bit call the factorized kernels flag):
+  per (query block, key block) tile P = A_ts E_sd F_td with the tile's own
+  maxima m_t, m_d (A = exp(w - m_t), E = exp(k - m_d), F = exp(m_t + m_d -
+  lse)), G = do * F: dv = E * (A^T G), dk = E * (v * (A^T G) - A^T (G * o)),
+  dw = A * sum_{b,h} (G (E * v)^T - (G * o) E^T). One program per (key
+  block, b * h, channel block) loops over query blocks for dk and dv; one per
+  (query block, key block) loops over b, h and channel blocks for dw. Every
+  tile recomputes its exps and re-reads do, o and lse (the per-head loop of
+  dw reads them B * H times per tile pair): some eight times the factorized
+  kernels' time at the bench shape (reports/bench.md, session 30).
+
+The factorized kernels flag the call (one int32 the per-tile kernels read
+first: unflagged, their programs return at once) where their operands could
+lose what matters: x = M_t - lse spread over more than SPREAD_LIMIT nats
+across a query tile's rows or across a row's heads and channels, k across a
+key's heads and channels, x_td + max_s k_sd (what A's entries are weighed
+by) past it, a non-finite x or k, or a non-finite gradient. The registry's
+inputs stay inside (bench shape: spreads up to 7.2 and 9.2 nats, x + max k up
+to 7.6); wide bias or keys, a key far above the ones before it, a head's keys
+far from another's, and the forward's fallback inputs take the per-tile path.
+
+Per-tile numerics:
 
 - F's exponent is small but made of large numbers (|lse| a few units, ~200
   for shifted keys): m_t + m_d - lse is summed with TwoSum (and lse's
@@ -152,7 +179,7 @@ with "ieee" for fp32 inputs.
   each P entry exact, exp(w + k - lse) <= 1. So are, in fp32 only, the
   causal diagonal tiles, where v_s - o_t is small and the factorized
   difference cancels (fp32 excess 4-5 without; the 16-bit floors hide it).
-- T = 1 returns dv = do, dw = dk = 0 exactly (one key of weight 1).
+- T = 1 returns dv = do, dw = dk = 0 exactly (one key of weight 1), on either path.
 
 Saved vs recomputed. The forward saves, per (b, t, h, d), "lse" in fp32 (a
 softmax's row statistic, here per channel: the factorization cannot give it
@@ -161,8 +188,10 @@ o's (16-bit inputs, in the input dtype: o + residual is o to ~twice its
 bits, which v - o needs where one key dominates a weight: fp16 excess 3.4 ->
 1.0 with spread-8 inputs) or lse's (fp32 inputs, in fp32: at |lse| = 100
 lse's own rounding moves every weight by 50 u). o is not saved (the wrapper
-passes it); A, E, F and P are recomputed in the backward, which costs
-per tile BLOCK_Q * (BLOCK_K + BLOCK_D) exps in the dk/dv kernel and
+passes it). The factorized kernels make their operands from these once per
+call (fp16, 2 bytes an element each: at the bench shape about 0.8 GiB of
+scratch, freed on return); the per-tile kernels recompute A, E, F and P per
+tile, BLOCK_Q * (BLOCK_K + BLOCK_D) exps in the dk/dv kernel and
 BLOCK_D * (BLOCK_Q + BLOCK_K) in the dw kernel.
 
 Measurements behind these choices (emulated excess): reports/bench.md,
@@ -185,6 +214,7 @@ from attnlab.kernels._util import (
 
 # fp16 dot operands are scaled to at most 2^15 (fp16 max 65504); a split's lo part is scaled by 2^11 (_operand_parts).
 OPERAND_MAX = tl.constexpr(32768.0)
+LOG_OPERAND_MAX = tl.constexpr(15 * math.log(2.0))
 LO_SCALE = tl.constexpr(2048.0)
 DEN_FLOOR = {True: 2.0**-12, False: 2.0**-60}  # by "fp16 operands"
 # Rows per program of _bias_factors_kernel: a power of two no larger than any block_q, so that a program's rows lie
@@ -211,8 +241,9 @@ PASS_PROGRAMS = 264
 # the latest scale, then stays under n_keys * 2^(15 + 64), far inside fp32 (_key_prefix_kernel).
 SCALE_REACH = tl.constexpr(2.0**-64)
 # Queries per program and warps where the caller gives none: the forward's main kernel at 64 queries on 4 warps
-# (one warpgroup, [64, 2 BLOCK_D] products; faster than 128 on 8, reports/bench.md), the backward's kernels at 64
-# on 8 (they hold more tiles per program).
+# (one warpgroup, [64, 2 BLOCK_D] products; faster than 128 on 8, reports/bench.md), the backward's at 64 (its
+# factorized dk/dv kernel at 128 measured slower, its query tiles' operand kernel far slower), the per-tile kernels
+# on 8 warps (they hold more tiles per program).
 FORWARD_BLOCK_Q = 64
 BACKWARD_BLOCK_Q = 64
 FORWARD_NUM_WARPS = 4
@@ -238,7 +269,9 @@ OPTIONS = {
         "chunk_size": (64, (16, 32, 64, 128)),  # BLOCK_K: keys per block of the products (causal: <= block_q)
         "block_q": (None, (None, 16, 32, 64, 128)),  # queries per program; None: FORWARD_ / BACKWARD_BLOCK_Q
         "block_d": (64, (16, 32, 64, 128, 256)),  # most channels per program (less when D is smaller)
-        "num_warps": (None, (None, 1, 2, 4, 8, 16)),  # None: FORWARD_ / BACKWARD_NUM_WARPS
+        # None: FORWARD_NUM_WARPS; in the backward FACTORIZED_NUM_WARPS (dw's product: DW_NUM_WARPS whatever is
+        # given) and, for the per-tile kernels, BACKWARD_NUM_WARPS.
+        "num_warps": (None, (None, 1, 2, 4, 8, 16)),
         "num_stages": (3, (1, 2, 3, 4, 5)),
         "precision": ("auto", ("auto", "single", "split")),
         # The forward's main loop reads its operand tiles through tensor descriptors (TMA on sm_90) where the
@@ -1094,11 +1127,13 @@ def _aft_key_weights(w_ptr, k_ptr, lse, lse_residual, base, key, offs_t, offs_d,
 # F = exp(m_t + m_d - lse): with G = do * F, dv = E * (A^T G) and dk = E * (v * (A^T G) - A^T (G * o)).
 @triton.jit
 def _aft_bwd_dkdv_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dk_ptr, dv_ptr,
+    flag_ptr, w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dk_ptr, dv_ptr,
     T, H, D, log_factor_limit,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
+    if tl.load(flag_ptr) == 0:
+        return
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -1163,11 +1198,13 @@ def _aft_bwd_dkdv_kernel(
 # comes out of the sum: dw = A * sum_{b,h} (G @ (E * v)^T - (G * o) @ E^T), contracted over D.
 @triton.jit
 def _aft_bwd_dw_kernel(
-    w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dw_ptr,
+    flag_ptr, w_ptr, k_ptr, v_ptr, o_ptr, o_residual_ptr, lse_ptr, lse_residual_ptr, do_ptr, dw_ptr,
     B, T, H, D, log_factor_limit,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
 ):
+    if tl.load(flag_ptr) == 0:
+        return
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     row_stride = H * D
@@ -1226,6 +1263,347 @@ def _aft_bwd_dw_kernel(
     tl.store(dw_ptr + offs_t.to(tl.int64)[:, None] * T + offs_s[None, :], dw.to(dw_ptr.dtype.element_ty), mask=ts_in)
 
 
+# ------------------------------------------------------------------------------------------------ backward, factorized
+#
+# P_tsd = exp(w_ts + k_sd - lse_td) separates into a bias factor, a per-(t, d) factor and a key factor, with one
+# reference per row of the bias (the exponents split, the references cancel):
+#
+#     P_tsd = A_ts H_td exp(k_sd),   A_ts = exp(w_ts - M_t) in [0, 1],   H_td = exp(M_t - lse_td),
+#
+# M_t the largest w_ts over row t's visible keys. A is shared by every (batch, head); H and exp(k) are per element.
+# Each sum of the backward is then a product of stored 16-bit operands, each group of them scaled by its own power
+# of two (its peak to [2^14, 2^15)), the scales kept as logarithms so that no exponential of a large number is
+# formed alone:
+#
+#     dv_sd = exp(k_sd) sum_t A_ts (do H)_td
+#     dk_sd = v_sd dv_sd - exp(k_sd) sum_t A_ts (do o H)_td
+#         over queries, per (batch, head): H's operands per query tile and channel, relative to the tile's largest
+#         x_td = M_t - lse_td of the channel; the tiles met by an online maximum of their units;
+#     dw_ts = A_ts sum_{b,h,d} (do H)_td (exp(k) v)_sd - (do o H)_td exp(k)_sd
+#         over the channels of every (batch, head) at once: a [T, B H D] x [B H D, T] product (two), each row of
+#         both sides relative to its largest x (queries) or k (keys) over all heads and channels.
+#
+# An operand entry keeps fp16's 11 bits down to 2^-29 of its group's peak. That holds for every entry that matters
+# while the exponents x spread over less than SPREAD_LIMIT nats across a query tile's rows (per channel) and across
+# a row's heads and channels, k across a key's heads and channels, and x_td + max_s k_sd (which bounds what A's
+# entries are weighed by) stays under it; a call whose inputs pass those limits (wide bias or keys, a key far above
+# the ones before it, non-finite values), or whose gradients come out non-finite, is flagged, and the per-tile
+# kernels above (their exact per-key paths included) then compute every gradient again. fp32 inputs take those
+# kernels alone.
+
+# Nats past which an operand's small entries could fall below fp16's normal range in their group's scale: e^-12 is
+# 2^-17.3, leaving 2^11 for the spread of |do| or |v| before 2^-29.
+SPREAD_LIMIT = 12.0
+# Warps of the factorized dk/dv kernel and of the operand kernels where the caller gives none: one warpgroup, as the
+# forward's [64, 2 BLOCK_D] products (the per-tile kernels keep BACKWARD_NUM_WARPS).
+FACTORIZED_NUM_WARPS = 4
+# _factorized_dw_kernel's tiles: queries and keys per program (two [128, 128] fp32 sums on 8 warps), and the
+# (head, channel) columns per step of its products, by "split" (whose eight operand tiles a step, at three stages,
+# must fit sm_90's 227 KB of shared memory); the operand row kernels' rows per program.
+DW_BLOCK = 128
+DW_BLOCK_COLUMNS = {False: 64, True: 32}
+DW_NUM_WARPS = 8
+OPERAND_ROWS = 16
+LARGEST_FP32 = tl.constexpr(3.4028234663852886e38)
+
+
+@triton.jit
+def _head_offsets(bh, rows, channels, T, H, D):
+    """Offsets of the [rows, channels] tile of (batch, head) bh = batch * H + head in a [B, T, H, D] tensor."""
+    return (bh // H).to(tl.int64) * T * H * D + (bh % H) * D + rows[:, None] * (H * D) + channels[None, :]
+
+
+@triton.jit
+def _flag_if(flag_ptr, condition):
+    """Raise the call's flag (an int32 read by the per-tile kernels) where condition (a scalar) holds."""
+    tl.store(flag_ptr, 1, mask=condition)
+
+
+@triton.jit
+def _any_nonfinite(x, valid):
+    """Whether an entry of x inside valid is inf or NaN (a comparison NaN fails; no x - x, which ptxas may fuse)."""
+    return tl.max(tl.where(valid & ~(tl.abs(x) <= LARGEST_FP32), 1, 0)) > 0
+
+
+# A_ts = exp(w_ts - M_t) for the visible keys s of row t (0 elsewhere), scaled by OPERAND_MAX, and M_t. One program
+# per GROUP rows; two passes over the keys (the maximum, then the operands).
+@triton.jit
+def _backward_bias_kernel(
+    w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, T,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KEYS: tl.constexpr,
+):
+    rows = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
+    row_in = rows < T
+    row_offsets = rows.to(tl.int64)[:, None] * T
+    key_end = tl.minimum(tl.program_id(0) * GROUP + GROUP, T) if CAUSAL else T
+    running_max = tl.full([GROUP, BLOCK_KEYS], -float("inf"), tl.float32)
+    for start in range(0, key_end, BLOCK_KEYS):
+        keys = start + tl.arange(0, BLOCK_KEYS)
+        visible = row_in[:, None] & (keys < T)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        w = tl.load(w_ptr + row_offsets + keys[None, :], mask=visible, other=-float("inf")).to(tl.float32)
+        running_max = tl.maximum(running_max, w)
+    anchor = tl.where(row_in, tl.max(running_max, 1), 0.0)
+    tl.store(anchor_ptr + rows, anchor, mask=row_in)
+    for start in range(0, T, BLOCK_KEYS):
+        keys = start + tl.arange(0, BLOCK_KEYS)
+        stored = row_in[:, None] & (keys < T)[None, :]
+        visible = stored
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        w = tl.load(w_ptr + row_offsets + keys[None, :], mask=visible, other=-float("inf")).to(tl.float32)
+        a = tl.where(visible, tl.exp(w - anchor[:, None]), 0.0) * OPERAND_MAX
+        _store_operand(a_hi_ptr, a_lo_ptr, row_offsets + keys[None, :], a, stored, SPLIT, LO_SCALE)
+
+
+@triton.jit
+def _spread(x, valid, axis: tl.constexpr):
+    """max - min of x over its valid entries along axis (0 where there are none)."""
+    top = tl.max(tl.where(valid, x, -float("inf")), axis)
+    bottom = tl.min(tl.where(valid, x, float("inf")), axis)
+    return tl.where(top >= bottom, top - bottom, 0.0)
+
+
+@triton.jit
+def _column_operand(x, valid, HALF_OPERANDS: tl.constexpr):
+    """x (fp32) scaled per column by the power of two moving its peak to [2^14, 2^15), and the natural logarithm
+    of each column's inverse scale (x = scaled * exp(log_unscale))."""
+    scale, unscale = _operand_scale(tl.max(tl.where(valid, tl.abs(x), 0.0), 0), HALF_OPERANDS)
+    return x * scale[None, :], tl.log(unscale)
+
+
+# dk/dv's query operands, one program per query tile of BLOCK_Q rows and (batch, head), all channels: per channel,
+# (do H) and (do o H) relative to the tile's largest x_td = M_t - lse_td of the channel, scaled to their peaks, side
+# by side (_pairs); each scale's logarithm (that x plus the power of two's) beside them. Also the checks of x: finite,
+# its spread over the tile's rows, and x_td + max_s k_sd (key_max).
+@triton.jit
+def _query_columns_kernel(
+    do_ptr, o_ptr, o_residual_ptr, lse_ptr, anchor_ptr, key_max_ptr, cols_hi_ptr, cols_lo_ptr, col_log_ptr, flag_ptr,
+    T, H, D, spread_limit,
+    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    rows = pid_t * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_in = rows < T
+    d_in = offs_d < D
+    valid = row_in[:, None] & d_in[None, :]
+    offsets = _head_offsets(pid_bh, rows, offs_d, T, H, D)
+    do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+    lse = tl.load(lse_ptr + offsets, mask=valid, other=0.0)
+    x = tl.where(valid, tl.load(anchor_ptr + rows, mask=row_in, other=0.0)[:, None] - lse, 0.0)
+    key_max = tl.load(key_max_ptr + pid_bh * D + offs_d, mask=d_in, other=0.0)
+    _flag_if(flag_ptr, _any_nonfinite(x, valid) | (tl.max(_spread(x, valid, 0)) > spread_limit)
+             | (tl.max(tl.where(valid, x + key_max[None, :], 0.0)) > spread_limit))
+    ref = tl.where(d_in, tl.max(tl.where(valid, x, -float("inf")), 0), 0.0)
+    h = tl.where(valid, tl.exp(x - ref[None, :]), 0.0)
+    g, g_log = _column_operand(do * h, valid, HALF_OPERANDS)
+    go, go_log = _column_operand(do * o * h, valid, HALF_OPERANDS)
+    pairs = 2 * D
+    pair_cols = tl.arange(0, 2 * BLOCK_D)
+    pair_offsets = pid_bh.to(tl.int64) * T * pairs + rows[:, None] * pairs + pair_cols[None, :]
+    _store_operand(cols_hi_ptr, cols_lo_ptr, pair_offsets, _pairs(g, go),
+                   row_in[:, None] & (pair_cols < pairs)[None, :], SPLIT, LO_SCALE)
+    tl.store(col_log_ptr + (pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_Q) + pid_t) * pairs + pair_cols,
+             _vector_pairs(ref + g_log, ref + go_log), mask=pair_cols < pairs)
+
+
+# dw's query operands, one program per OPERAND_ROWS rows, every (batch, head) and channel of them: (do H) and
+# (do o H) relative to the row's largest x over all of them, each scaled by the power of two of a bound on its row's
+# peak (max |do|, max |do o|: H <= 1 there), stored as rows of [T, B * H * D]; each scale's logarithm beside them.
+# Two passes over the heads: the maxima, then the operands.
+@triton.jit
+def _query_rows_kernel(
+    do_ptr, o_ptr, o_residual_ptr, lse_ptr, anchor_ptr, g_hi_ptr, g_lo_ptr, go_hi_ptr, go_lo_ptr, row_log_ptr,
+    flag_ptr, T, H, D, n_heads, spread_limit,
+    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_in = rows < T
+    valid = row_in[:, None] & (offs_d < D)[None, :]
+    anchor = tl.load(anchor_ptr + rows, mask=row_in, other=0.0)
+    x_top = tl.full([ROWS, BLOCK_D], -float("inf"), tl.float32)
+    x_bottom = tl.full([ROWS, BLOCK_D], float("inf"), tl.float32)
+    do_peak = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    doo_peak = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for bh in range(0, n_heads):
+        offsets = _head_offsets(bh, rows, offs_d, T, H, D)
+        x = anchor[:, None] - tl.load(lse_ptr + offsets, mask=valid, other=0.0)
+        do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+        x_top = tl.maximum(x_top, tl.where(valid, x, -float("inf")))
+        x_bottom = tl.minimum(x_bottom, tl.where(valid, x, float("inf")))
+        do_peak = tl.maximum(do_peak, tl.abs(do))
+        doo_peak = tl.maximum(doo_peak, tl.abs(do * o))
+    ref = tl.where(row_in, tl.max(x_top, 1), 0.0)
+    _flag_if(flag_ptr, tl.max(tl.where(row_in, ref - tl.min(x_bottom, 1), 0.0)) > spread_limit)
+    g_scale, g_unscale = _operand_scale(tl.max(do_peak, 1), HALF_OPERANDS)
+    go_scale, go_unscale = _operand_scale(tl.max(doo_peak, 1), HALF_OPERANDS)
+    width = n_heads * D
+    for bh in range(0, n_heads):
+        offsets = _head_offsets(bh, rows, offs_d, T, H, D)
+        h = tl.where(valid, tl.exp(anchor[:, None] - tl.load(lse_ptr + offsets, mask=valid, other=0.0)
+                                   - ref[:, None]), 0.0)
+        do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+        row_offsets = rows.to(tl.int64)[:, None] * width + bh * D + offs_d[None, :]
+        _store_operand(g_hi_ptr, g_lo_ptr, row_offsets, do * h * g_scale[:, None], valid, SPLIT, LO_SCALE)
+        _store_operand(go_hi_ptr, go_lo_ptr, row_offsets, do * o * h * go_scale[:, None], valid, SPLIT, LO_SCALE)
+    tl.store(row_log_ptr + rows * 2, ref + tl.log(g_unscale), mask=row_in)
+    tl.store(row_log_ptr + rows * 2 + 1, ref + tl.log(go_unscale), mask=row_in)
+
+
+# dw's key operands, one program per OPERAND_ROWS keys, every (batch, head) and channel of them: exp(k) v and exp(k)
+# relative to the key's largest k over all of them, scaled (exp(k - max) by 2^14, exp(k - max) v by the power of
+# two of max |v|), stored as rows of [T, B * H * D], the scales' logarithms beside them; and each (batch, head)'s
+# channel maxima of k over every key (key_max, for _query_columns_kernel's check). Two passes over the heads.
+@triton.jit
+def _key_rows_kernel(
+    k_ptr, v_ptr, ev_hi_ptr, ev_lo_ptr, e_hi_ptr, e_lo_ptr, key_log_ptr, key_max_ptr, flag_ptr,
+    T, H, D, n_heads, spread_limit,
+    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    keys = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    offs_d = tl.arange(0, BLOCK_D)
+    key_in = keys < T
+    d_in = offs_d < D
+    valid = key_in[:, None] & d_in[None, :]
+    k_top = tl.full([ROWS, BLOCK_D], -float("inf"), tl.float32)
+    k_bottom = tl.full([ROWS, BLOCK_D], float("inf"), tl.float32)
+    v_peak = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    nonfinite = tl.zeros([ROWS, BLOCK_D], tl.int32)
+    for bh in range(0, n_heads):
+        offsets = _head_offsets(bh, keys, offs_d, T, H, D)
+        k = tl.load(k_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        k_in = tl.where(valid, k, -float("inf"))
+        k_top = tl.maximum(k_top, k_in)
+        k_bottom = tl.minimum(k_bottom, tl.where(valid, k, float("inf")))
+        v_peak = tl.maximum(v_peak, tl.abs(v))
+        nonfinite = tl.maximum(nonfinite, tl.where(valid & ~(tl.abs(k) <= LARGEST_FP32), 1, 0))
+        tl.atomic_max(key_max_ptr + bh * D + offs_d, tl.max(k_in, 0), mask=d_in)
+    ref = tl.where(key_in, tl.max(k_top, 1), 0.0)
+    _flag_if(flag_ptr, (tl.max(nonfinite) > 0) | (tl.max(tl.where(key_in, ref - tl.min(k_bottom, 1), 0.0))
+                                                  > spread_limit))
+    e_scale, e_unscale = _operand_scale(tl.full([ROWS], 1.0, tl.float32), HALF_OPERANDS)
+    ev_scale, ev_unscale = _operand_scale(tl.max(v_peak, 1), HALF_OPERANDS)
+    width = n_heads * D
+    for bh in range(0, n_heads):
+        offsets = _head_offsets(bh, keys, offs_d, T, H, D)
+        k = tl.load(k_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+        e = tl.where(valid, tl.exp(k - ref[:, None]), 0.0)
+        row_offsets = keys.to(tl.int64)[:, None] * width + bh * D + offs_d[None, :]
+        _store_operand(ev_hi_ptr, ev_lo_ptr, row_offsets, e * v * ev_scale[:, None], valid, SPLIT, LO_SCALE)
+        _store_operand(e_hi_ptr, e_lo_ptr, row_offsets, e * e_scale[:, None], valid, SPLIT, LO_SCALE)
+    tl.store(key_log_ptr + keys * 2, ref + tl.log(ev_unscale), mask=key_in)
+    tl.store(key_log_ptr + keys * 2 + 1, ref + tl.log(e_unscale), mask=key_in)
+
+
+# dv_sd = exp(k_sd) sum_t A_ts (do H)_td and dk_sd = v_sd dv_sd - exp(k_sd) sum_t A_ts (do o H)_td: per query tile
+# one product A^T [do H, do o H] (the pairs side by side, _pairs) in that tile's units per column; the sums carried
+# relative to the largest of those units so far (a factor <= 1 per column each way). One program per (key block,
+# batch * head, channel block), over the query tiles that see the block.
+@triton.jit
+def _factorized_dkdv_kernel(
+    a_hi_ptr, a_lo_ptr, cols_hi_ptr, cols_lo_ptr, col_log_ptr, k_ptr, v_ptr, dk_ptr, dv_ptr, flag_ptr,
+    T, H, D,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    keys = pid_s * BLOCK_K + tl.arange(0, BLOCK_K)
+    key_in = keys < T
+    pairs = 2 * D
+    pair_cols = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)
+    pair_in = pair_cols < pairs
+    n_tiles = tl.cdiv(T, BLOCK_Q)
+    sums = tl.zeros([BLOCK_K, 2 * BLOCK_D], tl.float32)
+    units = tl.full([2 * BLOCK_D], -float("inf"), tl.float32)
+    first_tile = pid_s * BLOCK_K // BLOCK_Q if CAUSAL else 0
+    for tile in range(first_tile, n_tiles):
+        rows = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        row_in = rows < T
+        a_hi, a_lo = _load_operand(a_hi_ptr, a_lo_ptr, rows.to(tl.int64)[:, None] * T + keys[None, :],
+                                   row_in[:, None] & key_in[None, :], SPLIT)
+        b_hi, b_lo = _load_operand(cols_hi_ptr, cols_lo_ptr,
+                                   pid_bh.to(tl.int64) * T * pairs + rows[:, None] * pairs + pair_cols[None, :],
+                                   row_in[:, None] & pair_in[None, :], SPLIT)
+        tile_units = tl.load(col_log_ptr + (pid_bh.to(tl.int64) * n_tiles + tile) * pairs + pair_cols,
+                             mask=pair_in, other=0.0)
+        product = _product(tl.trans(a_hi), tl.trans(a_lo), b_hi, b_lo, SPLIT, DOT_PRECISION)
+        new_units = tl.maximum(units, tile_units)
+        sums = sums * tl.exp(units - new_units)[None, :] + product * tl.exp(tile_units - new_units)[None, :]
+        units = new_units
+    x, y = tl.split(tl.reshape(sums, [BLOCK_K, BLOCK_D, 2]))
+    x_units, y_units = tl.split(tl.reshape(units, [BLOCK_D, 2]))
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    valid = key_in[:, None] & (offs_d < D)[None, :]
+    offsets = _head_offsets(pid_bh, keys, offs_d, T, H, D)
+    k = tl.load(k_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    # A's operands carry OPERAND_MAX (2^15): its logarithm joins the exponents.
+    dv = x * tl.exp(k + x_units[None, :] - LOG_OPERAND_MAX)
+    dk = v * dv - y * tl.exp(k + y_units[None, :] - LOG_OPERAND_MAX)
+    _flag_if(flag_ptr, _any_nonfinite(dk, valid) | _any_nonfinite(dv, valid))
+    tl.store(dv_ptr + offsets, dv.to(dv_ptr.dtype.element_ty), mask=valid)
+    tl.store(dk_ptr + offsets, dk.to(dk_ptr.dtype.element_ty), mask=valid)
+
+
+# dw_ts = exp(w_ts - M_t + r_t + c_s) (G_t . EV_s) - exp(w_ts - M_t + r'_t + c'_s) (GO_t . E_s), the dots over
+# every (batch, head) and channel of the row operands ([T, B H D] each; r, c their rows' logarithms): one
+# [DW_BLOCK, DW_BLOCK] tile of two products per program, the weights applied once at the end.
+@triton.jit
+def _factorized_dw_kernel(
+    w_ptr, anchor_ptr, g_hi_ptr, g_lo_ptr, go_hi_ptr, go_lo_ptr, row_log_ptr,
+    ev_hi_ptr, ev_lo_ptr, e_hi_ptr, e_lo_ptr, key_log_ptr, dw_ptr, flag_ptr, T, width,
+    CAUSAL: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_COLUMNS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    keys = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_in = rows < T
+    key_in = keys < T
+    visible = row_in[:, None] & key_in[None, :]
+    n_columns = width
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+        # A tile whose every key comes after every query has dw = 0: no work.
+        n_columns = tl.where(tl.program_id(1) * BLOCK_K > tl.program_id(0) * BLOCK_Q + BLOCK_Q - 1, 0, width)
+    columns = tl.arange(0, BLOCK_COLUMNS)
+    q_rows = rows.to(tl.int64)[:, None] * width
+    k_rows = keys.to(tl.int64)[:, None] * width
+    gv = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+    goe = tl.zeros([BLOCK_Q, BLOCK_K], tl.float32)
+    for start in range(0, n_columns, BLOCK_COLUMNS):
+        column_in = (start + columns < width)[None, :]
+        q_offsets = q_rows + start + columns[None, :]
+        k_offsets = k_rows + start + columns[None, :]
+        g_hi, g_lo = _load_operand(g_hi_ptr, g_lo_ptr, q_offsets, row_in[:, None] & column_in, SPLIT)
+        ev_hi, ev_lo = _load_operand(ev_hi_ptr, ev_lo_ptr, k_offsets, key_in[:, None] & column_in, SPLIT)
+        gv += _product(g_hi, g_lo, tl.trans(ev_hi), tl.trans(ev_lo), SPLIT, DOT_PRECISION)
+        go_hi, go_lo = _load_operand(go_hi_ptr, go_lo_ptr, q_offsets, row_in[:, None] & column_in, SPLIT)
+        e_hi, e_lo = _load_operand(e_hi_ptr, e_lo_ptr, k_offsets, key_in[:, None] & column_in, SPLIT)
+        goe += _product(go_hi, go_lo, tl.trans(e_hi), tl.trans(e_lo), SPLIT, DOT_PRECISION)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * T + keys[None, :], mask=visible, other=0.0).to(tl.float32)
+    bias = tl.where(visible, w - tl.load(anchor_ptr + rows, mask=row_in, other=0.0)[:, None], -float("inf"))
+    g_log = tl.load(row_log_ptr + rows * 2, mask=row_in, other=0.0)
+    go_log = tl.load(row_log_ptr + rows * 2 + 1, mask=row_in, other=0.0)
+    ev_log = tl.load(key_log_ptr + keys * 2, mask=key_in, other=0.0)
+    e_log = tl.load(key_log_ptr + keys * 2 + 1, mask=key_in, other=0.0)
+    dw = (tl.exp(bias + g_log[:, None] + ev_log[None, :]) * gv
+          - tl.exp(bias + go_log[:, None] + e_log[None, :]) * goe)
+    _flag_if(flag_ptr, _any_nonfinite(dw, visible))
+    tl.store(dw_ptr + rows.to(tl.int64)[:, None] * T + keys[None, :], dw.to(dw_ptr.dtype.element_ty),
+             mask=row_in[:, None] & key_in[None, :])
+
+
 def chunkwise_backward(
     *,
     o: torch.Tensor,
@@ -1243,10 +1621,12 @@ def chunkwise_backward(
     precision: str = "auto",
     **ignored: object,
 ) -> dict[str, torch.Tensor]:
-    """Gradients of <do, o> for the chunkwise forward: {"w": dw [T, T], "k": dk, "v": dv}, in the input dtype."""
+    """Gradients of <do, o> for the chunkwise forward: {"w": dw [T, T], "k": dk, "v": dv}, in the input dtype.
+
+    16-bit inputs take the factorized kernels; where those flag the call (their inputs' spreads, or a non-finite
+    gradient), the per-tile kernels compute every gradient again; fp32 inputs take the per-tile kernels alone."""
     B, T, H, D = k.shape
     block_q = BACKWARD_BLOCK_Q if block_q is None else block_q
-    num_warps = BACKWARD_NUM_WARPS if num_warps is None else num_warps
     if T == 1:
         # One key, weight 1 whatever w and k are: o = v. The factorized sums would leave a rounding residue
         # where the exact gradients of w and k are 0 (an infinite relative error).
@@ -1254,6 +1634,7 @@ def chunkwise_backward(
     half_operands = k.dtype != torch.float32
     if precision == "auto":
         precision = "split" if k.dtype == torch.float16 else "single"
+    split = half_operands and precision == "split"
     # Channel blocks of at most 64 (dk/dv) and 32 (dw) whatever block_d is: a dk/dv program holds six [BLOCK_K,
     # BLOCK_D] fp32 tiles (dk, dv, A^T G, A^T (G o), v, E) and a dw program five [BLOCK_Q, BLOCK_D] ones besides its
     # [BLOCK_Q, BLOCK_K] pair;
@@ -1263,14 +1644,15 @@ def chunkwise_backward(
     dw_block_d = min(block_size(D), block_d, 32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dw = torch.empty_like(w)
-    common = dict(
-        CAUSAL=causal,
-        SPLIT=half_operands and precision == "split",
-        HALF_OPERANDS=half_operands,
-        DOT_PRECISION="tf32" if half_operands else "ieee",
-        BLOCK_Q=block_q, BLOCK_K=chunk_size,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    common = dict(CAUSAL=causal, SPLIT=split, DOT_PRECISION="tf32" if half_operands else "ieee", BLOCK_Q=block_q,
+                  BLOCK_K=chunk_size, num_stages=num_stages)
+    # Set (to 1) where the per-tile kernels must run: always for fp32 inputs.
+    flag = torch.full((1,), 0 if half_operands else 1, dtype=torch.int32, device=k.device)
+    if half_operands:
+        _factorized_backward(o, saved, do, w, k, v, dk, dv, dw, flag, dkdv_block_d, common,
+                             FACTORIZED_NUM_WARPS if num_warps is None else num_warps)
+    per_tile = dict(common, HALF_OPERANDS=half_operands,
+                    num_warps=BACKWARD_NUM_WARPS if num_warps is None else num_warps)
     limit = LOG_FACTOR_LIMIT[half_operands]
     # The pointers of what a dtype did not save are never read (constexpr branches): any tensor stands in.
     o_residual = saved.get("o_residual", o)
@@ -1278,12 +1660,52 @@ def chunkwise_backward(
     # fp32's floor is below what the factorized sums' cancellation near the diagonal leaves (excess 4-5 measured).
     exact_diagonal = causal and not half_operands
     _aft_bwd_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, dkdv_block_d))](
-        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit,
-        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dkdv_block_d, **common)
+        flag, w, k, v, o, o_residual, saved["lse"], lse_residual, do, dk, dv, T, H, D, limit,
+        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dkdv_block_d, **per_tile)
     _aft_bwd_dw_kernel[(triton.cdiv(T, block_q), triton.cdiv(T, chunk_size))](
-        w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit,
-        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dw_block_d, **common)
+        flag, w, k, v, o, o_residual, saved["lse"], lse_residual, do, dw, B, T, H, D, limit,
+        EXACT_DIAGONAL=exact_diagonal, BLOCK_D=dw_block_d, **per_tile)
     return {"w": dw, "k": dk, "v": dv}
+
+
+def _factorized_backward(o, saved, do, w, k, v, dk, dv, dw, flag, dkdv_block_d, common, num_warps):
+    """The factorized kernels' launches (16-bit inputs): the operands of A, of the key side and of the query side,
+    then dk, dv and dw; ``flag`` is set where they cannot be trusted."""
+    B, T, H, D = k.shape
+    split, block_q, chunk_size = common["SPLIT"], common["BLOCK_Q"], common["BLOCK_K"]
+    device = k.device
+
+    def operand(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hi = torch.empty(shape, dtype=torch.float16, device=device)
+        return hi, (torch.empty_like(hi) if split else hi)  # lo is never touched unless split
+
+    a = operand(T, T)
+    anchor = torch.empty(T, dtype=torch.float32, device=device)
+    cols = operand(B * H, T, 2 * D)  # do H and do o H per channel of a query tile, alternating (_pairs)
+    col_log = torch.empty((B * H, triton.cdiv(T, block_q), 2 * D), dtype=torch.float32, device=device)
+    g, go = operand(T, B * H * D), operand(T, B * H * D)  # the same per row, over every head
+    row_log = torch.empty((T, 2), dtype=torch.float32, device=device)
+    ev, e = operand(T, B * H * D), operand(T, B * H * D)  # exp(k) v and exp(k) per key, over every head
+    key_log = torch.empty((T, 2), dtype=torch.float32, device=device)
+    key_max = torch.full((B * H, D), -float("inf"), dtype=torch.float32, device=device)
+    full_d = block_size(D)
+    rows = dict(SPLIT=split, HALF_OPERANDS=True, ROWS=OPERAND_ROWS, BLOCK_D=full_d, num_warps=num_warps)
+    _backward_bias_kernel[(triton.cdiv(T, GROUP.value),)](
+        w, *a, anchor, T, CAUSAL=common["CAUSAL"], SPLIT=split, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4)
+    _key_rows_kernel[(triton.cdiv(T, OPERAND_ROWS),)](
+        k, v, *ev, *e, key_log, key_max, flag, T, H, D, B * H, SPREAD_LIMIT, **rows)
+    _query_rows_kernel[(triton.cdiv(T, OPERAND_ROWS),)](
+        do, o, saved.get("o_residual", o), saved["lse"], anchor, *g, *go, row_log, flag, T, H, D, B * H,
+        SPREAD_LIMIT, **rows)
+    _query_columns_kernel[(triton.cdiv(T, block_q), B * H)](
+        do, o, saved.get("o_residual", o), saved["lse"], anchor, key_max, *cols, col_log, flag, T, H, D,
+        SPREAD_LIMIT, SPLIT=split, HALF_OPERANDS=True, BLOCK_Q=block_q, BLOCK_D=full_d, num_warps=num_warps)
+    _factorized_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, dkdv_block_d))](
+        *a, *cols, col_log, k, v, dk, dv, flag, T, H, D, BLOCK_D=dkdv_block_d, num_warps=num_warps, **common)
+    _factorized_dw_kernel[(triton.cdiv(T, DW_BLOCK), triton.cdiv(T, DW_BLOCK))](
+        w, anchor, *g, *go, row_log, *ev, *e, key_log, dw, flag, T, B * H * D,
+        CAUSAL=common["CAUSAL"], SPLIT=split, DOT_PRECISION=common["DOT_PRECISION"], BLOCK_Q=DW_BLOCK,
+        BLOCK_K=DW_BLOCK, BLOCK_COLUMNS=DW_BLOCK_COLUMNS[split], num_warps=DW_NUM_WARPS, num_stages=common["num_stages"])
 
 
 BACKWARD = {"chunkwise": chunkwise_backward}

@@ -381,9 +381,70 @@ def test_backward_mismatched_maxima(dtype):
     _assert_gradients_within(x, dtype, causal=False)
 
 
+class _PerTileLaunches:
+    """Stands in for one of the per-tile backward kernels: records the flag each launch reads (1: that kernel
+    computes every gradient), and launches the kernel itself unless ``stub`` (then no gradient is computed again)."""
+
+    def __init__(self, kernel, stub: bool):
+        self.kernel, self.stub, self.flags = kernel, stub, []
+
+    def __getitem__(self, grid):
+        def launch(flag, *args, **kwargs):
+            self.flags.append(int(flag.item()))
+            if not self.stub:
+                self.kernel[grid](flag, *args, **kwargs)
+        return launch
+
+
+def _per_tile_launches(monkeypatch, stub: bool) -> list[_PerTileLaunches]:
+    launches = []
+    for name in ("_aft_bwd_dkdv_kernel", "_aft_bwd_dw_kernel"):
+        launches.append(_PerTileLaunches(getattr(aft_kernels, name), stub))
+        monkeypatch.setattr(aft_kernels, name, launches[-1])
+    return launches
+
+
+@pytest.mark.parametrize("causal, precision, key_shift", sweep(
+    [(True, "split", 0.0), (False, "split", 0.0), (True, "single", 0.0), (True, "split", 60.0),
+     (False, "single", -60.0)],
+    ["causal", "noncausal", "causal-single", "causal-keys+60", "noncausal-single-keys-60"]))
+def test_backward_ordinary_inputs_take_the_factorized_kernels_alone(causal, precision, key_shift, monkeypatch):
+    # Nothing flagged: the per-tile kernels compute nothing (here they are stubbed out), and the factorized kernels'
+    # gradients alone meet the bound (keys shifted by 60 too: their exponentials never form alone).
+    launches = _per_tile_launches(monkeypatch, stub=True)
+    x = _inputs(torch.float16, T=70, D=24, H=2, key_shift=key_shift)
+    _assert_gradients_within(x, torch.float16, causal, bound=3.0 if precision == "single" else None,
+                             precision=precision, block_q=32, chunk_size=16)
+    assert [launch.flags for launch in launches] == [[0], [0]]
+
+
+def _key_raised(x):
+    x["k"][:, 25] += 30  # rows before it and after it, in one query tile, 30 nats apart: its channels' spread
+    return x
+
+
+def _head_raised(x):
+    x["k"][:, :, 1] += 30  # one head's keys 30 nats above the other's: the spread of a key's row over the heads
+    return x
+
+
+@pytest.mark.parametrize("inputs", [
+    lambda: _inputs(torch.float16, T=40, D=16, H=1, spread=8.0),
+    lambda: _mismatched_maxima(torch.float16),
+    lambda: _key_raised(_inputs(torch.float16, T=40, D=16)),
+    lambda: _head_raised(_inputs(torch.float16, T=40, D=16)),
+], ids=["wide-bias-and-keys", "mismatched-maxima", "a-key-raised", "a-head-raised"])
+def test_backward_inputs_past_the_factorized_limits_take_the_per_tile_kernels(inputs, monkeypatch):
+    launches = _per_tile_launches(monkeypatch, stub=False)
+    _assert_gradients_within(inputs(), torch.float16, causal=True, block_q=16, chunk_size=16)
+    assert [launch.flags for launch in launches] == [[1], [1]]
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_backward_forced_exact_path_matches_oracle(dtype, causal, monkeypatch):
+    # Every call flagged (no spread is under -inf), and every tile of the per-tile kernels summed per key.
+    monkeypatch.setattr(aft_kernels, "SPREAD_LIMIT", -float("inf"))
     monkeypatch.setitem(aft_kernels.LOG_FACTOR_LIMIT, dtype != torch.float32, -float("inf"))
     x = _inputs(dtype, T=20, D=16, H=1)
     _assert_gradients_within(x, dtype, causal)
@@ -471,20 +532,22 @@ COMPILE = textwrap.dedent("""
 
     OPTIONS = {name: default for name, (default, _) in aft.OPTIONS["chunkwise"].items()}
     FP32 = ("anchor", "own_bias_max", "move", "block_ref", "block_peak", "block_unscale", "running_unscale", "lse",
-            "lse_residual")
+            "lse_residual", "col_log", "row_log", "key_log", "key_max")
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"walk_ptr": "*i32", "redo_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32", "n_blocks": "i32",
-                 "den_floor": "fp32", "n_bh": "i32"}
+        types = {"walk_ptr": "*i32", "redo_ptr": "*i32", "flag_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32",
+                 "n_blocks": "i32", "n_bh": "i32", "n_heads": "i32", "width": "i32", "B": "i32", "den_floor": "fp32",
+                 "spread_limit": "fp32", "log_factor_limit": "fp32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
-        types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual")}
-        types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev") for part in ("hi", "lo")}
+        types |= {f"{n}_ptr": f"*{inputs}" for n in ("w", "k", "v", "o", "o_residual", "do", "dk", "dv", "dw")}
+        types |= {f"{n}_{part}_ptr": f"*{operands}" for n in ("a", "eev", "cols", "g", "go", "ev", "e")
+                  for part in ("hi", "lo")}
         signature = {n: types[n] for n in kernel.arg_names if n in types}
         constexprs = {n: value for n, value in constexprs.items() if n in kernel.arg_names}
         # What the JIT infers at the bench shape: 16-byte aligned pointers, T, H, D and n_blocks multiples of 16.
         attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in signature.items()
-                 if t.startswith("*") or n in ("T", "H", "D", "n_blocks")}
+                 if (t.startswith("*") and n != "flag_ptr") or n in ("T", "H", "D", "n_blocks", "width")}
         try:
             source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -505,6 +568,27 @@ COMPILE = textwrap.dedent("""
         BLOCK_Q=aft.FORWARD_BLOCK_Q, BLOCK_K=OPTIONS["chunk_size"], BLOCK_D=OPTIONS["block_d"],
         BLOCK_KEYS=aft.BIAS_BLOCK_KEYS)
     what = f"{inputs} {'causal' if causal else 'noncausal'}"
+    if sys.argv[3] == "backward":
+        split = constexprs["SPLIT"]
+        if half:
+            rows = dict(constexprs, ROWS=aft.OPERAND_ROWS, BLOCK_D=128)
+            compile_one(aft._backward_bias_kernel, inputs, constexprs, 4, 3, f"backward bias {what}")
+            compile_one(aft._key_rows_kernel, inputs, rows, aft.FACTORIZED_NUM_WARPS, 3, f"key rows {what}")
+            compile_one(aft._query_rows_kernel, inputs, rows, aft.FACTORIZED_NUM_WARPS, 3, f"query rows {what}")
+            compile_one(aft._query_columns_kernel, inputs, dict(constexprs, BLOCK_Q=aft.BACKWARD_BLOCK_Q, BLOCK_D=128),
+                        aft.FACTORIZED_NUM_WARPS, 3, f"query columns {what}")
+            compile_one(aft._factorized_dkdv_kernel, inputs, dict(constexprs, BLOCK_Q=aft.BACKWARD_BLOCK_Q),
+                        aft.FACTORIZED_NUM_WARPS, OPTIONS["num_stages"], f"factorized dk dv {what}")
+            compile_one(aft._factorized_dw_kernel, inputs,
+                        dict(constexprs, BLOCK_Q=aft.DW_BLOCK, BLOCK_K=aft.DW_BLOCK,
+                             BLOCK_COLUMNS=aft.DW_BLOCK_COLUMNS[split]),
+                        aft.DW_NUM_WARPS, OPTIONS["num_stages"], f"factorized dw {what}")
+        per_tile = dict(constexprs, BLOCK_Q=aft.BACKWARD_BLOCK_Q, EXACT_DIAGONAL=causal and not half)
+        compile_one(aft._aft_bwd_dkdv_kernel, inputs, per_tile, aft.BACKWARD_NUM_WARPS, OPTIONS["num_stages"],
+                    f"per-tile dk dv {what}")
+        compile_one(aft._aft_bwd_dw_kernel, inputs, dict(per_tile, BLOCK_D=32), aft.BACKWARD_NUM_WARPS,
+                    OPTIONS["num_stages"], f"per-tile dw {what}")
+        sys.exit()
     compile_one(aft._bias_factors_kernel, inputs, constexprs, 4, 3, f"bias factors {what}")
     compile_one(aft._key_block_stats_kernel, inputs, dict(constexprs, BLOCK_D=aft.KEY_FACTORS_BLOCK_D), 4, 3,
                 f"key block statistics {what}")
@@ -530,15 +614,30 @@ COMPILE = textwrap.dedent("""
                                                   ("fp32", "causal")], ["bf16-causal", "bf16-noncausal",
                                                                         "fp16-causal", "fp32-causal"]))
 def test_the_forward_compiles_for_hopper_at_the_default_tiles(inputs, causal):
-    done = subprocess.run([sys.executable, "-c", COMPILE, inputs, causal], capture_output=True, text=True,
-                          timeout=900, env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    lines = done.stdout.splitlines()
+    lines = _compiled_for_hopper(inputs, causal, "forward")
     # Six kernels, the key prefix at two scan widths; the redo pass too where the own tile has 16-bit operands
     # (causal, 16-bit inputs).
     expected = 8 if inputs != "fp32" and causal == "causal" else 7
     assert len(lines) == expected and all(line.startswith("compiled") for line in lines), "\n".join(lines)
     assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
+
+
+# fp16 first (in every run): "split" holds twice the operand tiles, the most shared memory.
+@pytest.mark.parametrize("inputs", sweep(["fp16", "bf16", "fp32"]))
+def test_the_backward_compiles_for_hopper_at_the_default_tiles(inputs):
+    lines = _compiled_for_hopper(inputs, "causal", "backward")
+    # The factorized kernels (six, 16-bit inputs only) and the per-tile ones (two).
+    assert len(lines) == (8 if inputs != "fp32" else 2), "\n".join(lines)
+    assert all(line.startswith("compiled") for line in lines), "\n".join(lines)
+    assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
+
+
+def _compiled_for_hopper(inputs: str, causal: str, passes: str) -> list[str]:
+    """COMPILE's lines for one arithmetic, causality and pass (forward or backward), in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", COMPILE, inputs, causal, passes], capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return done.stdout.splitlines()
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
