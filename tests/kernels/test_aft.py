@@ -41,7 +41,11 @@ excess over max(rounding floor in the returned dtype, conditioning floor) (attnl
 held to the same bounds: T = 1, T not a multiple of the blocks, odd D over several channel blocks, keys
 shifted past the exp thresholds and wide bias/keys (the exact per-key fallback), every precision and block
 shape, do alone, and zero do (every gradient exactly 0). Backward causality: do zero from position c on leaves
-dk, dv at positions >= c and dw's rows >= c exactly zero.
+dk, dv at positions >= c and dw's rows >= c exactly zero. Its two paths: ordinary inputs (keys shifted by 60
+included) take the factorized kernels alone (the per-tile kernels stubbed out, the flag they read 0, the gradients
+within the bound); wide bias and keys, mismatched maxima, a key or a head 30 nats above the rest raise the flag and
+come out right through the per-tile kernels; the backward's kernels compile for sm_90 at the default tiles within
+its shared memory (fp16's "split" first: the most operand tiles).
 """
 
 from __future__ import annotations
