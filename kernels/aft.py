@@ -134,7 +134,7 @@ causal) and lse_td = log sum_s exp(w_ts + k_sd),
 Two ways to the same sums, both without atomics (every fp32 sum in a fixed
 order, deterministic):
 
-- Factorized (16-bit inputs; the comment above _backward_bias_kernel has its
+- Factorized (16-bit inputs; the comment "backward, factorized" has its
   math): P_tsd = A_ts H_td exp(k_sd) with one reference per row of w
   (A = exp(w - M_t) in [0, 1], H = exp(M_t - lse)), so every sum is a
   product of operands made once each: A ([T, T], shared by every head), do H
