@@ -1289,7 +1289,7 @@ def _aft_bwd_dw_kernel(
 # entries are weighed by) stays under it; a call whose inputs pass those limits (wide bias or keys, a key far above
 # the ones before it, non-finite values), or whose gradients come out non-finite, is flagged, and the per-tile
 # kernels above (their exact per-key paths included) then compute every gradient again. fp32 inputs take those
-# kernels alone.
+# kernels alone, so the kernels below make fp16 operands (and read o's saved residual) unconditionally.
 
 # Nats past which an operand's small entries could fall below fp16's normal range in their group's scale: e^-12 is
 # 2^-17.3, leaving 2^11 for the spread of |do| or |v| before 2^-29.
@@ -1366,10 +1366,10 @@ def _spread(x, valid, axis: tl.constexpr):
 
 
 @triton.jit
-def _column_operand(x, valid, HALF_OPERANDS: tl.constexpr):
+def _column_operand(x, valid):
     """x (fp32) scaled per column by the power of two moving its peak to [2^14, 2^15), and the natural logarithm
     of each column's inverse scale (x = scaled * exp(log_unscale))."""
-    scale, unscale = _operand_scale(tl.max(tl.where(valid, tl.abs(x), 0.0), 0), HALF_OPERANDS)
+    scale, unscale = _operand_scale(tl.max(tl.where(valid, tl.abs(x), 0.0), 0), True)
     return x * scale[None, :], tl.log(unscale)
 
 
@@ -1381,7 +1381,7 @@ def _column_operand(x, valid, HALF_OPERANDS: tl.constexpr):
 def _query_columns_kernel(
     do_ptr, o_ptr, o_residual_ptr, lse_ptr, anchor_ptr, key_max_ptr, cols_hi_ptr, cols_lo_ptr, col_log_ptr, flag_ptr,
     T, H, D, spread_limit,
-    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -1392,7 +1392,7 @@ def _query_columns_kernel(
     valid = row_in[:, None] & d_in[None, :]
     offsets = _head_offsets(pid_bh, rows, offs_d, T, H, D)
     do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
-    o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+    o = _load_o(o_ptr, o_residual_ptr, offsets, valid, True)
     lse = tl.load(lse_ptr + offsets, mask=valid, other=0.0)
     x = tl.where(valid, tl.load(anchor_ptr + rows, mask=row_in, other=0.0)[:, None] - lse, 0.0)
     key_max = tl.load(key_max_ptr + pid_bh * D + offs_d, mask=d_in, other=0.0)
@@ -1400,8 +1400,8 @@ def _query_columns_kernel(
              | (tl.max(tl.where(valid, x + key_max[None, :], 0.0)) > spread_limit))
     ref = tl.where(d_in, tl.max(tl.where(valid, x, -float("inf")), 0), 0.0)
     h = tl.where(valid, tl.exp(x - ref[None, :]), 0.0)
-    g, g_log = _column_operand(do * h, valid, HALF_OPERANDS)
-    go, go_log = _column_operand(do * o * h, valid, HALF_OPERANDS)
+    g, g_log = _column_operand(do * h, valid)
+    go, go_log = _column_operand(do * o * h, valid)
     pairs = 2 * D
     pair_cols = tl.arange(0, 2 * BLOCK_D)
     pair_offsets = pid_bh.to(tl.int64) * T * pairs + rows[:, None] * pairs + pair_cols[None, :]
@@ -1419,7 +1419,7 @@ def _query_columns_kernel(
 def _query_rows_kernel(
     do_ptr, o_ptr, o_residual_ptr, lse_ptr, anchor_ptr, g_hi_ptr, g_lo_ptr, go_hi_ptr, go_lo_ptr, row_log_ptr,
     flag_ptr, T, H, D, n_heads, spread_limit,
-    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1434,22 +1434,22 @@ def _query_rows_kernel(
         offsets = _head_offsets(bh, rows, offs_d, T, H, D)
         x = anchor[:, None] - tl.load(lse_ptr + offsets, mask=valid, other=0.0)
         do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
-        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, True)
         x_top = tl.maximum(x_top, tl.where(valid, x, -float("inf")))
         x_bottom = tl.minimum(x_bottom, tl.where(valid, x, float("inf")))
         do_peak = tl.maximum(do_peak, tl.abs(do))
         doo_peak = tl.maximum(doo_peak, tl.abs(do * o))
     ref = tl.where(row_in, tl.max(x_top, 1), 0.0)
     _flag_if(flag_ptr, tl.max(tl.where(row_in, ref - tl.min(x_bottom, 1), 0.0)) > spread_limit)
-    g_scale, g_unscale = _operand_scale(tl.max(do_peak, 1), HALF_OPERANDS)
-    go_scale, go_unscale = _operand_scale(tl.max(doo_peak, 1), HALF_OPERANDS)
+    g_scale, g_unscale = _operand_scale(tl.max(do_peak, 1), True)
+    go_scale, go_unscale = _operand_scale(tl.max(doo_peak, 1), True)
     width = n_heads * D
     for bh in range(0, n_heads):
         offsets = _head_offsets(bh, rows, offs_d, T, H, D)
         h = tl.where(valid, tl.exp(anchor[:, None] - tl.load(lse_ptr + offsets, mask=valid, other=0.0)
                                    - ref[:, None]), 0.0)
         do = tl.load(do_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
-        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, HALF_OPERANDS)
+        o = _load_o(o_ptr, o_residual_ptr, offsets, valid, True)
         row_offsets = rows.to(tl.int64)[:, None] * width + bh * D + offs_d[None, :]
         _store_operand(g_hi_ptr, g_lo_ptr, row_offsets, do * h * g_scale[:, None], valid, SPLIT, LO_SCALE)
         _store_operand(go_hi_ptr, go_lo_ptr, row_offsets, do * o * h * go_scale[:, None], valid, SPLIT, LO_SCALE)
@@ -1465,7 +1465,7 @@ def _query_rows_kernel(
 def _key_rows_kernel(
     k_ptr, v_ptr, ev_hi_ptr, ev_lo_ptr, e_hi_ptr, e_lo_ptr, key_log_ptr, key_max_ptr, flag_ptr,
     T, H, D, n_heads, spread_limit,
-    SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     keys = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1489,8 +1489,8 @@ def _key_rows_kernel(
     ref = tl.where(key_in, tl.max(k_top, 1), 0.0)
     _flag_if(flag_ptr, (tl.max(nonfinite) > 0) | (tl.max(tl.where(key_in, ref - tl.min(k_bottom, 1), 0.0))
                                                   > spread_limit))
-    e_scale, e_unscale = _operand_scale(tl.full([ROWS], 1.0, tl.float32), HALF_OPERANDS)
-    ev_scale, ev_unscale = _operand_scale(tl.max(v_peak, 1), HALF_OPERANDS)
+    e_scale, e_unscale = _operand_scale(tl.full([ROWS], 1.0, tl.float32), True)
+    ev_scale, ev_unscale = _operand_scale(tl.max(v_peak, 1), True)
     width = n_heads * D
     for bh in range(0, n_heads):
         offsets = _head_offsets(bh, keys, offs_d, T, H, D)
@@ -1639,7 +1639,8 @@ def chunkwise_backward(
     # BLOCK_D] fp32 tiles (dk, dv, A^T G, A^T (G o), v, E) and a dw program five [BLOCK_Q, BLOCK_D] ones besides its
     # [BLOCK_Q, BLOCK_K] pair;
     # ptxas (sm_90, 64 x 64 blocks, 8 warps, bf16) spills 1.7 KB a thread at 128 channels, none at 64 (dk/dv)
-    # and 32 (dw). dw loops over channel blocks, so its width costs no parallelism.
+    # and 32 (dw). dw loops over channel blocks, so its width costs no parallelism. The factorized dk/dv kernel
+    # takes the same channel blocks (its [BLOCK_K, 2 BLOCK_D] sums).
     dkdv_block_d = min(block_size(D), block_d, 64)
     dw_block_d = min(block_size(D), block_d, 32)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -1689,7 +1690,7 @@ def _factorized_backward(o, saved, do, w, k, v, dk, dv, dw, flag, dkdv_block_d, 
     key_log = torch.empty((T, 2), dtype=torch.float32, device=device)
     key_max = torch.full((B * H, D), -float("inf"), dtype=torch.float32, device=device)
     full_d = block_size(D)
-    rows = dict(SPLIT=split, HALF_OPERANDS=True, ROWS=OPERAND_ROWS, BLOCK_D=full_d, num_warps=num_warps)
+    rows = dict(SPLIT=split, ROWS=OPERAND_ROWS, BLOCK_D=full_d, num_warps=num_warps)
     _backward_bias_kernel[(triton.cdiv(T, GROUP.value),)](
         w, *a, anchor, T, CAUSAL=common["CAUSAL"], SPLIT=split, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4)
     _key_rows_kernel[(triton.cdiv(T, OPERAND_ROWS),)](
@@ -1699,7 +1700,7 @@ def _factorized_backward(o, saved, do, w, k, v, dk, dv, dw, flag, dkdv_block_d, 
         SPREAD_LIMIT, **rows)
     _query_columns_kernel[(triton.cdiv(T, block_q), B * H)](
         do, o, saved.get("o_residual", o), saved["lse"], anchor, key_max, *cols, col_log, flag, T, H, D,
-        SPREAD_LIMIT, SPLIT=split, HALF_OPERANDS=True, BLOCK_Q=block_q, BLOCK_D=full_d, num_warps=num_warps)
+        SPREAD_LIMIT, SPLIT=split, BLOCK_Q=block_q, BLOCK_D=full_d, num_warps=num_warps)
     _factorized_dkdv_kernel[(triton.cdiv(T, chunk_size), B * H, triton.cdiv(D, dkdv_block_d))](
         *a, *cols, col_log, k, v, dk, dv, flag, T, H, D, BLOCK_D=dkdv_block_d, num_warps=num_warps, **common)
     _factorized_dw_kernel[(triton.cdiv(T, DW_BLOCK), triton.cdiv(T, DW_BLOCK))](
