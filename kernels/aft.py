@@ -5,7 +5,42 @@
 
 Conventions: w [T, T], k, v [B, T, H, D], o [B, T, H, D] in the input dtype (fp16, bf16 or fp32).
 
-Forward algorithm (tensor cores). exp(w_ti + k_id) factorizes into a bias factor and a key factor, so both sums
+Two forwards compute o. The anchored forward takes 16-bit inputs with "single" operands (bf16's default) where
+their checks pass; the running forward takes every row the anchored one marks, and every call of other inputs.
+
+Anchored forward (_visible_bias_kernel, _anchored_keys_kernel, _aft_anchored_fwd_kernel). One reference per row of
+w and one per channel, for the whole sequence:
+
+    A_ts = exp(w_ts - M_t) 2^15  over row t's visible keys (0 past the diagonal), M_t their largest bias
+    E_sd = exp(k_sd - k_0d)        k_0 the head's first key: a key every row sees, so the reference is causal
+    num_td = (A @ (E * v 2^s))_td,   den_td = (A @ E)_td,   o = num / den / 2^s
+
+with 2^s the power of two that moves max_d |v_0d| to [2, 4) (_value_scale; also from the first key). The main
+loop is then a plain product, no rescale and no own tile: one [128, 256] fp32 accumulator (den and num side by
+side, _pairs) per program of 128 queries and 128 channels, A and [E, E * v] read through tensor descriptors, A's
+zeros past the diagonal standing in for the causal mask. Its operands are fp16, rounded once each, and its checks
+keep every one of them in fp16's normal range, or where not, inside one rounding of what it serves:
+
+- a key fails where |k_sd - k_0d| > KEY_WINDOW (9.5 nats: E in [2^-13.7, 2^13.7]) in any channel of its head,
+  where E * v 2^s leaves fp16's range, where min_d E_sd times max_d |v_sd 2^s| is below EV_FLOOR (2^-13: an
+  E * v entry below fp16's normal range then errs by 2^-25 at most, under one fp16 rounding of the key's largest
+  entry), or where k or v is not finite; its operands are stored as 0 (0 * inf would be NaN for the rows before
+  it, whose A is 0 there), and it marks its row and every later row of its head (every row without causality);
+- a row fails where its visible bias spreads over more than BIAS_WINDOW (20 nats: A >= 2^-13.8) or holds a
+  non-finite entry, and marks itself.
+
+Nothing then underflows: den >= E of the row's best-biased key >= 2^-13.7. E's exponent may be positive, unlike
+every other exponent here: a reference fixed for the whole sequence and seen by every row cannot be a running
+maximum; the window bounds it by 9.5 before any exp is taken. A marked row's o is NaN and its tiles of
+the running forward's grid are listed; the running forward computes those tiles over the list and writes only the
+marked entries (_aft_listed_kernel), its factor kernels returning at once where the list is empty. Row t's
+mark depends on keys <= t and on row t's bias alone, so which forward answers row t is causal, as each forward
+is. The registry's inputs mark no row (measured at the bench shape and at T = 16384, bf16 and fp16), nor do keys
+shifted by +-60 (k_0 moves with them: a shift of k changes nothing, bitwise). Accuracy is the running forward's with
+"single" (bf16 excess 1.013 against its 1.012 at T = 1024); the time is a product's (reports/bench.md, session 31).
+The anchored forward's operands take the running forward's buffers: the two never need them at once.
+
+Running forward (tensor cores). exp(w_ti + k_id) factorizes into a bias factor and a key factor, so both sums
 are matrix products per (batch, head):
 
     A_ti = exp(w_ti - M_t)     M_t = max of w_ti over row t's factorized keys (below): the row's anchor
@@ -34,9 +69,9 @@ its own, rather than once per head (A) or per query tile (E); the main loop is l
    (A @ [E, E * v]) and one per-column rescale, its operand tiles read through tensor descriptors (TMA on sm_90;
    option tma) where their rows are 16-byte aligned; a block's move factors are loaded during the block before,
    so the rescale never waits on memory.
-4. Causal with 16-bit inputs, _aft_own_redo_kernel (the redo pass): the tiles where only the own tile's fp16
-   operands failed (below), their marked entries summed again with fp32 own operands; a few programs per SM
-   take in turn the tiles the main kernel listed.
+4. Causal with 16-bit inputs, the redo pass (_aft_listed_kernel with REDO_OWN): the tiles where only the own
+   tile's fp16 operands failed (below), their marked entries summed again with fp32 own operands; a few programs
+   per SM take in turn the tiles the main kernel listed.
 5. _aft_fallback_kernel: the entries whose factorized sums lost their precision, summed exactly (below); a few
    programs per SM take in turn the tiles the main kernel and the redo pass listed.
 
@@ -121,7 +156,9 @@ fp32 inputs), E and E * v each one operand per element of k (twice with "split")
 maxima (T each) and the per-block references, peaks, scales and running scales (B * H * D each per block) and
 move factors (two per channel) are fp32. At B = 8, T = 4096, H = 16, D = 128 in bf16: A 32 MiB, E and E * v
 256 MiB, the block references, peaks, scales and running scales 4 MiB each and their move factors 8 MiB: 312 MiB
-in all (600 MiB with "split").
+in all (600 MiB with "split"). The anchored forward's A, E and E * v take A's and E, E * v's buffers; it adds each
+row's bias spread (T, fp32), each head's first failed key (B * H, int32) and the list of tiles it leaves (an int32
+per tile of the running forward's grid).
 
 Backward (chunkwise_backward, BACKWARD["chunkwise"]). Per channel, o is a
 softmax average: with P_tsd = exp(w_ts + k_sd - lse_td) (0 for s > t when
@@ -277,6 +314,10 @@ OPTIONS = {
         # The forward's main loop reads its operand tiles through tensor descriptors (TMA on sm_90) where the
         # shapes allow it (_util.tma_fits); False: pointer loads.
         "tma": (True, (False, True)),
+        # 16-bit inputs with "single" operands take the anchored forward first (module docstring), in tiles of its
+        # own (ANCHORED_*): the options above then shape the running forward, which takes the rows it marks.
+        # False: the running forward alone.
+        "anchored": (True, (False, True)),
     }
 }
 
@@ -382,10 +423,12 @@ def _operand_scale(peaks, HALF_OPERANDS: tl.constexpr):
 # factorized keys); entries of A from the row's own tile on are neither written nor read.
 @triton.jit
 def _bias_factors_kernel(
-    w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, own_bias_max_ptr, T,
+    gate_ptr, w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, own_bias_max_ptr, T,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_KEYS: tl.constexpr,
 ):
+    if tl.load(gate_ptr) == 0:  # the anchored forward listed no tile (chunkwise's gate)
+        return
     rows = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
     row_in = rows < T
     row_offsets = rows.to(tl.int64)[:, None] * T
@@ -466,9 +509,11 @@ def _vector_pairs(den_part, num_part):
 # channel block).
 @triton.jit
 def _key_block_stats_kernel(
-    k_ptr, v_ptr, block_ref_ptr, block_peak_ptr, T, H, D,
+    gate_ptr, k_ptr, v_ptr, block_ref_ptr, block_peak_ptr, T, H, D,
     BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    if tl.load(gate_ptr) == 0:  # the anchored forward listed no tile (chunkwise's gate)
+        return
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -511,9 +556,11 @@ def _peak_combine(ref_a, peak_a, ref_b, peak_b):
 # block).
 @triton.jit
 def _key_prefix_kernel(
-    block_ref_ptr, block_peak_ptr, block_unscale_ptr, running_unscale_ptr, n_blocks, D,
+    gate_ptr, block_ref_ptr, block_peak_ptr, block_unscale_ptr, running_unscale_ptr, n_blocks, D,
     HALF_OPERANDS: tl.constexpr, SCAN_BLOCKS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    if tl.load(gate_ptr) == 0:  # the anchored forward listed no tile (chunkwise's gate)
+        return
     pid_bh = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -543,9 +590,11 @@ def _key_prefix_kernel(
 # (_key_prefix_kernel's; none before the first block). One program per (key block, head, channel block).
 @triton.jit
 def _key_factors_kernel(
-    k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr, block_unscale_ptr, T, H, D,
+    gate_ptr, k_ptr, v_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr, block_unscale_ptr, T, H, D,
     SPLIT: tl.constexpr, OPERAND_SCALE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    if tl.load(gate_ptr) == 0:  # the anchored forward listed no tile (chunkwise's gate)
+        return
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
@@ -598,34 +647,35 @@ def _aft_fwd_kernel(
               block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr,
               o_residual_ptr, walk_ptr, redo_ptr, T, H, D, den_floor,
               STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
-              OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, False, BLOCK_Q, BLOCK_K, BLOCK_D)
+              OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, False, False, BLOCK_Q, BLOCK_K, BLOCK_D)
 
 
-# The redo pass: the main kernel's tiles flagged OWN_ONLY summed again, their own products with fp32 operands
-# (_aft_tile with REDO_OWN). The main kernel appends those tiles to redo_ptr's list, and a few programs per SM take
-# them in turn: a grid of every tile, nearly all returning at once, each holding the main kernel's shared memory
-# while it does, cost more than the few tiles it redoes, and so did programs walking every tile's flag, one load's
-# latency per tile (reports/bench.md, session 23).
+# The main kernel's work on a list of its tiles (list_ptr: a count, then the tiles' indices in its grid), writing only
+# the entries already marked (o is NaN there): the tiles the anchored forward left (_aft_anchored_fwd_kernel), and,
+# with REDO_OWN, the redo pass, the tiles the main kernel flagged OWN_ONLY summed again with fp32 own products. A few
+# programs per SM take the listed tiles in turn: a grid of every tile, nearly all returning at once, each holding the
+# main kernel's shared memory while it does, cost more than the few tiles it redoes, and so did programs walking
+# every tile's flag, one load's latency per tile (reports/bench.md, session 23).
 @triton.jit
-def _aft_own_redo_kernel(
-    w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
+def _aft_listed_kernel(
+    list_ptr, w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr, block_ref_ptr,
     block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr, lse_residual_ptr, o_residual_ptr,
     walk_ptr, redo_ptr,
     T, H, D, den_floor, n_bh,
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    REDO_OWN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     n_t = tl.cdiv(T, BLOCK_Q)
-    for i in range(tl.program_id(0), tl.load(redo_ptr), tl.num_programs(0)):
-        index = tl.load(redo_ptr + 1 + i)
+    for i in range(tl.program_id(0), tl.load(list_ptr), tl.num_programs(0)):
+        index = tl.load(list_ptr + 1 + i)
         _aft_tile(index % n_t, index // n_t % n_bh, index // (n_t * n_bh), n_t, n_bh,
                   w_ptr, k_ptr, v_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, eev_hi_ptr, eev_lo_ptr, move_ptr,
                   block_ref_ptr, block_unscale_ptr, running_unscale_ptr, own_bias_max_ptr, o_ptr, lse_ptr,
                   lse_residual_ptr, o_residual_ptr, walk_ptr, redo_ptr, T, H, D, den_floor,
                   STORE_LSE, STORE_LSE_RESIDUAL, STORE_O_RESIDUAL, CAUSAL, SPLIT, HALF_OPERANDS, DOT_PRECISION,
-                  OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, True, BLOCK_Q, BLOCK_K, BLOCK_D)
+                  OPERAND_SCALE, E_HEADROOM_LOG2, EV_HEADROOM_LOG2, TMA, True, REDO_OWN, BLOCK_Q, BLOCK_K, BLOCK_D)
 
 
 # One program's tile of _aft_fwd_kernel (tile pid_t, pid_bh, pid_d of a grid (n_t, n_bh, channel blocks)): num_td =
@@ -633,8 +683,8 @@ def _aft_own_redo_kernel(
 # over the key blocks before the tile (every key when causal=False), den and num side by side (one product each),
 # the sums moved from one reference C to the next by exp(C_old - C_new) <= 1 per channel; then (causal) the terms
 # of the row's own tile, one lower-triangular product for the tile, relative to max(M_t, W_t) + C; o = num / den.
-# With REDO_OWN (the redo pass) the own product takes fp32 operands, and only the entries the first pass marked
-# are written.
+# With ONLY_MARKED (_aft_listed_kernel) only the entries an earlier pass marked are written; with REDO_OWN (the redo
+# pass) the own product takes fp32 operands.
 @triton.jit
 def _aft_tile(
     pid_t, pid_bh, pid_d, n_t, n_bh,
@@ -645,7 +695,8 @@ def _aft_tile(
     STORE_LSE: tl.constexpr, STORE_LSE_RESIDUAL: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, HALF_OPERANDS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     OPERAND_SCALE: tl.constexpr, E_HEADROOM_LOG2: tl.constexpr, EV_HEADROOM_LOG2: tl.constexpr, TMA: tl.constexpr,
-    REDO_OWN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    ONLY_MARKED: tl.constexpr, REDO_OWN: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tile_index = pid_t + n_t * (pid_bh + n_bh * pid_d)
     tile = n_t - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
@@ -792,9 +843,9 @@ def _aft_tile(
         num *= unscale[None, :] * UNIT
         refs, refs_err = _two_sum(anchor[:, None], key_ref[None, :])
     out_offsets = kv_base + offs_t[:, None] * row_stride + offs_d[None, :]
-    if REDO_OWN:
-        # Only the entries the first pass marked (o is NaN there) are written again: the marks are causal, and
-        # every other entry keeps the first pass's value bitwise.
+    if ONLY_MARKED:
+        # Only the entries an earlier pass marked (o is NaN there) are written again: the marks are causal, and
+        # every other entry keeps that pass's value bitwise.
         first_pass = tl.load(o_ptr + out_offsets, mask=in_tile, other=0.0)
         written = in_tile & (first_pass != first_pass)
     else:
@@ -909,6 +960,170 @@ def _aft_fallback_kernel(
                 tl.store(lse_residual_ptr + out_offsets, lse_residual, mask=redo)
 
 
+# ------------------------------------------------------------------------------------------------ forward, anchored
+
+# The anchored forward (16-bit inputs, "single" operands; module docstring, "Anchored forward"): one reference per
+# channel for the whole sequence, so that the main loop is a plain product, A @ [E, E * v], in large tiles.
+# Queries, keys and channels per program of its main kernel, its warps and pipeline stages (reports/bench.md).
+ANCHORED_BLOCK_Q = 128
+ANCHORED_BLOCK_K = 64
+ANCHORED_BLOCK_D = 128
+ANCHORED_NUM_WARPS = 8
+ANCHORED_NUM_STAGES = 3
+# A key whose k passes k_0 (its channel's first key) by more than KEY_WINDOW nats either way, in any channel of its
+# head, sends its row and every later row of the head to the running forward: E = exp(k - k_0) then stays inside
+# [2^-13.7, 2^13.7], fp16's normal range. So does a row whose visible bias spreads over more than BIAS_WINDOW nats:
+# A = exp(w - M_t) * 2^15 then stays at or above 2^-13.8.
+KEY_WINDOW = tl.constexpr(9.5)
+BIAS_WINDOW = tl.constexpr(20.0)
+# E * v is scaled by the power of two moving max_d |v_0d| (the head's first key) to [2^VALUE_EXPONENT,
+# 2^(VALUE_EXPONENT + 1)); a key is let through only where every E * v operand of it is inside fp16's range and
+# min_d E_sd * max_d |v_sd| (scaled) is at least EV_FLOOR: its entries that fall below fp16's normal range then err
+# by at most 2^-25, 2^-12 of that product, no more than one fp16 rounding of its largest entry.
+VALUE_EXPONENT = tl.constexpr(1)
+EV_FLOOR = tl.constexpr(2.0**-13)
+
+
+@triton.jit
+def _value_scale(v_ptr, head_base, D, FULL_D: tl.constexpr):
+    """(2^s, 2^-s) moving max_d |v_0d| of a head (head_base: its first key's offset) to [2^VALUE_EXPONENT,
+    2^(VALUE_EXPONENT + 1)); (1, 1) where that row is all zero or not finite (a non-finite one fails key 0's
+    check)."""
+    offs = tl.arange(0, FULL_D)
+    peak = tl.max(tl.abs(tl.load(v_ptr + head_base + offs, mask=offs < D, other=0.0).to(tl.float32)))
+    scale, unscale = pow2_scale(peak, VALUE_EXPONENT)
+    usable = (peak > 0.0) & (peak <= LARGEST_FP32)
+    return tl.where(usable, scale, 1.0), tl.where(usable, unscale, 1.0)
+
+
+# Per key and channel of one head, E = exp(k - k_0) and E * v * 2^s (_value_scale), fp16, side by side (_pairs) in
+# [B * H, T, 2 D]; an operand that fails its check is stored as 0 (rows before its key meet it with A = 0, and
+# 0 * inf would be NaN). first_bad_ptr[head] takes the first key that fails (KEY_WINDOW, fp16's range, EV_FLOOR, or a
+# non-finite k or v). One program per (key block, batch * head), every channel.
+@triton.jit
+def _anchored_keys_kernel(
+    k_ptr, v_ptr, eev_ptr, first_bad_ptr, T, H, D,
+    BLOCK_K: tl.constexpr, FULL_D: tl.constexpr,
+):
+    pid_j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    keys = pid_j * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, FULL_D)
+    key_in = keys < T
+    d_in = offs_d < D
+    valid = key_in[:, None] & d_in[None, :]
+    head_base = _head_base(pid_bh, T, H, D)
+    offsets = _head_offsets(pid_bh, keys, offs_d, T, H, D)
+    k = tl.load(k_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=valid, other=0.0).to(tl.float32)
+    first_key = tl.load(k_ptr + head_base + offs_d, mask=d_in, other=0.0).to(tl.float32)
+    v_scale, _ = _value_scale(v_ptr, head_base, D, FULL_D)
+    exponent = k - first_key[None, :]
+    e_fits = tl.abs(exponent) <= KEY_WINDOW  # False for NaN as well
+    e = tl.exp(tl.where(e_fits, exponent, -float("inf")))
+    v_scaled = v * v_scale
+    ev = e * v_scaled
+    fits = e_fits & (tl.abs(ev) < OPERAND_MAX)
+    value_peak = tl.max(tl.where(valid, tl.abs(v_scaled), 0.0), 1)
+    e_least = tl.min(tl.where(valid, e, float("inf")), 1)
+    coarse = (value_peak > 0.0) & ~(e_least * value_peak >= EV_FLOOR)
+    bad = key_in & ((tl.max(tl.where(valid & ~fits, 1, 0), 1) > 0) | coarse)
+    tl.atomic_min(first_bad_ptr + pid_bh, tl.min(tl.where(bad, keys, T)))
+    offs_pairs = tl.arange(0, 2 * FULL_D)
+    tl.store(eev_ptr + pid_bh.to(tl.int64) * T * 2 * D + keys[:, None] * (2 * D) + offs_pairs[None, :],
+             _pairs(tl.where(fits, e, 0.0), tl.where(fits, ev, 0.0)).to(eev_ptr.dtype.element_ty),
+             mask=key_in[:, None] & (offs_pairs < 2 * D)[None, :])
+
+
+# The anchored forward's main kernel: per tile of BLOCK_Q rows and BLOCK_D channels of one head, den_td = sum_s A_ts
+# E_sd and num_td = sum_s A_ts (E v 2^s)_sd, side by side in one [BLOCK_Q, 2 BLOCK_D] accumulator, one product per
+# key block (A is 0 past the diagonal, causal: every block up to it is taken whole); o = num / den / 2^s, lse =
+# M_t + k_0d + log(den / 2^15). Rows that a failed key or bias check reaches are marked (o NaN) and their tiles of the
+# running forward's grid (LISTED_BLOCK_Q x LISTED_BLOCK_D) listed for _aft_listed_kernel; row t's mark depends on
+# keys <= t and on row t's bias alone, so it is causal, as the values are. Grid (query tiles, B * H, channel blocks),
+# causal tiles longest first.
+@triton.jit
+def _aft_anchored_fwd_kernel(
+    a_ptr, eev_ptr, anchor_ptr, bias_spread_ptr, first_bad_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, o_residual_ptr,
+    list_ptr, T, H, D,
+    STORE_LSE: tl.constexpr, STORE_O_RESIDUAL: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, FULL_D: tl.constexpr,
+    LISTED_BLOCK_Q: tl.constexpr, LISTED_BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_d = tl.program_id(2)
+    n_t = tl.cdiv(T, BLOCK_Q)
+    tile = n_t - 1 - pid_t if CAUSAL else pid_t
+    offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_in = offs_t < T
+    d_in = offs_d < D
+    offs_pairs = 2 * pid_d * BLOCK_D + tl.arange(0, 2 * BLOCK_D)
+    pairs_in = offs_pairs < 2 * D
+    eev_base = pid_bh.to(tl.int64) * T * 2 * D
+    key_end = tl.minimum((tile + 1) * BLOCK_Q, T) if CAUSAL else T
+    sums = tl.zeros([BLOCK_Q, 2 * BLOCK_D], tl.float32)
+    if TMA:
+        a_src = tl.make_tensor_descriptor(a_ptr, [T, T], [T, 1], [BLOCK_Q, BLOCK_K])
+        eev_src = tl.make_tensor_descriptor(eev_ptr + eev_base, [T, 2 * D], [2 * D, 1], [BLOCK_K, 2 * BLOCK_D])
+    for start in range(0, key_end, BLOCK_K):
+        if TMA:
+            a = a_src.load([tile * BLOCK_Q, start])
+            eev = eev_src.load([start, 2 * pid_d * BLOCK_D])
+        else:
+            key_in = start + offs_k < T
+            a = tl.load(a_ptr + offs_t.to(tl.int64)[:, None] * T + (start + offs_k)[None, :],
+                        mask=row_in[:, None] & key_in[None, :], other=0.0)
+            eev = tl.load(eev_ptr + eev_base + (start + offs_k)[:, None] * (2 * D) + offs_pairs[None, :],
+                          mask=key_in[:, None] & pairs_in[None, :], other=0.0)
+        sums = tl.dot(a, eev, sums)
+
+    den, num = tl.split(tl.reshape(sums, [BLOCK_Q, BLOCK_D, 2]))
+    head_base = _head_base(pid_bh, T, H, D)
+    first_key = tl.load(k_ptr + head_base + offs_d, mask=d_in, other=0.0).to(tl.float32)
+    _, v_unscale = _value_scale(v_ptr, head_base, D, FULL_D)
+    anchor = tl.load(anchor_ptr + offs_t, mask=row_in, other=0.0)
+    spread = tl.load(bias_spread_ptr + offs_t, mask=row_in, other=0.0)
+    first_bad = tl.load(first_bad_ptr + pid_bh)
+    if CAUSAL:
+        keys_failed = offs_t >= first_bad
+    else:
+        keys_failed = (offs_t >= 0) & (first_bad < T)
+    marked = row_in & (keys_failed | ~(spread <= BIAS_WINDOW))
+    o = tl.where(marked[:, None], float("nan"), num / den * v_unscale)
+    in_tile = row_in[:, None] & d_in[None, :]
+    out_offsets = head_base + offs_t[:, None] * (H * D) + offs_d[None, :]
+    o_rounded = o.to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + out_offsets, o_rounded, mask=in_tile)
+    if STORE_O_RESIDUAL:
+        tl.store(o_residual_ptr + out_offsets, (o - o_rounded.to(tl.float32)).to(o_ptr.dtype.element_ty),
+                 mask=in_tile)
+    if STORE_LSE:
+        refs, refs_err = _two_sum(anchor[:, None], first_key[None, :])
+        lse, _ = _two_sum(refs, (tl.log(den) - LOG_OPERAND_MAX) + refs_err)
+        tl.store(lse_ptr + out_offsets, lse, mask=in_tile)
+
+    # The running forward's tiles that hold marked rows: its grid is (row tiles, B * H, channel blocks), causal
+    # longest first, and each of its tiles lies inside one of these (LISTED_BLOCK_Q divides BLOCK_Q, LISTED_BLOCK_D
+    # BLOCK_D).
+    N_SUB: tl.constexpr = BLOCK_Q // LISTED_BLOCK_Q
+    N_SUB_D: tl.constexpr = BLOCK_D // LISTED_BLOCK_D
+    sub_marked = tl.max(tl.reshape(marked.to(tl.int32), [N_SUB, LISTED_BLOCK_Q]), 1)
+    if tl.max(sub_marked) > 0:
+        n_listed_t = tl.cdiv(T, LISTED_BLOCK_Q)
+        listed_rows = tile * N_SUB + tl.arange(0, N_SUB)
+        listed_t = n_listed_t - 1 - listed_rows if CAUSAL else listed_rows
+        listed_d = pid_d * N_SUB_D + tl.arange(0, N_SUB_D)
+        take = (sub_marked > 0)[:, None] & (listed_d < tl.cdiv(D, LISTED_BLOCK_D))[None, :]
+        index = listed_t[:, None] + n_listed_t * (pid_bh + tl.num_programs(1) * listed_d[None, :])
+        take = tl.reshape(take.to(tl.int32), [N_SUB * N_SUB_D])
+        start = tl.atomic_add(list_ptr, tl.sum(take))
+        tl.store(list_ptr + 1 + start + tl.cumsum(take, 0) - take, tl.reshape(index, [N_SUB * N_SUB_D]),
+                 mask=take > 0)
+
+
 def chunkwise(
     *,
     w: torch.Tensor,
@@ -922,13 +1137,18 @@ def chunkwise(
     num_stages: int = 3,
     precision: str = "auto",
     tma: bool = True,
+    anchored: bool = True,
     saved: dict[str, torch.Tensor] | None = None,
     await_checks: Callable[[], None] = no_pending_checks,
 ) -> tuple[torch.Tensor, None]:
     """AFT-full forward; returns (o [B, T, H, D] in the input dtype, None). With ``saved`` (a dict) it also
     stores there what chunkwise_backward needs: "lse", the fp32 log-normalizer per (b, t, h, d), and the part
     of it or of o that rounding dropped, "o_residual" for 16-bit inputs, "lse_residual" for fp32 (module
-    docstring, "Saved vs recomputed")."""
+    docstring, "Saved vs recomputed").
+
+    16-bit inputs with "single" operands take the anchored forward first (unless ``anchored`` is False or
+    block_d passes ANCHORED_BLOCK_D), the running forward only for the rows it marks; other inputs take the
+    running forward alone (module docstring)."""
     B, T, H, D = k.shape
     half_operands = k.dtype != torch.float32
     if precision == "auto":
@@ -986,35 +1206,77 @@ def chunkwise(
                         DOT_PRECISION="tf32" if half_operands else "ieee", OPERAND_SCALE=operand_scale, TMA=use_tma,
                         BLOCK_Q=block_q, BLOCK_K=chunk_size, BLOCK_D=BLOCK_D, num_warps=num_warps,
                         num_stages=num_stages, **stores)
+    pass_programs = min(math.prod(grid), PASS_PROGRAMS)
+    anchored_block_d = min(block_size(D), ANCHORED_BLOCK_D)
+    if anchored and half_operands and not split and BLOCK_D <= anchored_block_d:
+        # The running forward's tiles the anchored one leaves (a count, then the tiles): its kernels before the
+        # listed pass read the count and return at once where it is 0.
+        gate = torch.zeros(1 + math.prod(grid), dtype=torch.int32, device=device)
+        running = [Launch(_aft_listed_kernel, (pass_programs,), gate, *tile_args, B * H, **tile_options,
+                          E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[True], EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[True],
+                          REDO_OWN=False)]
+        first = _anchored_launches(w, k, v, a_hi, eev_hi, anchor, o, lse, o_residual, gate, causal, use_tma, stores,
+                                   block_q, BLOCK_D)
+    else:
+        gate = torch.ones(1, dtype=torch.int32, device=device)
+        running = [Launch(_aft_fwd_kernel, grid, *tile_args, **tile_options,
+                          E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands],
+                          EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands],
+                          maxnreg=FORWARD_MAX_REGISTERS if num_warps == FORWARD_NUM_WARPS else None)]
+        first = []
     # Causal with 16-bit inputs, the redo pass sums again, with fp32 own-tile operands, the tiles whose own fp16
     # operands failed (OWN_ONLY): a few tiles on the registry's inputs, where the fallback's walk over every key would
     # cost a late tile milliseconds.
     launch_after_checks(
         await_checks,
-        Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), w, a_hi, a_lo, anchor, own_bias_max, T,
+        *first,
+        Launch(_bias_factors_kernel, (triton.cdiv(T, GROUP.value),), gate, w, a_hi, a_lo, anchor, own_bias_max, T,
                CAUSAL=causal, SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_Q=block_q, BLOCK_KEYS=BIAS_BLOCK_KEYS,
                num_warps=4),
         Launch(_key_block_stats_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
-               k, v, block_ref, block_peak, T, H, D, BLOCK_K=chunk_size, BLOCK_D=key_block_d, num_warps=key_warps),
+               gate, k, v, block_ref, block_peak, T, H, D, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
+               num_warps=key_warps),
         Launch(_key_prefix_kernel, (B * H, triton.cdiv(D, prefix_block_d)),
-               block_ref, block_peak, block_unscale, running_unscale, n_blocks, D,
+               gate, block_ref, block_peak, block_unscale, running_unscale, n_blocks, D,
                HALF_OPERANDS=half_operands, SCAN_BLOCKS=min(PREFIX_SCAN_BLOCKS, triton.next_power_of_2(n_blocks)),
                BLOCK_D=prefix_block_d, num_warps=4),
         Launch(_key_factors_kernel, (n_blocks, B * H, triton.cdiv(D, key_block_d)),
-               k, v, eev_hi, eev_lo, move, block_ref, block_unscale, T, H, D,
+               gate, k, v, eev_hi, eev_lo, move, block_ref, block_unscale, T, H, D,
                SPLIT=split, OPERAND_SCALE=operand_scale, BLOCK_K=chunk_size, BLOCK_D=key_block_d,
                num_warps=key_warps),
-        Launch(_aft_fwd_kernel, grid, *tile_args, **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[half_operands],
-               EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[half_operands],
-               maxnreg=FORWARD_MAX_REGISTERS if num_warps == FORWARD_NUM_WARPS else None),
-        *([Launch(_aft_own_redo_kernel, (min(math.prod(grid), PASS_PROGRAMS),), *tile_args, B * H,
+        *running,
+        *([Launch(_aft_listed_kernel, (pass_programs,), redo_tiles, *tile_args, B * H,
                   **tile_options, E_HEADROOM_LOG2=OWN_HEADROOM_LOG2[False],
-                  EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[False])] if causal and half_operands else []),
-        Launch(_aft_fallback_kernel, (min(math.prod(grid), PASS_PROGRAMS),),
+                  EV_HEADROOM_LOG2=OWN_EV_HEADROOM_LOG2[False], REDO_OWN=True)] if causal and half_operands else []),
+        Launch(_aft_fallback_kernel, (pass_programs,),
                w, k, v, o, lse, lse_residual, o_residual, walk_tiles, T, H, D, B * H,
                CAUSAL=causal, BLOCK_Q=block_q, BLOCK_D=BLOCK_D, num_warps=num_warps, **stores),
     )
     return o, None
+
+
+def _anchored_launches(w, k, v, a, eev, anchor, o, lse, o_residual, listed, causal, use_tma, stores, listed_block_q,
+                       listed_block_d) -> list[Launch]:
+    """The anchored forward's launches: A and the bias checks, the key operands and checks, the main kernel, which
+    lists the running forward's tiles it leaves in ``listed``. Its operands take the running forward's buffers
+    (``a``, ``eev``, ``anchor``: the same shapes), which that forward overwrites only after the main kernel."""
+    B, T, H, D = k.shape
+    full_d = block_size(D)
+    block_d = min(full_d, ANCHORED_BLOCK_D)
+    bias_spread = torch.empty(T, dtype=torch.float32, device=k.device)
+    first_bad = torch.full((B * H,), T, dtype=torch.int32, device=k.device)
+    return [
+        Launch(_visible_bias_kernel, (triton.cdiv(T, GROUP.value),), w, a, a, anchor, bias_spread, T,
+               CAUSAL=causal, SPLIT=False, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4),
+        Launch(_anchored_keys_kernel, (triton.cdiv(T, ANCHORED_BLOCK_K), B * H), k, v, eev, first_bad, T, H, D,
+               BLOCK_K=ANCHORED_BLOCK_K, FULL_D=full_d, num_warps=4 if full_d <= 128 else 8),
+        Launch(_aft_anchored_fwd_kernel, (triton.cdiv(T, ANCHORED_BLOCK_Q), B * H, triton.cdiv(D, block_d)),
+               a, eev, anchor, bias_spread, first_bad, k, v, o, lse, o_residual, listed, T, H, D,
+               STORE_LSE=stores["STORE_LSE"], STORE_O_RESIDUAL=stores["STORE_O_RESIDUAL"], CAUSAL=causal,
+               TMA=use_tma, BLOCK_Q=ANCHORED_BLOCK_Q, BLOCK_K=ANCHORED_BLOCK_K, BLOCK_D=block_d, FULL_D=full_d,
+               LISTED_BLOCK_Q=listed_block_q, LISTED_BLOCK_D=listed_block_d, num_warps=ANCHORED_NUM_WARPS,
+               num_stages=ANCHORED_NUM_STAGES),
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -1308,9 +1570,15 @@ LARGEST_FP32 = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
+def _head_base(bh, T, H, D):
+    """Offset of (batch, head) bh = batch * H + head's first key in a [B, T, H, D] tensor."""
+    return (bh // H).to(tl.int64) * T * H * D + (bh % H) * D
+
+
+@triton.jit
 def _head_offsets(bh, rows, channels, T, H, D):
     """Offsets of the [rows, channels] tile of (batch, head) bh = batch * H + head in a [B, T, H, D] tensor."""
-    return (bh // H).to(tl.int64) * T * H * D + (bh % H) * D + rows[:, None] * (H * D) + channels[None, :]
+    return _head_base(bh, T, H, D) + rows[:, None] * (H * D) + channels[None, :]
 
 
 @triton.jit
@@ -1325,11 +1593,13 @@ def _any_nonfinite(x, valid):
     return tl.max(tl.where(valid & ~(tl.abs(x) <= LARGEST_FP32), 1, 0)) > 0
 
 
-# A_ts = exp(w_ts - M_t) for the visible keys s of row t (0 elsewhere), scaled by OPERAND_MAX, and M_t. One program
-# per GROUP rows; two passes over the keys (the maximum, then the operands).
+# A_ts = exp(w_ts - M_t) for the visible keys s of row t (0 elsewhere), scaled by OPERAND_MAX, and M_t; also the
+# spread of w over the row's visible keys (max - min; inf where one is not finite), which the anchored forward
+# checks. Used by the factorized backward and the anchored forward. One program per GROUP rows; two passes over the
+# keys (the extremes, then the operands).
 @triton.jit
-def _backward_bias_kernel(
-    w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, T,
+def _visible_bias_kernel(
+    w_ptr, a_hi_ptr, a_lo_ptr, anchor_ptr, bias_spread_ptr, T,
     CAUSAL: tl.constexpr, SPLIT: tl.constexpr, BLOCK_KEYS: tl.constexpr,
 ):
     rows = tl.program_id(0) * GROUP + tl.arange(0, GROUP)
@@ -1337,6 +1607,8 @@ def _backward_bias_kernel(
     row_offsets = rows.to(tl.int64)[:, None] * T
     key_end = tl.minimum(tl.program_id(0) * GROUP + GROUP, T) if CAUSAL else T
     running_max = tl.full([GROUP, BLOCK_KEYS], -float("inf"), tl.float32)
+    running_min = tl.full([GROUP, BLOCK_KEYS], float("inf"), tl.float32)
+    nonfinite = tl.zeros([GROUP, BLOCK_KEYS], tl.int32)
     for start in range(0, key_end, BLOCK_KEYS):
         keys = start + tl.arange(0, BLOCK_KEYS)
         visible = row_in[:, None] & (keys < T)[None, :]
@@ -1344,8 +1616,12 @@ def _backward_bias_kernel(
             visible = visible & (keys[None, :] <= rows[:, None])
         w = tl.load(w_ptr + row_offsets + keys[None, :], mask=visible, other=-float("inf")).to(tl.float32)
         running_max = tl.maximum(running_max, w)
+        running_min = tl.minimum(running_min, tl.where(visible, w, float("inf")))
+        nonfinite = tl.maximum(nonfinite, tl.where(visible & ~(tl.abs(w) <= LARGEST_FP32), 1, 0))
     anchor = tl.where(row_in, tl.max(running_max, 1), 0.0)
     tl.store(anchor_ptr + rows, anchor, mask=row_in)
+    tl.store(bias_spread_ptr + rows, tl.where(tl.max(nonfinite, 1) > 0, float("inf"), anchor - tl.min(running_min, 1)),
+             mask=row_in)
     for start in range(0, T, BLOCK_KEYS):
         keys = start + tl.arange(0, BLOCK_KEYS)
         stored = row_in[:, None] & (keys < T)[None, :]
@@ -1691,8 +1967,8 @@ def _factorized_backward(o, saved, do, w, k, v, dk, dv, dw, flag, dkdv_block_d, 
     key_max = torch.full((B * H, D), -float("inf"), dtype=torch.float32, device=device)
     full_d = block_size(D)
     rows = dict(SPLIT=split, ROWS=OPERAND_ROWS, BLOCK_D=full_d, num_warps=num_warps)
-    _backward_bias_kernel[(triton.cdiv(T, GROUP.value),)](
-        w, *a, anchor, T, CAUSAL=common["CAUSAL"], SPLIT=split, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4)
+    _visible_bias_kernel[(triton.cdiv(T, GROUP.value),)](
+        w, *a, anchor, torch.empty_like(anchor), T, CAUSAL=common["CAUSAL"], SPLIT=split, BLOCK_KEYS=BIAS_BLOCK_KEYS, num_warps=4)
     _key_rows_kernel[(triton.cdiv(T, OPERAND_ROWS),)](
         k, v, *ev, *e, key_log, key_max, flag, T, H, D, B * H, SPREAD_LIMIT, **rows)
     _query_rows_kernel[(triton.cdiv(T, OPERAND_ROWS),)](

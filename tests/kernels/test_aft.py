@@ -30,11 +30,21 @@ or exact identities.
   entries that take the fallback); so does a huge or non-finite k or v later
   in a row's own tile (its row of the own-tile operands serves the rows after
   it).
+- The anchored forward (fp16 "single" here; bf16's default on the GPU): the
+  registry's inputs, keys shifted by +-60 too, take it alone (the running
+  forward's pass over its listed tiles left out, no row NaN, within the
+  bound); a key past KEY_WINDOW, an E * v past fp16's range, a huge first
+  value (the others' E * v too coarse) mark their row and every later one, a
+  bias row spread past BIAS_WINDOW marks itself, and the running forward takes
+  exactly those rows (without causality a failed key marks every row); its
+  causality, bitwise, with the running forward taking the perturbed run's rows
+  from a failed key on. The tests of the running forward's own machinery (its
+  own tile, its redo pass) that use "single" pin anchored=False.
 - precision "single" and "split", block shapes, bad options (causal: a key
   block longer than the query tile, refused before any launch).
 - The forward's kernels compile for sm_90 (in a process of their own, without
   the interpreter) at the launcher's default tiles, in every arithmetic, within
-  sm_90's shared memory.
+  sm_90's shared memory (bf16: the anchored forward's kernels as well).
 
 Backward (chunkwise_backward), every gradient (dw, dk, dv) against float64 autograd through the oracle, as an
 excess over max(rounding floor in the returned dtype, conditioning floor) (attnlab.metrics.measure_gradients),
@@ -194,16 +204,19 @@ def test_wide_bias_and_keys(dtype):
 
 @pytest.mark.parametrize("dtype", sweep(list(DTYPES.values()), DTYPES.keys()))
 @pytest.mark.parametrize(
-    "block_q,chunk_size,spread,T",
-    # Own tiles of 64 (the default), 16, 32 and 128 rows, each over several tiles and several key blocks before the
-    # later ones; spread 30: some entries take the fallback.
-    sweep([(None, 64, 1.0, 150), (16, 16, 1.0, 75), (32, 16, 30.0, 75), (128, 32, 1.0, 300)],
-          ["default-T150", "q16-k16", "q32-k16-wide", "q128-k32-T300"]),
+    "block_q,chunk_size,spread,T,precision",
+    # The running forward ("split", fp16's default): own tiles of 64 (the default), 16, 32 and 128 rows, each over
+    # several tiles and several key blocks before the later ones; spread 30: some entries take the fallback. The
+    # anchored forward ("single"), spread 2: the second draw, whose keys replace those after each cut, has key 80
+    # past KEY_WINDOW, so that the running forward takes the perturbed run's rows from 80 on.
+    sweep([(None, 64, 1.0, 150, "auto"), (None, 64, 2.0, 150, "single"), (16, 16, 1.0, 75, "auto"),
+           (32, 16, 30.0, 75, "auto"), (128, 32, 1.0, 300, "auto")],
+          ["default-T150", "anchored-T150", "q16-k16", "q32-k16-wide", "q128-k32-T300"]),
 )
-def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread, T):
+def test_causal_outputs_ignore_the_future_bitwise(dtype, block_q, chunk_size, spread, T, precision):
     x = _inputs(dtype, T=T, D=16, H=1, spread=spread)
     other = _inputs(dtype, T=T, D=16, H=1, seed=1, spread=spread)
-    run = kernel("aft", block_q=block_q, chunk_size=chunk_size)
+    run = kernel("aft", block_q=block_q, chunk_size=chunk_size, precision=precision)
     before = run(**x, causal=True)
     positions = torch.arange(T)
     for t in (t for t in (16, 40, 64, 73, 130, 147, 200, 290) if t < T - 1):
@@ -291,6 +304,74 @@ def test_causal_key_blocks_longer_than_the_query_tile_are_refused_before_any_lau
     assert launched == []
     monkeypatch.undo()
     assert _excess(x, torch.float16, causal=False, block_q=16, chunk_size=32) <= EXCESS_BOUND[torch.float16]
+
+# ------------------------------------------------------------------------------------------------ anchored forward
+
+
+def _anchored_alone(monkeypatch):
+    """Launch the forward without the running forward's pass over the anchored forward's listed tiles, so that the
+    rows the anchored forward marks stay NaN."""
+    monkeypatch.setattr(aft_kernels, "_aft_listed_kernel",
+                        _NoLaunch(aft_kernels._aft_listed_kernel, lambda options: not options["REDO_OWN"]))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("key_shift", [0.0, 60.0, -60.0])
+def test_the_anchored_forward_takes_ordinary_inputs_alone(causal, key_shift, monkeypatch):
+    """The registry's inputs (keys shifted by +-60 too: the anchors move with them) pass every check of the anchored
+    forward: with the running forward's pass left out no row is NaN, and the answer is within the bound. T = 150
+    and D = 20: two query tiles of 128, the second partial, and a partial key block."""
+    x = _inputs(torch.float16, T=150, D=20, key_shift=key_shift)
+    _anchored_alone(monkeypatch)
+    o = kernel("aft", precision="single")(**x, causal=causal)
+    assert not bool(torch.isnan(o).any())
+    assert _measure(o, x, torch.float16, causal).excess <= EXCESS_BOUND[torch.float16]
+
+
+def _key_past_the_window(x):
+    x["k"][:, 21] += 12.0  # past KEY_WINDOW above k_0 in every channel
+
+
+def _value_overflows(x):
+    x["v"][:, 21] = 60000.0  # E * v past fp16's range
+
+
+def _first_value_huge(x):
+    x["v"][:, 0] *= 1e4  # the value scale comes from key 0: the other keys' E * v would lose bits below 2^-14
+
+
+def _bias_spread(x):
+    x["w"][21, :5] = -25.0  # row 21's visible bias spreads past BIAS_WINDOW
+
+
+# Each input, and the rows the anchored forward leaves to the running forward (causal).
+FAILED_CHECKS = {"key_past_the_window": (_key_past_the_window, slice(21, None)), "value_overflows": (_value_overflows, slice(21, None)),
+                 "first_value_huge": (_first_value_huge, slice(1, None)), "bias_spread": (_bias_spread, slice(21, 22))}
+
+
+@pytest.mark.parametrize("failed", sweep(list(FAILED_CHECKS), list(FAILED_CHECKS)))
+def test_the_anchored_forward_leaves_rows_past_a_failed_check_to_the_running_forward(failed, monkeypatch):
+    """A key that fails a check marks its row and every later one (they meet it), a bias row that fails marks
+    itself; the running forward takes exactly those rows, and the whole answer is within the bound. Without its
+    pass the marked rows, and only they, are NaN."""
+    make, rows = FAILED_CHECKS[failed]
+    x = _inputs(torch.float16, T=40, D=16)
+    make(x)
+    assert _excess(x, torch.float16, causal=True, precision="single") <= EXCESS_BOUND[torch.float16]
+    _anchored_alone(monkeypatch)
+    o = kernel("aft", precision="single")(**x, causal=True)
+    marked = torch.zeros(40, dtype=torch.bool)
+    marked[rows] = True
+    assert torch.equal(torch.isnan(o).any(-1).any(-1).any(0), marked)
+
+
+def test_without_causality_a_failed_key_marks_every_row(monkeypatch):
+    x = _inputs(torch.float16, T=40, D=16)
+    _key_past_the_window(x)
+    assert _excess(x, torch.float16, causal=False, precision="single") <= EXCESS_BOUND[torch.float16]
+    _anchored_alone(monkeypatch)
+    assert bool(torch.isnan(kernel("aft", precision="single")(**x, causal=False)).all())
+
 
 
 # ------------------------------------------------------------------------------------------------ backward
@@ -540,7 +621,8 @@ COMPILE = textwrap.dedent("""
 
     def compile_one(kernel, inputs, constexprs, num_warps, num_stages, what):
         operands = "fp32" if inputs == "fp32" else "fp16"
-        types = {"walk_ptr": "*i32", "redo_ptr": "*i32", "flag_ptr": "*i32", "T": "i32", "H": "i32", "D": "i32",
+        types = {"walk_ptr": "*i32", "redo_ptr": "*i32", "flag_ptr": "*i32", "gate_ptr": "*i32", "list_ptr": "*i32",
+                 "first_bad_ptr": "*i32", "bias_spread_ptr": "*fp32", "a_ptr": "*fp16", "eev_ptr": "*fp16", "T": "i32", "H": "i32", "D": "i32",
                  "n_blocks": "i32", "n_bh": "i32", "n_heads": "i32", "width": "i32", "B": "i32", "den_floor": "fp32",
                  "spread_limit": "fp32", "log_factor_limit": "fp32"}
         types |= {f"{n}_ptr": "*fp32" for n in FP32}
@@ -576,7 +658,7 @@ COMPILE = textwrap.dedent("""
         split = constexprs["SPLIT"]
         if half:
             rows = dict(constexprs, ROWS=aft.OPERAND_ROWS, BLOCK_D=128)
-            compile_one(aft._backward_bias_kernel, inputs, constexprs, 4, 3, f"backward bias {what}")
+            compile_one(aft._visible_bias_kernel, inputs, constexprs, 4, 3, f"visible bias {what}")
             compile_one(aft._key_rows_kernel, inputs, rows, aft.FACTORIZED_NUM_WARPS, 3, f"key rows {what}")
             compile_one(aft._query_rows_kernel, inputs, rows, aft.FACTORIZED_NUM_WARPS, 3, f"query rows {what}")
             compile_one(aft._query_columns_kernel, inputs, dict(constexprs, BLOCK_Q=aft.BACKWARD_BLOCK_Q, BLOCK_D=128),
@@ -605,10 +687,21 @@ COMPILE = textwrap.dedent("""
     compile_one(aft._aft_fwd_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, OPTIONS["num_stages"],
                 f"forward {what}")
     if half and causal:
-        compile_one(aft._aft_own_redo_kernel, inputs,
+        compile_one(aft._aft_listed_kernel, inputs,
                     dict(constexprs, E_HEADROOM_LOG2=aft.OWN_HEADROOM_LOG2[False],
-                         EV_HEADROOM_LOG2=aft.OWN_EV_HEADROOM_LOG2[False]),
+                         EV_HEADROOM_LOG2=aft.OWN_EV_HEADROOM_LOG2[False], REDO_OWN=True),
                     aft.FORWARD_NUM_WARPS, OPTIONS["num_stages"], f"redo pass {what}")
+    if half and not constexprs["SPLIT"]:
+        compile_one(aft._aft_listed_kernel, inputs, dict(constexprs, REDO_OWN=False), aft.FORWARD_NUM_WARPS,
+                    OPTIONS["num_stages"], f"listed tiles {what}")
+        compile_one(aft._visible_bias_kernel, inputs, dict(constexprs, SPLIT=False), 4, 3, f"visible bias {what}")
+        compile_one(aft._anchored_keys_kernel, inputs, dict(BLOCK_K=aft.ANCHORED_BLOCK_K, FULL_D=128), 4, 3,
+                    f"anchored keys {what}")
+        compile_one(aft._aft_anchored_fwd_kernel, inputs,
+                    dict(constexprs, BLOCK_Q=aft.ANCHORED_BLOCK_Q, BLOCK_K=aft.ANCHORED_BLOCK_K,
+                         BLOCK_D=aft.ANCHORED_BLOCK_D, FULL_D=128, LISTED_BLOCK_Q=aft.FORWARD_BLOCK_Q,
+                         LISTED_BLOCK_D=OPTIONS["block_d"]),
+                    aft.ANCHORED_NUM_WARPS, aft.ANCHORED_NUM_STAGES, f"anchored forward {what}")
     compile_one(aft._aft_fallback_kernel, inputs, constexprs, aft.FORWARD_NUM_WARPS, 3, f"fallback {what}")
 """)
 
@@ -619,9 +712,10 @@ COMPILE = textwrap.dedent("""
                                                                         "fp16-causal", "fp32-causal"]))
 def test_the_forward_compiles_for_hopper_at_the_default_tiles(inputs, causal):
     lines = _compiled_for_hopper(inputs, causal, "forward")
-    # Six kernels, the key prefix at two scan widths; the redo pass too where the own tile has 16-bit operands
-    # (causal, 16-bit inputs).
-    expected = 8 if inputs != "fp32" and causal == "causal" else 7
+    # The running forward's six kernels, the key prefix at two scan widths; the redo pass too where the own tile has
+    # 16-bit operands (causal, 16-bit inputs); bf16 ("single" operands) also the anchored forward's three and the
+    # running forward's pass over the tiles it lists.
+    expected = 7 + (inputs != "fp32" and causal == "causal") + 4 * (inputs == "bf16")
     assert len(lines) == expected and all(line.startswith("compiled") for line in lines), "\n".join(lines)
     assert all(int(line.split()[-1]) <= SHARED_MEMORY_PER_BLOCK for line in lines), "\n".join(lines)
 
@@ -702,16 +796,22 @@ def test_an_own_key_far_above_the_running_maximum_takes_an_exact_pass(dtype, ris
 
 def _leave_out(monkeypatch, step):
     """Launch the forward without one of its exact passes, so that the entries it would take stay NaN: "fallback"
-    (_aft_fallback_kernel) or "redo" (_aft_own_redo_kernel)."""
-    name = {"fallback": "_aft_fallback_kernel", "redo": "_aft_own_redo_kernel"}[step]
-    monkeypatch.setattr(aft_kernels, name, _NoLaunch())
+    (_aft_fallback_kernel) or "redo" (_aft_listed_kernel's launch with REDO_OWN; its other launch, the running
+    forward's pass over the anchored forward's listed tiles, still runs)."""
+    name, left_out = {"fallback": ("_aft_fallback_kernel", lambda options: True),
+                      "redo": ("_aft_listed_kernel", lambda options: options["REDO_OWN"])}[step]
+    monkeypatch.setattr(aft_kernels, name, _NoLaunch(getattr(aft_kernels, name), left_out))
 
 
 class _NoLaunch:
-    """Stands in for an exact pass's kernel: launches nothing, so the entries it would take stay NaN."""
+    """Stands in for an exact pass's kernel: the launches ``left_out`` picks (by their keyword arguments) launch
+    nothing, so the entries they would take stay NaN; the others launch ``kernel``."""
+
+    def __init__(self, kernel, left_out):
+        self.kernel, self.left_out = kernel, left_out
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: None if self.left_out(kwargs) else self.kernel[grid](*args, **kwargs)
 
 
 @pytest.mark.parametrize("tiles", sweep(list(OWN_TILES), list(OWN_TILES)))
@@ -745,7 +845,8 @@ def test_own_tile_operands_below_fp16s_normal_range_take_the_redo_pass(precision
     x = {n: t.to(torch.float16) for n, t in sample.items()}
     x["v"] = x["v"] * 1e-3
     x["k"][:, 1], x["v"][:, 1], x["w"][:, 1] = 3.0, 60000.0, -30.0
-    assert _excess(x, torch.float16, causal=True, precision=precision, **tiles) <= EXCESS_BOUND[torch.float16]
+    assert _excess(x, torch.float16, causal=True, precision=precision, anchored=False, **tiles) <= \
+        EXCESS_BOUND[torch.float16]
 
 
 @pytest.mark.parametrize("precision", ["single", "split"])
@@ -765,10 +866,10 @@ def test_an_own_e_v_past_fp16s_range_in_its_own_units_takes_the_redo_pass(precis
     x["k"][:, 80] = (block_max + math.log(e)).to(torch.float16)
     x["v"][:, 80] = (2.0**20 / (e * scale)).to(torch.float16)
     _leave_out(monkeypatch, "fallback")
-    assert _excess(x, torch.float16, causal=True, precision=precision) <= EXCESS_BOUND[torch.float16]
+    assert _excess(x, torch.float16, causal=True, precision=precision, anchored=False) <= EXCESS_BOUND[torch.float16]
     _leave_out(monkeypatch, "redo")
-    o = kernel("aft", precision=precision)(**x, causal=True)
+    o = kernel("aft", precision=precision, anchored=False)(**x, causal=True)
     assert bool(torch.isnan(o[:, 80:]).all()) and not bool(torch.isnan(o[:, :80]).any())
     monkeypatch.setitem(aft_kernels.OWN_EV_HEADROOM_LOG2, True, aft_kernels.OWN_HEADROOM_LOG2[True])
-    o = kernel("aft", precision=precision)(**x, causal=True)
+    o = kernel("aft", precision=precision, anchored=False)(**x, causal=True)
     assert not bool(torch.isnan(o[:, 64:]).any())
