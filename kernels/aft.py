@@ -517,7 +517,7 @@ def _key_block_stats_kernel(
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
-    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    kv_base = _head_base(pid_bh, T, H, D)
     keys = pid_j * BLOCK_K + tl.arange(0, BLOCK_K)
     key_in = keys < T
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -598,7 +598,7 @@ def _key_factors_kernel(
     pid_j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_d = tl.program_id(2)
-    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    kv_base = _head_base(pid_bh, T, H, D)
     factors_base = pid_bh.to(tl.int64) * T * D
     block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
     keys = pid_j * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -700,7 +700,7 @@ def _aft_tile(
 ):
     tile_index = pid_t + n_t * (pid_bh + n_bh * pid_d)
     tile = n_t - 1 - pid_t if CAUSAL else pid_t  # causal: the longest tiles first
-    kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+    kv_base = _head_base(pid_bh, T, H, D)
     row_stride = H * D
     factors_base = pid_bh.to(tl.int64) * T * D
     block_base = pid_bh.to(tl.int64) * tl.cdiv(T, BLOCK_K) * D
@@ -931,7 +931,7 @@ def _aft_fallback_kernel(
         pid_bh = index // n_t % n_bh
         pid_d = index // (n_t * n_bh)
         tile = n_t - 1 - pid_t if CAUSAL else pid_t
-        kv_base = (pid_bh // H).to(tl.int64) * T * H * D + (pid_bh % H) * D
+        kv_base = _head_base(pid_bh, T, H, D)
         row_stride = H * D
         offs_t = tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
         offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -1094,7 +1094,7 @@ def _aft_anchored_fwd_kernel(
     marked = row_in & (keys_failed | ~(spread <= BIAS_WINDOW))
     o = tl.where(marked[:, None], float("nan"), num / den * v_unscale)
     in_tile = row_in[:, None] & d_in[None, :]
-    out_offsets = head_base + offs_t[:, None] * (H * D) + offs_d[None, :]
+    out_offsets = _head_offsets(pid_bh, offs_t, offs_d, T, H, D)
     o_rounded = o.to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + out_offsets, o_rounded, mask=in_tile)
     if STORE_O_RESIDUAL:
