@@ -145,8 +145,10 @@ from attnlab.kernels._numerics import (
 )
 from attnlab.kernels._util import block_size, state_block
 
-# fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products).
-STATE_TILE = 4096
+# fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products): V blocks
+# of 64 columns at K = 128. The passes wait mostly on each chunk's loads (W, Kd, Qg, A, dO and their bounds, the
+# same for every V block of a head), so wider blocks load them for more columns at once; 128 columns spill.
+STATE_TILE = 8192
 NUM_WARPS = 4
 # The fewest key and value channels at which bf16 inputs' products take "fp16" (products_precision). Below, a
 # product is a sum of a few terms, and the chunk algebra's cancellations (dS = exp(G_C) dS' + Qg^T dO - W^T dDelta,
@@ -406,23 +408,16 @@ def _gate_factors(g_ptr, token, valid, GATED: tl.constexpr, C: tl.constexpr, BK:
 
 
 @triton.jit
-def _stored_gate_factors(g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K,
-                         GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                         ACC: tl.constexpr):
-    """_gate_factors for the kernels after the local one: per-channel gates' row factors as it stored them in
-    ``factors`` ([rows, 2K]: exp(G_t), exp(G_C - G_t)) and ``decays`` ([chunks, K]: exp(G_C)), whose scans every
-    sequential step would otherwise repeat; a gate per head or none, computed (a few [C] vectors)."""
-    if CHANNEL:
-        rows = tl.arange(0, C)
-        key_ok = (keys < K)[None, :]
-        offsets = scratch_row[:, None] * (2 * K) + keys[None, :]
-        decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
-        from_start = tl.load(factors_ptr + offsets, mask=key_ok, other=0.0)
-        to_end = tl.load(factors_ptr + offsets + K, mask=key_ok, other=0.0)
-        chunk_decay = tl.load(decays_ptr + chunk_row * K + keys, mask=keys < K, other=0.0)
-    else:
-        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
-    return decay, from_start, to_end, chunk_decay
+def _channel_gate_factors(factors_ptr, decays_ptr, scratch_row, chunk_row, keys, K):
+    """Per-channel gates' row factors of one key block as _local_kernel stored them, whose scans every later kernel
+    would otherwise repeat: (exp(G_t), exp(G_C - G_t)) from ``factors`` ([rows, 2K]), [C, BK] each, and exp(G_C)
+    from ``decays`` ([chunks, K]), [BK]."""
+    key_ok = (keys < K)[None, :]
+    offsets = scratch_row[:, None] * (2 * K) + keys[None, :]
+    from_start = tl.load(factors_ptr + offsets, mask=key_ok, other=0.0)
+    to_end = tl.load(factors_ptr + offsets + K, mask=key_ok, other=0.0)
+    chunk_decay = tl.load(decays_ptr + chunk_row * K + keys, mask=keys < K, other=0.0)
+    return from_start, to_end, chunk_decay
 
 
 @triton.jit
@@ -616,7 +611,7 @@ def _local_kernel(
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
     given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
-    gates' row factors for the kernels after it (_channel_factors, read back by _stored_gate_factors); and what the
+    gates' row factors for the kernels after it (_channel_factors, read back by _channel_gate_factors); and what the
     sequential passes multiply that no state enters, stored as to_scratch makes it at their PRECISION
     (PASS_PRECISION): W, Kd = exp(G_C - G) K and Qg = scale exp(G) Q piece by piece of BKC key channels, each piece
     against its own peak, and A against its whole tile's (the peaks in ``bounds``); a gate's exp(G_C)
@@ -963,11 +958,14 @@ def _gradients_kernel(
     key_blocks = tl.cdiv(K, BK)
     X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
+    if not CHANNEL:  # a gate per head (or none): the same row factors in every key block, computed once
+        _decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
     dT = tl.load(value_sums_ptr + value_sums + C)  # dDelta V^T
     for key_start in range(0, K, BK):  # + dW Kg^T
         keys = key_start + tl.arange(0, BK)
-        _decay, from_start, _to_end, _chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        if CHANNEL:
+            from_start, _to_end, _chunk_decay = _channel_gate_factors(factors_ptr, decays_ptr, scratch_row, chunk_row,
+                                                                      keys, K)
         dw = -tl.load(dw_ptr + scratch_row[:, None] * K + keys[None, :], mask=(keys < K)[None, :], other=0.0)
         dw_bound = _load_bound(sum_bounds_ptr + _sum_bounds_at(chunk_row, SUM_W, key_blocks) + key_start // BK,
                                PRECISION)
@@ -981,9 +979,10 @@ def _gradients_kernel(
     dbeta += tl.sum(dL * kk, axis=1)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
     dA = tl.where(rows[:, None] >= rows[None, :], tl.load(value_sums_ptr + value_sums), 0.0)
-    decay, _from_start, _to_end, _chunk_decay = _stored_gate_factors(
-        g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, tl.arange(0, BK), K, GATED, CHANNEL, C,
-        BK, ACC)
+    if CHANNEL:  # per-channel gates' pairwise decays are in the grams and their cotangents
+        decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
+    else:  # computed again here rather than held in registers through the first key loop
+        decay, _from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
     dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
     dE += tl.trans(dE)  # E = K K^T is symmetric
     dP = scale * dA * decay  # the cotangent of Q K^T through A
@@ -994,11 +993,15 @@ def _gradients_kernel(
     through_A = dA * tl.load(a_ptr + gram_offsets)  # (a gate per head) the pairwise decays' parts of dG
     dG = tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1) - tl.sum(through_A, axis=0)
     ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
+    if not CHANNEL:  # dP and dE, rounded once for every key block: each rounding a max-reduction on the "fp16" path
+        dP_operand, dP_bound = _operand(dP, PRECISION)
+        dE_operand, dE_bound = _operand(dE, PRECISION)
     for key_start in range(0, K, BK):
         keys = key_start + tl.arange(0, BK)
         key_ok = keys < K
-        _decay, from_start, to_end, chunk_decay = _stored_gate_factors(
-            g_ptr, factors_ptr, decays_ptr, token, valid, scratch_row, chunk_row, keys, K, GATED, CHANNEL, C, BK, ACC)
+        if CHANNEL:
+            from_start, to_end, chunk_decay = _channel_gate_factors(factors_ptr, decays_ptr, scratch_row, chunk_row,
+                                                                    keys, K)
         kf = _rows_of(k_ptr, token, valid, keys, K).to(ACC)
         qf = _rows_of(q_ptr, token, valid, keys, K).to(ACC)
         key_rows = scratch_row[:, None] * K + keys[None, :]
@@ -1028,10 +1031,12 @@ def _gradients_kernel(
             tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok[None, :])
         else:
             in_keys = valid[:, None] & key_ok[None, :]
-            dq = _dot(dP, kf, dq_rows, ACC, PRECISION)
+            k_operand, k_bound = _operand(kf, PRECISION)  # rounded once for its two products
+            q_operand, q_bound = _operand(qf, PRECISION)
+            dq = _dot_stored(dP_operand, dP_bound, k_operand, k_bound, dq_rows, ACC, PRECISION)
             tl.store(dq_ptr + token[:, None] * K + keys[None, :], dq.to(dq_ptr.dtype.element_ty), mask=in_keys)
-            dk = _dot(dE, kf, dk_rows, ACC, PRECISION)
-            dk = _dot(tl.trans(dP), qf, dk, ACC, PRECISION)
+            dk = _dot_stored(dE_operand, dE_bound, k_operand, k_bound, dk_rows, ACC, PRECISION)
+            dk = _dot_stored(tl.trans(dP_operand), dP_bound, q_operand, q_bound, dk, ACC, PRECISION)
             tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
             dG += tl.sum(dG_rows, axis=1)
     if GATED and not CHANNEL:

@@ -7,6 +7,10 @@
                                                                  OUT/ncu-LABEL-sass.csv, with its digest printed
     python3 tools/gpu/ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
                                                                  and the lines with the most stall samples
+    python3 tools/gpu/ncu.py lines FILE-lines.csv [N]            the Python source lines (Triton's line info; the
+                                                                 page profile also saves, OUT/ncu-LABEL-lines.csv)
+                                                                 with the most stall samples, each with its share of
+                                                                 the kernel's samples and its three main stall reasons
     python3 tools/gpu/ncu.py call NAME SIDE                      (what ncu runs) the warm-up call and the profiled one
 
 SIDE is ours, peer, or ours-backward (the bench's training step, forward and backward, for the backward's
@@ -72,6 +76,32 @@ def digest(path: str, lines: int = 20) -> None:
         print(f"  {number(row, executed):10.0f} {number(row, stalls):7.0f}  {row['Source'].strip()[:100]}")
 
 
+def lines(path: str, count: str = "25") -> None:
+    """The source page printed as "cuda,sass": a "File Path" row opens each file's block, a "Line No" row gives the
+    columns, a row with a line number is that line's total (the SASS rows under it, without one, are skipped)."""
+    totals, header, file = [], None, "?"
+    for row in csv.reader(Path(path).read_text().splitlines()):
+        if len(row) == 2 and row[0] == "File Path":
+            file = Path(row[1]).name
+        elif row and row[0] == "Line No":
+            header = row
+        elif header and len(row) == len(header) and row[0]:
+            fields = dict(zip(header, row))
+            try:
+                samples = float(fields["Warp Stall Sampling (All Samples)"].replace(",", "") or 0)
+                reasons = {name.removeprefix("stall_"): float(value.replace(",", "") or 0)
+                           for name, value in zip(header, row) if name.startswith("stall_") and "Not Issued" not in name}
+            except ValueError:  # a source line whose quotes the CSV writer left unbalanced
+                continue
+            totals.append((samples, f"{file}:{row[0]}", row[1].strip()[:90], reasons))
+    everything = sum(t[0] for t in totals) or 1.0
+    print(f"{everything:.0f} stall samples")
+    for samples, where, text, reasons in sorted(totals, key=lambda t: -t[0])[:int(count)]:
+        main = sorted(reasons.items(), key=lambda item: -item[1])[:3]
+        why = " ".join(f"{name} {100 * n / max(samples, 1):.0f}%" for name, n in main)
+        print(f"  {100 * samples / everything:5.1f}%  {where:28s} {text}  [{why}]")
+
+
 def profile(name: str, side: str, regex: str, out: str) -> None:
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{name}-{side}-{regex}")
     report = f"/tmp/{label}"
@@ -86,11 +116,15 @@ def profile(name: str, side: str, regex: str, out: str) -> None:
     source = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
                             capture_output=True, text=True).stdout
     Path(out, f"ncu-{label}-sass.csv").write_text(source)
+    source_lines = subprocess.run(["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source",
+                                   "cuda,sass"], capture_output=True, text=True).stdout
+    Path(out, f"ncu-{label}-lines.csv").write_text(source_lines)
     print(f"== {label}")
     print("\n".join(" ".join(line.split()) for line in details.splitlines() if SUMMARY.search(line)))
     digest(str(Path(out, f"ncu-{label}-sass.csv")), lines=12)
+    lines(str(Path(out, f"ncu-{label}-lines.csv")), "12")
 
 
 if __name__ == "__main__":
     verb, *args = sys.argv[1:]
-    {"call": call, "digest": digest, "profile": profile}[verb](*args)
+    {"call": call, "digest": digest, "lines": lines, "profile": profile}[verb](*args)
