@@ -5,7 +5,7 @@
                                                                  sections (occupancy, issue rate, registers) in
                                                                  OUT/ncu-LABEL.txt and the SASS source page in
                                                                  OUT/ncu-LABEL-sass.csv, with its digest printed
-    python3 tools/gpu/ncu.py digest FILE.csv                     that digest again: executed instructions by opcode
+    python3 tools/gpu/ncu.py digest FILE.csv [N]                 that digest again: executed instructions by opcode
                                                                  and the lines with the most stall samples
     python3 tools/gpu/ncu.py lines FILE-lines.csv [N]            the Python source lines (Triton's line info; the
                                                                  page profile also saves, OUT/ncu-LABEL-lines.csv)
@@ -55,7 +55,8 @@ def call(name: str, side: str) -> None:
     torch.cuda.synchronize()
 
 
-def digest(path: str, lines: int = 20) -> None:
+def digest(path: str, count: int | str = 20) -> None:
+    count = int(count)  # from the command line, a string
     text = Path(path).read_text().splitlines()
     start = next(i for i, line in enumerate(text) if line.startswith('"Address"'))  # after the "Kernel Name" line
     rows = list(csv.DictReader(text[start:]))
@@ -69,14 +70,14 @@ def digest(path: str, lines: int = 20) -> None:
         by_op[op] += number(row, executed)
         stall_op[op] += number(row, stalls)
     print(f"{total:.3e} instructions executed")
-    for op, n in by_op.most_common(lines):
+    for op, n in by_op.most_common(count):
         print(f"  {op:10s} {100 * n / total:5.1f}%   stall samples {stall_op[op]:.0f}")
     print("lines with the most stall samples:")
-    for row in sorted(rows, key=lambda r: -number(r, stalls))[:lines]:
+    for row in sorted(rows, key=lambda r: -number(r, stalls))[:count]:
         print(f"  {number(row, executed):10.0f} {number(row, stalls):7.0f}  {row['Source'].strip()[:100]}")
 
 
-def lines(path: str, count: str = "25") -> None:
+def lines(path: str, count: int | str = 25) -> None:
     """The source page printed as "cuda,sass": a "File Path" row opens each file's block, a "Line No" row gives the
     columns, a row with a line number is that line's total (the SASS rows under it, without one, are skipped)."""
     totals, header, file = [], None, "?"
@@ -121,8 +122,8 @@ def profile(name: str, side: str, regex: str, out: str) -> None:
     Path(out, f"ncu-{label}-lines.csv").write_text(source_lines)
     print(f"== {label}")
     print("\n".join(" ".join(line.split()) for line in details.splitlines() if SUMMARY.search(line)))
-    digest(str(Path(out, f"ncu-{label}-sass.csv")), lines=12)
-    lines(str(Path(out, f"ncu-{label}-lines.csv")), "12")
+    digest(str(Path(out, f"ncu-{label}-sass.csv")), count=12)
+    lines(str(Path(out, f"ncu-{label}-lines.csv")), 12)
 
 
 if __name__ == "__main__":
