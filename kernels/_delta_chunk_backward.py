@@ -787,15 +787,18 @@ def _reverse_kernel(
         chunk = chunks - 1 - i
         chunk_row = bh.to(tl.int64) * chunks + chunk
         peaks = peaks_ptr + _peaks_at(chunk_row, v_block, V, BV)
+        # The chunk's scalar bounds first, beside dS's peak and store: the rounding of a product's operand waits on
+        # each. Its tiles stay where they are used: issued here as well, Triton 3.6 miscompiled one of its fp16
+        # products at V blocks of 32 (reports/bench.md, session 32).
+        do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
+        a_bound = _load_bound(bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES), PRECISION)
         ds_bound = _bound(dS, PRECISION)
         dS_stored = to_scratch(dS, ds_bound, PRECISION)
         tl.store(d_states_ptr + _chunk_state_offsets(bh, chunk, chunks, K, V, keys, values), dS_stored, mask=S_mask)
         valid, token, scratch_row = _chunk_of(chunk, bh, chunks, C, T, H)
-        do_bound = _load_bound(peaks + PEAK_DO, PRECISION)
         do = to_scratch(tl.load(do_ptr + token[:, None] * V + values[None, :], mask=valid[:, None] & value_ok[None, :],
                                 other=0.0).to(ACC), do_bound, PRECISION)
         A = tl.load(stored_a_ptr + scratch_row[:, None] * C + tl.arange(0, C)[None, :])
-        a_bound = _load_bound(bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES), PRECISION)
         d_delta = _dot_stored(tl.trans(A), a_bound, do, do_bound, tl.zeros([C, BV], dtype=ACC), ACC, PRECISION)
         kd = _key_rows(kd_qg_ptr, scratch_row, keys, K, 2 * K)
         d_delta = _dot_pieces(kd, bounds_ptr + _bounds_at(chunk_row, BOUND_KD, PIECES), dS_stored, ds_bound, d_delta,
