@@ -137,13 +137,14 @@ def profile_against(alternative: Path, argv: list[str]) -> Times:
     module = replaced_module(alternative)
     with tempfile.TemporaryDirectory() as scratch:
         kept, results = Path(scratch) / alternative.name, Path(scratch) / "times.json"
-        shutil.copy2(module, kept)
+        # copyfile, not copy2: a new mtime each time, so that no bytecode cached for the other version is taken.
+        shutil.copyfile(module, kept)
         try:
-            shutil.copy2(alternative, module)
+            shutil.copyfile(alternative, module)
             print(f"\n--- again, with {alternative} over {module} ---", flush=True)
             subprocess.run([sys.executable, __file__, *argv, "--json", str(results)], check=True)
         finally:
-            shutil.copy2(kept, module)
+            shutil.copyfile(kept, module)
         return {label: [tuple(launch) for launch in times] for label, times in json.loads(results.read_text()).items()}
 
 
