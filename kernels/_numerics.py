@@ -204,20 +204,30 @@ def split_dot_into(a, b, acc, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexp
     """acc + a @ b with fp32 accumulation; a and b are input tiles (fp16/bf16/fp32) or fp32 tiles.
 
     Two 16-bit tiles of one dtype go straight to the tensor cores (exact products). Otherwise
-    PRECISION decides: "split" multiplies bf16 hi/lo parts (a bf16 b is its own hi part);
-    "tf32x3" is tl.dot's written out (the same split: hi rounded to tf32, lo the exact rest,
-    truncated to tf32 by the tensor cores; without its NaN clean-up of the small products, which
-    only an infinite input needs); anything else is tl.dot's input_precision. Every product
-    accumulates into acc on the tensor cores (one fp32 tile of registers, where a sum of
-    separate products would hold one per product).
+    PRECISION decides: "split" multiplies bf16 hi/lo parts (a bf16 b is its own hi part); "tf32x3"
+    is tl.dot's written out (the same split: hi rounded to tf32, lo the exact rest, truncated to
+    tf32 by the tensor cores; without its NaN clean-up of the small products, which only an infinite
+    input needs; two products where one tile is 16-bit); anything else is tl.dot's input_precision.
+    Every product accumulates into acc on the tensor cores (one fp32 tile of registers, where a sum
+    of separate products would hold one per product).
     """
     if tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32):
         acc = tl.dot(a, b, acc)
     elif PRECISION == "tf32x3":
-        a_hi, a_lo = tf32_split(a.to(tl.float32))
-        b_hi, b_lo = tf32_split(b.to(tl.float32))
-        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+        # A 16-bit tile is exact in TF32 (its lo part is 0): it is not split, and the product with its lo part is
+        # left out, which changes no bit of the sum (but the sign of a zero).
+        if tl.constexpr(a.dtype == tl.float32):
+            a_hi, a_lo = tf32_split(a)
+        else:
+            a_hi = a.to(tl.float32)
+        if tl.constexpr(b.dtype == tl.float32):
+            b_hi, b_lo = tf32_split(b)
+        else:
+            b_hi = b.to(tl.float32)
+        if tl.constexpr(a.dtype == tl.float32):
+            acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+        if tl.constexpr(b.dtype == tl.float32):
+            acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
         acc = tl.dot(a_hi, b_hi, acc, input_precision="tf32")
     elif PRECISION == "split":
         if tl.constexpr(b.dtype == tl.bfloat16):
