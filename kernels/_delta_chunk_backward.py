@@ -522,6 +522,12 @@ def _gates_between(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constexp
 
 
 @triton.jit
+def _first_row(g_block, ACC: tl.constexpr):
+    """A block's first step (its anchor's gate) per channel."""
+    return tl.sum(tl.where((tl.arange(0, SUB) == 0)[:, None], g_block.to(ACC), 0.0), axis=0)
+
+
+@triton.jit
 def _level_factors(g_block, level, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
     """Pairs inside one block, by halving (kernels/kda.py's A rows): at ``level`` each group of 2h rows (h = SUB/2,
     SUB/4, ..) pairs its later half (t >= a, the later half's first row) with its earlier half (j < a). Returns
@@ -1086,7 +1092,9 @@ def _channel_cotangents_kernel(
         P4 = same * q
         # An operand of two products is rounded for them once (_operand): the "fp16" path's max-reductions
         # and fp16 conversions, not the one-warp [SUB, SUB] products, are most of this kernel's instructions.
-        for level in tl.static_range(SUB_LEVELS):
+        # A loop, not unrolled: unrolled, ptxas (sm_90a) spilled 156 bytes a thread at K = 128, and the kernel
+        # took 4% longer at the bench shape (reports/bench.md, session 34).
+        for level in range(SUB_LEVELS):
             later, factor, pair = _level_factors(g, level, ACC, NATIVE_GATES)
             pair_qk, qk_bound = _operand(tl.where(pair, d_qk, 0.0), PRECISION)
             pair_kk, kk_bound = _operand(tl.where(pair, d_kk, 0.0), PRECISION)
@@ -1103,11 +1111,14 @@ def _channel_cotangents_kernel(
         # block (a its first row), the exponents to its end as the earlier one.
         to_t = _to_anchor(g, ACC, NATIVE_GATES)
         within = _from_block_end(g, ACC, NATIVE_GATES)
-        for J in range(0, B):  # key blocks before this one: P1, P2
+        # The steps after key block J up to this block's anchor (its first row), carried from block to block
+        # down the J loop (the last key block first): the anchor's own step, then each key block's whole sum.
+        between = _first_row(g, ACC)
+        for step in range(0, B):  # key blocks before this one: P1, P2
+            J = B - 1 - step
             valid_J, token_J, steps_J, _ = _block_rows(bh, chunk, J, C, T, H)
-            from_j = tl.exp(_from_block_end(_block_of(g_ptr, token_J, steps_J, valid_J, channels, K), ACC,
-                                            NATIVE_GATES)
-                            + _gates_between(g_ptr, bh, chunk, B, J, channels, K, C, T, H, ACC)[None, :])
+            g_J = _block_of(g_ptr, token_J, steps_J, valid_J, channels, K)
+            from_j = tl.exp(_from_block_end(g_J, ACC, NATIVE_GATES) + between[None, :])
             k_J, k_bound = _operand(_block_of(k_ptr, token_J, steps_J, valid_J, channels, K).to(ACC) * from_j,
                                     PRECISION)
             blocks = scratch * C + (local[:, None] * C + (local + J * SUB)[None, :])
@@ -1115,15 +1126,19 @@ def _channel_cotangents_kernel(
             P1 += to_t * _product(d_qk_J, qk_bound, k_J, k_bound, ACC, PRECISION)
             d_kk_J, kk_bound = _operand(tl.load(d_kk_ptr + blocks), PRECISION)
             P2 += to_t * _product(d_kk_J, kk_bound, k_J, k_bound, ACC, PRECISION)
+            between += tl.sum(g_J.to(ACC), axis=0)
+        between = tl.zeros([BKC], dtype=ACC)  # the steps of the query blocks between this one and block I
         for I in range(B + 1, NB):  # query blocks after this one: P3, P4
             valid_I, token_I, steps_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
-            to_I = _to_anchor(_block_of(g_ptr, token_I, steps_I, valid_I, channels, K), ACC, NATIVE_GATES)
-            from_j = tl.exp(within + _gates_between(g_ptr, bh, chunk, I, B, channels, K, C, T, H, ACC)[None, :])
+            g_I = _block_of(g_ptr, token_I, steps_I, valid_I, channels, K)
+            to_I = _to_anchor(g_I, ACC, NATIVE_GATES)
+            from_j = tl.exp(within + (between + _first_row(g_I, ACC))[None, :])
             blocks = scratch_I * C + (local[:, None] * C + (local + B * SUB)[None, :])
             P3 += from_j * _mm(tl.trans(tl.load(d_kk_ptr + blocks)),
                                _block_of(k_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_I, ACC, PRECISION)
             P4 += from_j * _mm(tl.trans(tl.load(d_a_ptr + blocks)),
                                _block_of(q_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_I, ACC, PRECISION)
+            between += tl.sum(g_I.to(ACC), axis=0)
         parts = parts_ptr + scratch * (3 * K) + (local[:, None] * (3 * K) + channels[None, :])
         dq = tl.load(parts, mask=channel_ok, other=0.0) + P1
         dk = tl.load(parts + K, mask=channel_ok, other=0.0) + P2 + P3 + P4
