@@ -383,28 +383,47 @@ def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
 
 
 @triton.jit
-def _gate_factors(g_ptr, token, valid, GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
-    """(Gamma * M, exp(G_t), exp(G_C - G_t), exp(G_C)) of one chunk with a gate per head or none, in ACC: [C, C],
-    [C, 1] columns (the same in every channel), [C, 1] and [BK] (ungated M, 1, 1, 1). G comes as an fp32 pair
-    (kernels/_delta.py's compensated scan, on [C]), each difference taken part by part, so that it is accurate to
-    its own size; every exponent is clamped to <= 0 (masked to -inf above the diagonal)."""
-    rows = tl.arange(0, C)
-    causal = rows[:, None] >= rows[None, :]
+def _chunk_gate(g_ptr, token, valid, GATED: tl.constexpr, ACC: tl.constexpr):
+    """(G_hi, G_lo, G_C's hi, G_C's lo) of one chunk with a gate per head, in ACC: G as an fp32 pair (kernels/_delta.py's
+    compensated scan, on [C]) and its total; ungated, zeros. The factors below take their differences part by part,
+    so that each is accurate to its own size."""
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
-        G_hi, G_lo, end_hi, end_lo = G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
+        return G_hi.to(ACC), G_lo.to(ACC), end_hi.to(ACC), end_lo.to(ACC)
+    else:
+        zeros = tl.zeros(token.shape, ACC)
+        return zeros, zeros, tl.zeros([], ACC), tl.zeros([], ACC)
+
+
+@triton.jit
+def _pairwise_decay_of(gate, GATED: tl.constexpr, C: tl.constexpr):
+    """Gamma * M of a chunk from _chunk_gate's ``gate``, [C, C]: exp(G_t - G_j) for t >= j, the exponent clamped to
+    <= 0, and 0 above the diagonal (masked to -inf before the exponential); ungated M."""
+    rows = tl.arange(0, C)
+    causal = rows[:, None] >= rows[None, :]
+    G_hi, G_lo, _end_hi, _end_lo = gate
+    if GATED:
         pairwise = tl.minimum((G_hi[:, None] - G_hi[None, :]) + (G_lo[:, None] - G_lo[None, :]), 0.0)
-        decay = tl.exp(tl.where(causal, pairwise, float("-inf")))
+        return tl.exp(tl.where(causal, pairwise, float("-inf")))
+    else:
+        return tl.where(causal, 1.0, 0.0).to(G_hi.dtype)
+
+
+@triton.jit
+def _row_factors_of(gate, GATED: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, ACC: tl.constexpr):
+    """(exp(G_t), exp(G_C - G_t), exp(G_C)) of a chunk from _chunk_gate's ``gate``: [C, 1] columns (the same in every
+    channel) and [BK]; every exponent clamped to <= 0; ungated 1, 1, 1."""
+    G_hi, G_lo, end_hi, end_lo = gate
+    if GATED:
         from_start = tl.exp(tl.minimum(G_hi + G_lo, 0.0))[:, None]
         to_end = tl.exp(tl.minimum((end_hi - G_hi) + (end_lo - G_lo), 0.0))[:, None]
         chunk_decay = tl.full([BK], 1.0, ACC) * tl.exp(tl.minimum(end_hi + end_lo, 0.0))
     else:
-        decay = tl.where(causal, 1.0, 0.0).to(ACC)
         from_start = tl.full([C, 1], 1.0, ACC)
         to_end = tl.full([C, 1], 1.0, ACC)
         chunk_decay = tl.full([BK], 1.0, ACC)
-    return decay, from_start, to_end, chunk_decay
+    return from_start, to_end, chunk_decay
 
 
 @triton.jit
@@ -635,7 +654,9 @@ def _local_kernel(
         kk = _gram_in_dot_layout(tl.load(kk_ptr + gram_offsets), C, ACC)
     else:
         k = _rows_of(k_ptr, token, valid, tl.arange(0, BK), K)
-        decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
+        gate = _chunk_gate(g_ptr, token, valid, GATED, ACC)
+        decay = _pairwise_decay_of(gate, GATED, C)
+        from_start, to_end, chunk_decay = _row_factors_of(gate, GATED, C, BK, ACC)
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
         q = _rows_of(q_ptr, token, valid, tl.arange(0, BK), K)
         A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
@@ -681,7 +702,10 @@ def _local_kernel(
         qg_piece = _block_of(q_ptr, first_token, steps, in_chunk, keys, K).to(ACC) * scale * from_start
         _store_operand(kd_qg_ptr + first_row * (2 * K) + K + paired_rows, qg_piece, key_ok,
                        bounds + BOUND_QG * PIECES, PASS_PRECISION)
-        w_piece = _mm(ut, key_piece * from_start, ACC, PRECISION)
+        if GATED:
+            w_piece = _mm(ut, key_piece * from_start, ACC, PRECISION)
+        else:  # Kg = K loaded again as a 16-bit tile: _numerics.split_dot_into's two products, the same sum as three
+            w_piece = _mm(ut, _block_of(k_ptr, first_token, steps, in_chunk, keys, K), ACC, PRECISION)
         _store_operand(stored_w_ptr + first_row * K + key_rows, w_piece, key_ok, bounds + BOUND_W * PIECES,
                        PASS_PRECISION)
     for value_start in range(0, V, BV):
@@ -968,7 +992,8 @@ def _gradients_kernel(
     X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
     if not CHANNEL:  # a gate per head (or none): the same row factors in every key block, computed once
-        _decay, from_start, to_end, chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
+        gate = _chunk_gate(g_ptr, token, valid, GATED, ACC)
+        from_start, to_end, chunk_decay = _row_factors_of(gate, GATED, C, BK, ACC)
     dT = tl.load(value_sums_ptr + value_sums + C)  # dDelta V^T
     for key_start in range(0, K, BK):  # + dW Kg^T
         keys = key_start + tl.arange(0, BK)
@@ -990,8 +1015,8 @@ def _gradients_kernel(
     dA = tl.where(rows[:, None] >= rows[None, :], tl.load(value_sums_ptr + value_sums), 0.0)
     if CHANNEL:  # per-channel gates' pairwise decays are in the grams and their cotangents
         decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
-    else:  # computed again here rather than held in registers through the first key loop
-        decay, _from_start, _to_end, _chunk_decay = _gate_factors(g_ptr, token, valid, GATED, C, BK, ACC)
+    else:  # from the chunk's G, [C] each, rather than the [C, C] tile held in registers through the first key loop
+        decay = _pairwise_decay_of(gate, GATED, C)
     dE = beta[:, None] * dL * decay  # the cotangent of K K^T through L
     dE += tl.trans(dE)  # E = K K^T is symmetric
     dP = scale * dA * decay  # the cotangent of Q K^T through A
