@@ -502,21 +502,6 @@ def _block_of(x_ptr, token, steps, valid, channels, K):
 
 
 @triton.jit
-def _anchor_factors(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constexpr, T, H, ACC: tl.constexpr,
-                    NATIVE_GATES: tl.constexpr):
-    """Per-channel decays of the block pair (later > earlier) through the anchor a, the later block's first row:
-    exp(G_t - G_a) for its rows t and exp(G_a - G_j) for the earlier block's rows j, [SUB, channels] each; both
-    exponents <= 0 (j < a <= t), each a direct sum of the steps it spans: (a, t] (_to_anchor), and (j, end of the
-    earlier block] (_from_block_end) plus the steps after it up to a (_gates_between)."""
-    valid, token, steps, _ = _block_rows(bh, chunk, later, C, T, H)
-    to_t = _to_anchor(_block_of(g_ptr, token, steps, valid, channels, K), ACC, NATIVE_GATES)
-    valid, token, steps, _ = _block_rows(bh, chunk, earlier, C, T, H)
-    within = _from_block_end(_block_of(g_ptr, token, steps, valid, channels, K), ACC, NATIVE_GATES)
-    after = _gates_between(g_ptr, bh, chunk, later, earlier, channels, K, C, T, H, ACC)
-    return to_t, tl.exp(within + after[None, :])
-
-
-@triton.jit
 def _to_anchor(g_block, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
     """exp(G_t - G_a) of a block's rows t, a its first row: the steps (a, t]."""
     local = tl.arange(0, SUB)
@@ -529,15 +514,6 @@ def _from_block_end(g_block, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr):
     """The exponents of a block's rows j to its end: the sums of the steps (j, end of the block]."""
     local = tl.arange(0, SUB)
     return _span_exponents(local[:, None] < local[None, :], g_block, ACC, NATIVE_GATES)
-
-
-@triton.jit
-def _gates_between(g_ptr, bh, chunk, later, earlier, channels, K, C: tl.constexpr, T, H, ACC: tl.constexpr):
-    """Per channel, the sum of the steps after the earlier block up to the later block's first row."""
-    rows = tl.arange(0, C)
-    between = (rows >= (earlier + 1) * SUB) & (rows <= later * SUB)
-    valid, token, steps, _ = _rows_from(bh, chunk, 0, C, C, T, H)
-    return tl.sum(_block_of(g_ptr, token, steps, valid & between, channels, K).to(ACC), axis=0)
 
 
 @triton.jit
@@ -566,31 +542,48 @@ def _level_factors(g_block, level, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr
 @triton.jit
 def _channel_grams_kernel(
     q_ptr, k_ptr, g_ptr, a_ptr, kk_ptr, T, H, K, scale_hi, scale_lo,
-    C: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
+    C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    NATIVE_GATES: tl.constexpr,
 ):
     """One chunk of one head with per-channel gates: A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (0 above
     the diagonal), sum_c a_tc b_jc exp(G_tc - G_jc), which does not factor into one dot: block by block of SUB rows,
-    through anchors (_anchor_factors left of the diagonal block, _level_factors inside it), one dot per block pair
-    and channel slice, every exponent <= 0."""
+    one dot per block pair and channel slice of BKC channels, every exponent <= 0. Left of the diagonal block, the
+    pair I > J through the anchor a, I's first row: exp(G_t - G_a) for I's rows t (_to_anchor, the steps (a, t]) and
+    exp(G_a - G_j) for J's rows j, the steps (j, J's end] (_from_block_end) plus those from J's end up to a, carried
+    down the J loop (the last key block first) per channel: a's own step, then each key block's sum. Inside the
+    diagonal block by halving (_level_factors)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
+    SLICES: tl.constexpr = BK // BKC
     scale = _scale_in(scale_hi, scale_lo, ACC)
     local = tl.arange(0, SUB)
+    slice_of = tl.arange(0, SLICES)[:, None]
+    every_channel = slice_of * BKC + tl.arange(0, BKC)[None, :]  # [SLICES, BKC]: all BK channels, a row a slice
     for I in range(0, C // SUB):
         valid_I, token_I, steps_I, scratch_I = _block_rows(bh, chunk, I, C, T, H)
         out = scratch_I * C + local[:, None] * C
-        for J in range(0, I):
+        # The steps from the end of key block J up to the anchor, per channel: the anchor's step first.
+        anchor_ok = chunk * C + I * SUB < T
+        between = tl.load(g_ptr + token_I * K + every_channel, mask=(every_channel < K) & anchor_ok,
+                          other=0.0).to(ACC)
+        for step in range(0, I):
+            J = I - 1 - step
             valid_J, token_J, steps_J, _ = _block_rows(bh, chunk, J, C, T, H)
             qk = tl.zeros([SUB, SUB], dtype=ACC)
             kk = tl.zeros([SUB, SUB], dtype=ACC)
-            for channel_start in range(0, K, BKC):
-                channels = channel_start + tl.arange(0, BKC)
-                to_t, from_j = _anchor_factors(g_ptr, bh, chunk, I, J, channels, K, C, T, H, ACC, NATIVE_GATES)
+            for channel_slice in range(0, SLICES):
+                channels = channel_slice * BKC + tl.arange(0, BKC)
+                this_slice = slice_of == channel_slice
+                g_J = _block_of(g_ptr, token_J, steps_J, valid_J, channels, K)
+                to_t = _to_anchor(_block_of(g_ptr, token_I, steps_I, valid_I, channels, K), ACC, NATIVE_GATES)
+                from_j = tl.exp(_from_block_end(g_J, ACC, NATIVE_GATES)
+                                + tl.sum(tl.where(this_slice, between, 0.0), axis=0)[None, :])
                 keys = tl.trans(_block_of(k_ptr, token_J, steps_J, valid_J, channels, K).to(ACC) * from_j)
                 qk = _dot(_block_of(q_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_t, keys, qk, ACC,
                           PRECISION)
                 kk = _dot(_block_of(k_ptr, token_I, steps_I, valid_I, channels, K).to(ACC) * to_t, keys, kk, ACC,
                           PRECISION)
+                between += tl.where(this_slice, tl.sum(g_J.to(ACC), axis=0)[None, :], 0.0)
             tl.store(a_ptr + out + (local + J * SUB)[None, :], scale * qk)
             tl.store(kk_ptr + out + (local + J * SUB)[None, :], kk)
         qk = tl.zeros([SUB, SUB], dtype=ACC)
@@ -1091,7 +1084,7 @@ def _channel_cotangents_kernel(
         dG_t += q_t * P1_t + k_t * P2_t - k_t * (P3_t + P4_t),   dg = the reverse cumulative sum of dG.
 
     Block by block of SUB rows, last first (the reverse sum carries into earlier blocks), through the grams'
-    anchors (_anchor_factors' parts, _level_factors): every term a dot of a [SUB, SUB] cotangent block with decayed
+    anchors (_channel_grams_kernel's, _level_factors): every term a dot of a [SUB, SUB] cotangent block with decayed
     rows, every exponent <= 0. A program per slice of BKC key channels (grid (chunks, B*H, K / BKC)): the slices
     share nothing, and one slice's loop carries fewer values than the slices' loop around it did."""
     chunk = tl.program_id(0)
@@ -1258,7 +1251,7 @@ def chunkwise_backward(
         factors = torch.empty((B * H * chunks * C, 2 * K), **acc)  # exp(G_t), exp(G_C - G_t)
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
                              num_warps=CHANNEL_NUM_WARPS, num_stages=stages["channel"])
-        _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C,
+        _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
                                                PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors = X, X, X, X  # unused pointers
