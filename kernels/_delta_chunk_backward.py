@@ -384,9 +384,9 @@ def _scale_in(scale_hi, scale_lo, ACC: tl.constexpr):
 
 @triton.jit
 def _chunk_gate(g_ptr, token, valid, GATED: tl.constexpr, ACC: tl.constexpr):
-    """(G_hi, G_lo, G_C's hi, G_C's lo) of one chunk with a gate per head, in ACC: G as an fp32 pair (kernels/_delta.py's
-    compensated scan, on [C]) and its total; ungated, zeros. The factors below take their differences part by part,
-    so that each is accurate to its own size."""
+    """(G_hi, G_lo, G_C's hi, G_C's lo) of one chunk with a gate per head, in ACC: G as an fp32 pair
+    (kernels/_delta.py's compensated scan, on [C]) and its total; ungated, zeros. The factors below take their
+    differences part by part, so that each is accurate to its own size."""
     if GATED:
         G_hi, G_lo = _chunk_cumulative_gate(g_ptr, token, valid)
         end_hi, end_lo = _chunk_total_gate(g_ptr, token, valid)
