@@ -3,11 +3,14 @@ pytest keeps to its end, as it happens, so that a run the device's limit kills s
 
 - ``$OUT/failures.log``: each failed test's report when it fails (pytest prints them only in its summary; with
   pytest-xdist the controller writes it).
-- ``$OUT/cases-WORKER.log``: each case a gradient check runs (attnlab.properties.checks.gradient_run), written
-  before it runs (a tab-separated line: label, dtype, mode, chunk size, case). A worker's last line is the case it
-  was on when the run was killed; for a CUDA fault, which the suite reports itself (unshrunk, as "CUDA FAULT",
-  attnlab.properties.suite), it is the case that faulted, which tools/gpu/fault_case.py runs again alone; with
-  ``CUDA_LAUNCH_BLOCKING=1`` the failure's traceback names the launch.
+- ``$OUT/cases.log``: each case a gradient check runs (attnlab.properties.checks.gradient_run), written before it
+  runs, every worker's in the one file (the device returns at most 8 files: a file per worker of 14 would crowd out
+  the logs); a tab-separated line: worker (gw0, ...; "main" without xdist), label, dtype, mode, chunk size, case. A
+  worker's last line is the case it was on when the run was killed; for a CUDA fault, which the suite reports itself
+  (unshrunk, as "CUDA FAULT", attnlab.properties.suite), it is the case that faulted, which tools/gpu/fault_case.py
+  runs again alone (``awk -F'\\t' '$1 == "gw3"' $OUT/cases.log | tail -1``); with ``CUDA_LAUNCH_BLOCKING=1`` the
+  failure's traceback names the launch. Each line is one write to a file opened for appending, so the workers' lines
+  do not interleave.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ def _log_cases() -> None:
     from attnlab.properties import checks
 
     run = checks.gradient_run
-    path = os.path.join(OUT, f"cases-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log")
+    path = os.path.join(OUT, "cases.log")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
     @functools.wraps(run)
     def logged(target, case, dtype, device="cpu", mode="full", chunk_size=None):
-        with open(path, "a") as f:
-            f.write("\t".join((target.label, str(dtype).removeprefix("torch."), mode, repr(chunk_size), repr(case)))
-                    + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        line = "\t".join((worker, target.label, str(dtype).removeprefix("torch."), mode, repr(chunk_size), repr(case)))
+        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(descriptor, (line + "\n").encode())
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
         return run(target, case, dtype, device, mode, chunk_size)
 
     checks.gradient_run = logged

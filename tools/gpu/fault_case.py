@@ -1,10 +1,10 @@
 """Run one gradient check's case again, alone, to name the launch that faults on it (under ``compute-sanitizer`` or
 with ``CUDA_LAUNCH_BLOCKING=1``).
 
-    python3 tools/gpu/fault_case.py "$(tail -1 $OUT/cases-gw3.log)" [DEVICE, default cuda]
+    python3 tools/gpu/fault_case.py "$(awk -F'\\t' '$1 == "gw3"' $OUT/cases.log | tail -1)" [DEVICE, default cuda]
 
-The argument is a line of tools/gpu/failure_log.py's cases log: label (attnlab:NAME/FORM), dtype, mode, chunk size,
-case, tab-separated. Every Triton launch is followed by a synchronization (Triton's launch exit hook) that names
+The argument is a line of tools/gpu/failure_log.py's cases log: worker, label (attnlab:NAME/FORM), dtype, mode,
+chunk size, case, tab-separated (the worker may be left out). Every Triton launch is followed by a synchronization (Triton's launch exit hook) that names
 the kernel when the GPU reports a fault: an asynchronous fault otherwise surfaces at a later call. Prints the
 gradients' peaks, or the faulting kernel and the error with its traceback.
 """
@@ -34,8 +34,20 @@ def _synchronize_after_each_launch() -> None:
     triton.knobs.runtime.launch_exit_hook = exit_hook
 
 
+def case_fields(line: str) -> tuple[str, str, str, str, str]:
+    """(label, dtype, mode, chunk size, case) of a cases-log line, with or without its leading worker field."""
+    fields = line.rstrip("\n").split("\t")
+    if len(fields) == 6:
+        fields = fields[1:]
+    if len(fields) != 5 or not fields[0].startswith("attnlab:"):
+        raise SystemExit(f"not a line of failure_log's cases log (worker, label, dtype, mode, chunk size, case, "
+                         f"tab-separated): {line!r}")
+    label, dtype, mode, chunk_size, case_text = fields
+    return label, dtype, mode, chunk_size, case_text
+
+
 def main() -> int:
-    label, dtype, mode, chunk_size, case_text = sys.argv[1].rstrip("\n").split("\t")
+    label, dtype, mode, chunk_size, case_text = case_fields(sys.argv[1])
     device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
     name, form = label.removeprefix("attnlab:").split("/")
     case = eval(case_text)  # noqa: S307 - the suite's own repr of a Case
