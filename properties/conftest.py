@@ -38,8 +38,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                         marks += (pytest.mark.slow,)
                     checks_seen.add(check)
                     # A check's gradients share their cases and one backward pass per case (checks.gradient_run's
-                    # cache): one xdist worker takes them all (--dist loadgroup).
-                    marks += (pytest.mark.xdist_group(f"{check}-{target.label}-{_dtype_id(dtype)}"),)
+                    # cache): one xdist worker takes them all (--dist loadgroup). The long-sequence variant draws
+                    # other cases: a group of its own, free to run beside the check's.
+                    group = f"{check}-{target.label}-{_dtype_id(dtype)}" + ("-long" if long_only else "")
+                    marks += (pytest.mark.xdist_group(group),)
                     params.append(pytest.param(prop, target, dtype, marks=marks,
                                                id=f"{prop.name}-{target.label}-{_dtype_id(dtype)}"))
         metafunc.parametrize("kernel_property,target,dtype", params)

@@ -1,9 +1,11 @@
 """The GPU job's logging of the property suite (tools/gpu/failure_log.py) and its replay of a logged case
 (tools/gpu/fault_case.py), as a run on a lent GPU uses them, without the GPU: every worker's cases go to one file (the
-device returns at most 8), and a line of it is what fault_case.py takes."""
+device returns at most 8), a line of it is what fault_case.py takes, and a check's gradients run on one worker."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,3 +52,30 @@ def test_every_worker_logs_its_cases_to_one_file_that_fault_case_reads(tmp_path,
 def test_fault_case_names_the_format_of_a_line_it_cannot_read():
     with pytest.raises(SystemExit, match="worker, label, dtype, mode, chunk size, case"):
         fault_case.case_fields("gw3 attnlab:kda/chunkwise bfloat16 full None Case(name='kda')")
+
+
+def test_a_checks_gradients_share_a_worker_and_its_long_sequence_variant_has_its_own(tmp_path):
+    """The GPU job runs the suite with --dist loadgroup: one worker takes a check's gradients, which draw the same
+    cases, so that one backward pass per case serves them all."""
+    (tmp_path / "groups_plugin.py").write_text(
+        "def pytest_collection_finish(session):\n"
+        "    for item in session.items:\n"
+        "        mark = item.get_closest_marker('xdist_group')\n"
+        "        print('GROUP', item.name, mark.args[0] if mark else None)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--pyargs", "attnlab.properties", "--collect-only", "-q", "-s",
+         "-p", "no:cacheprovider", "-p", "groups_plugin", "-k", "backward_matches_oracle and deltanet and chunkwise and not gated",
+         "--attnlab-dtype", "bfloat16", "--attnlab-device", "cpu", "--attnlab-profile", "ci"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=300)
+    groups = dict(line.split(" ")[1:] for line in result.stdout.splitlines() if line.startswith("GROUP "))
+    assert len(groups) == 10, result.stdout + result.stderr  # dq, dk, dv, dbeta, d initial_state; twice
+    short = {group for name, group in groups.items() if name.startswith("test_kernel_property[")}
+    long = {group for name, group in groups.items() if name.startswith("test_kernel_property_long_sequences[")}
+    assert short == {"backward_matches_oracle-attnlab:deltanet/chunkwise-bfloat16"}
+    assert long == {"backward_matches_oracle-attnlab:deltanet/chunkwise-bfloat16-long"}
+
+
+def test_the_gpu_jobs_property_step_runs_the_groups_on_their_workers():
+    job = (Path(__file__).resolve().parents[1] / "tools" / "gpu" / "job").read_text()
+    step = job.split("\n    properties)\n")[1].split(";;")[0]
+    assert "--dist loadgroup" in step and "-p failure_log" in step
