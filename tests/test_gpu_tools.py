@@ -64,7 +64,8 @@ def test_a_checks_gradients_share_a_worker_and_its_long_sequence_variant_has_its
         "        print('GROUP', item.name, mark.args[0] if mark else None)\n")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--pyargs", "attnlab.properties", "--collect-only", "-q", "-s",
-         "-p", "no:cacheprovider", "-p", "groups_plugin", "-k", "backward_matches_oracle and deltanet and chunkwise and not gated",
+         "-p", "no:cacheprovider", "-p", "groups_plugin",
+         "-k", "backward_matches_oracle and deltanet and chunkwise and not gated",
          "--attnlab-dtype", "bfloat16", "--attnlab-device", "cpu", "--attnlab-profile", "ci"],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}, timeout=300)
     groups = dict(line.split(" ")[1:] for line in result.stdout.splitlines() if line.startswith("GROUP "))

@@ -3,10 +3,10 @@ with ``CUDA_LAUNCH_BLOCKING=1``).
 
     python3 tools/gpu/fault_case.py "$(awk -F'\\t' '$1 == "gw3"' $OUT/cases.log | tail -1)" [DEVICE, default cuda]
 
-The argument is a line of tools/gpu/failure_log.py's cases log: worker, label (attnlab:NAME/FORM), dtype, mode,
-chunk size, case, tab-separated (the worker may be left out). Every Triton launch is followed by a synchronization (Triton's launch exit hook) that names
-the kernel when the GPU reports a fault: an asynchronous fault otherwise surfaces at a later call. Prints the
-gradients' peaks, or the faulting kernel and the error with its traceback.
+The argument is a line of tools/gpu/failure_log.py's cases log: worker, label (attnlab:NAME/FORM), dtype, mode, chunk
+size, case, tab-separated (the worker may be left out). Every Triton launch is followed by a synchronization (Triton's
+launch exit hook) that names the kernel when the GPU reports a fault: an asynchronous fault otherwise surfaces at a
+later call. Prints the gradients' peaks, or the faulting kernel and the error with its traceback.
 """
 
 from __future__ import annotations
