@@ -31,6 +31,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import PurePath
 
 import hypothesis
 import torch
@@ -45,7 +46,8 @@ from attnlab.properties.strategies import (CPU_SIZES, CPU_THOROUGH_SIZES, GPU_SI
 from attnlab.properties.targets import Target
 
 __all__ = ["KernelProperty", "KERNEL_PROPERTIES", "Outcome", "Policy", "POLICY", "ImpreciseWarning", "search", "run",
-           "sizes_for", "applicable", "PASSES", "backward_properties", "base_name", "LostContext", "lost_context"]
+           "sizes_for", "applicable", "PASSES", "backward_properties", "base_name", "LostContext", "lost_context",
+           "portable_label"]
 
 CaseStrategy = Callable[[Target, torch.dtype, Sizes], st.SearchStrategy[Case]]
 Check = Callable[[Target, Case, torch.dtype, str], CheckResult]
@@ -342,7 +344,7 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
     # One hypothesis database key per (property, target, dtype), as pytest's parametrize would give; the backward
     # properties of one check share it across gradients, so that they draw the same cases and share one backward
     # pass per case (checks.gradient_run's cache).
-    key = f"{base_name(prop.name)}|{target.label}|{dtype}".encode()
+    key = f"{base_name(prop.name)}|{portable_label(target.label)}|{dtype}".encode()
     test._hypothesis_internal_add_digest = key  # type: ignore[attr-defined]
     # Derandomized (the ci profile), the draws come from that key alone: hypothesis would seed them from check_one's
     # source too, so that any edit of it changed every draw of the suite.
@@ -374,6 +376,16 @@ def search(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str
                 stacklevel=2)
 
     return run_search
+
+
+def portable_label(label: str) -> str:
+    """``label`` with the folders of a ``PATH:FUNCTION`` kernel dropped (``/tmp/a/mykernels.py:f`` is
+    ``mykernels.py:f``): the key that seeds a derandomized search, so that its draws do not depend on the folder a
+    kernel's file lies in (one checkout and another, one pytest tmp folder and the next)."""
+    module, colon, function = label.rpartition(":")
+    if "/" not in module:
+        return label
+    return f"{PurePath(module).name}{colon}{function}"
 
 
 def run(prop: KernelProperty, target: Target, dtype: torch.dtype, device: str, sizes: Sizes,

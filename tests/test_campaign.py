@@ -367,6 +367,32 @@ def test_validate_does_not_minimize_a_cuda_fault(monkeypatch) -> None:
     assert verdict.case == verdict.found and calls[-1] > 1  # reported as drawn, not the smallest case
 
 
+def test_a_kernels_draws_do_not_depend_on_the_folder_its_file_lies_in() -> None:
+    # Seen in CI: the seed was keyed on the kernel's absolute path, so a campaign in pytest's next tmp folder drew
+    # other cases, and two examples missed stale_gate's bug.
+    ideal = rounded_oracle_target("retnet")
+    prop = next(p for p in suite.applicable(ideal) if p.name == "matches_oracle")
+    from hypothesis import settings
+
+    def drawn(label: str) -> list[tuple]:
+        cases: list[tuple] = []
+
+        def kernel(**x):
+            cases.append((tuple(x["q"].shape), float(x["q"].sum())))
+            return ideal.function(**x)
+
+        outcome = suite.run(prop, function_target(kernel, "retnet", label), __import__("torch").float32, "cpu",
+                            suite.sizes_for("cpu", "ci"), settings(max_examples=4, database=None, derandomize=True,
+                                                                   deadline=None), regressions=False)
+        assert not outcome.errors and outcome.failure is None, outcome
+        return cases
+
+    here = drawn("/tmp/pytest-of-root/pytest-236/popen-gw1/campaign0/mykernels.py:stale_gate")
+    assert here == drawn("/home/someone/lab/mykernels.py:stale_gate") == drawn("mykernels.py:stale_gate")
+    assert here != drawn("mykernels.py:good")  # the function still seeds it
+    assert suite.portable_label("attnlab:chunkwise") == "attnlab:chunkwise"
+
+
 def test_a_search_past_its_deadline_runs_the_replayed_cases_and_one_more_then_stops() -> None:
     target = own_kernel_target("retnet", "recurrent")
     prop = next(p for p in suite.applicable(target) if p.name == "matches_oracle")
