@@ -1,6 +1,7 @@
 """The GPU job's logging of the property suite (tools/gpu/failure_log.py) and its replay of a logged case
 (tools/gpu/fault_case.py), as a run on a lent GPU uses them, without the GPU: every worker's cases go to one file (the
-device returns at most 8), a line of it is what fault_case.py takes, and a check's gradients run on one worker."""
+device returns at most 8), a line of it is what fault_case.py takes, and a check's gradients run on one worker. And
+tools/gpu/profile_launches.py's comparisons with other versions of a kernel module, as far as they go before a GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "gpu"))
 
 import failure_log  # noqa: E402
 import fault_case  # noqa: E402
+import profile_launches  # noqa: E402
 
 from attnlab.properties import checks  # noqa: E402
 from attnlab.properties.strategies import Case  # noqa: E402
@@ -80,3 +82,24 @@ def test_the_gpu_jobs_property_step_runs_the_groups_on_their_workers():
     job = (Path(__file__).resolve().parents[1] / "tools" / "gpu" / "job").read_text()
     step = job.split("\n    properties)\n")[1].split(";;")[0]
     assert "--dist loadgroup" in step and "-p failure_log" in step
+
+
+PROFILE_LAUNCHES = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "profile_launches.py"
+
+
+def test_profile_launches_checks_every_alternative_before_its_first_run(tmp_path):
+    # Each run of a comparison takes minutes of a lent GPU: a second --against that names no module must stop the
+    # call before the first.
+    alternative = tmp_path / "_delta_chunk_backward.py"
+    alternative.write_text("")
+    done = subprocess.run([sys.executable, str(PROFILE_LAUNCHES), "deltanet", "--backward", "--against",
+                           str(alternative), f"--against={tmp_path / 'nosuch.py'}"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1 and done.stderr.strip().endswith(f"--against {tmp_path / 'nosuch.py'}: no such file"), (
+        done.stdout + done.stderr)
+    assert "total" not in done.stdout
+
+
+def test_profile_launches_runs_each_alternative_without_any_against():
+    argv = ["deltanet,kda", "--against", "alt/a.py", "--backward", "--against=alt/b.py", "--no-peer"]
+    assert profile_launches._without_against(argv) == ["deltanet,kda", "--backward", "--no-peer"]

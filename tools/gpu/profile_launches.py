@@ -2,7 +2,7 @@
 
     python3 tools/gpu/profile_launches.py [NAME,NAME...] [--options "OPT=V,...;..."] [--form recurrent]
                                           [--backward] [--no-peer] [--constants "MODULE.NAME=JSON;..."]
-                                          [--against FILE]
+                                          [--against FILE]...
 
 For each formulation: attnlab's default setting, its SPEED_OPTIONS setting, each ';'-separated set of kernel
 options given (e.g. "chunk_size=8,block_c=128;num_warps=8"), and the peer, each run under torch.profiler for a
@@ -17,7 +17,8 @@ for the whole run: tiles that are no option, such as the backward's (e.g.
 --against FILE: another version of one kernel module (e.g. alt/_delta_chunk_backward.py, as another commit has it),
 for a comparison within one call: after this run, the same run again in a fresh process with FILE over the
 module of its name in attnlab.kernels (put back afterwards), then each launch's time in the two runs side by side,
-and each setting's total.
+and each setting's total. Given again, each FILE has its run and its comparison with this tree's, in turn (two
+commits' versions and this tree's timed on one machine); every FILE is checked before the first run.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def profile_against(alternative: Path, argv: list[str]) -> Times:
 
 
 def _without_against(argv: list[str]) -> list[str]:
-    """The arguments less --against and its file ("--against FILE" or "--against=FILE")."""
+    """The arguments less every --against and its file ("--against FILE" or "--against=FILE")."""
     kept, skip = [], False
     for argument in argv:
         if skip or argument.startswith("--against="):
@@ -182,20 +183,21 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="forward + backward")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--constants", default="", help="';'-separated MODULE.NAME=JSON of attnlab.kernels, set first")
-    parser.add_argument("--against", type=Path, help="another version of a module of attnlab.kernels, run after")
+    parser.add_argument("--against", type=Path, action="append", default=[],
+                        help="another version of a module of attnlab.kernels, run after (repeatable)")
     parser.add_argument("--json", type=Path, help=argparse.SUPPRESS)  # where --against's second run leaves its times
     args = parser.parse_args()
-    if args.against:
-        replaced_module(args.against)
+    for alternative in args.against:
+        replaced_module(alternative)
     _set_constants(args.constants)
     results: Times = {}
     for name in args.names.split(","):
         results |= profile_formulation(name, args.form, _option_sets(args.options), args.backward, not args.no_peer)
     if args.json:
         args.json.write_text(json.dumps(results))
-    if args.against:
-        other = profile_against(args.against, _without_against(sys.argv[1:]))
-        print_comparison(results, other, str(args.against))
+    for alternative in args.against:
+        other = profile_against(alternative, _without_against(sys.argv[1:]))
+        print_comparison(results, other, str(alternative))
 
 
 if __name__ == "__main__":
