@@ -33,12 +33,12 @@ GPU (``--workers-per-gpu`` more), each pinned to its GPU by ``CUDA_VISIBLE_DEVIC
 before anything in it starts CUDA; on the CPU ``--workers`` processes. Each worker gets its share of the host's cores
 as its CPU threads (``OMP_NUM_THREADS``, unless set; :func:`worker_threads`): the oracles run on the CPU. Each item is one property search
 (``attnlab validate``'s: derandomized, seeded by the item itself, so that a result does not depend on which
-worker ran it, nor on the folder the kernel's file lies in: attnlab.properties.suite.portable_label) of at most ``--examples`` examples within ``--item-budget`` seconds (past it the search stops
-drawing; a failure is minimized within what is left), and it appends its result to
-``DIR/results/<worker>.jsonl`` as soon as it ends: a run cut short keeps what it did. An item that starts
-after ``--budget`` seconds (counted from the first item) records "not run" and why; the controller stops
-pytest one item budget and ``KILL_GRACE`` seconds after that. While it runs, a progress bar counts items and every finding (failed, refused, error,
-imprecise) is printed as it lands.
+worker ran it, nor on the folder the kernel's file lies in: attnlab.properties.suite.portable_label) of at most
+``--examples`` examples within ``--item-budget`` seconds (past it the search stops drawing; a failure is minimized
+within what is left), and it appends its result to ``DIR/results/<worker>.jsonl`` as soon as it ends: a run cut
+short keeps what it did. An item that starts after ``--budget`` seconds (counted from the first item) records "not
+run" and why; the controller stops pytest one item budget and ``KILL_GRACE`` seconds after that. While it runs, a
+progress bar counts items and every finding (failed, refused, error, imprecise) is printed as it lands.
 
 Resuming. A re-run with the same ``--out`` skips every item with a result (held, imprecise, failed, refused)
 and runs the rest (not run, killed, crashed, or new: another dtype, another pass); each search first replays
