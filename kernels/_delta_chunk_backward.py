@@ -1016,9 +1016,8 @@ def _gradients_kernel(
     if CHANNEL:  # the grams' cotangents go to _channel_cotangents_kernel
         tl.store(d_kk_ptr + gram_offsets, beta[:, None] * dL)
         tl.store(d_a_ptr + gram_offsets, scale * dA)
-    through_L = beta[:, None] * dL * kk  # dL * L
-    through_A = dA * tl.load(a_ptr + gram_offsets)  # (a gate per head) the pairwise decays' parts of dG
-    dG = tl.sum(through_L, axis=1) - tl.sum(through_L, axis=0) + tl.sum(through_A, axis=1) - tl.sum(through_A, axis=0)
+    pairs = beta[:, None] * dL * kk + dA * tl.load(a_ptr + gram_offsets)  # dL * L + dA * A
+    dG = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)  # (a gate per head) the pairwise decays' parts
     ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
     if not CHANNEL:  # dP and dE, rounded once for every key block: each rounding a max-reduction on the "fp16" path
         dP_operand, dP_bound = _operand(dP, PRECISION)
@@ -1046,12 +1045,12 @@ def _gradients_kernel(
                             PRECISION)
         dq_rows = scale * from_start * d_qg
         dk_rows = from_start * d_kg + to_end * d_kd
-        to_end_terms = to_end * kf * d_kd
-        dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
         state_pairing = tl.load(pairing_ptr + chunk_row * K + keys, mask=key_ok, other=0.0)
-        d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per key channel
-        dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: the last is G_C
         if CHANNEL:
+            to_end_terms = to_end * kf * d_kd
+            dG_rows = qf * dq_rows + from_start * kf * d_kg - to_end_terms
+            d_end = tl.sum(to_end_terms, axis=0) + chunk_decay * state_pairing  # the cotangent of G_C, per channel
+            dG_rows += tl.where(rows[:, None] == C - 1, d_end[None, :], 0.0)  # rows past T carry g = 0: G_C the last
             part = scratch_row[:, None] * (3 * K) + keys[None, :]
             tl.store(parts_ptr + part, dq_rows, mask=key_ok[None, :])
             tl.store(parts_ptr + part + K, dk_rows, mask=key_ok[None, :])
@@ -1065,7 +1064,12 @@ def _gradients_kernel(
             dk = _dot_stored(dE_operand, dE_bound, k_operand, k_bound, dk_rows, ACC, PRECISION)
             dk = _dot_stored(tl.trans(dP_operand), dP_bound, q_operand, q_bound, dk, ACC, PRECISION)
             tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
-            dG += tl.sum(dG_rows, axis=1)
+            if GATED:  # the row factors' parts, each row's factor taken out of its sums over the key channels
+                to_end_sums = tl.sum(kf * d_kd, axis=1) * tl.reshape(to_end, [C])
+                dG += (scale * tl.sum(qf * d_qg, axis=1) + tl.sum(kf * d_kg, axis=1)) * tl.reshape(from_start, [C])
+                dG -= to_end_sums
+                d_end = tl.sum(to_end_sums) + tl.sum(chunk_decay * state_pairing)  # G_C's, summed over the channels
+                dG += tl.where(rows == C - 1, d_end, 0.0)
     if GATED and not CHANNEL:
         tl.store(dg_ptr + token, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=valid)
 
