@@ -36,7 +36,10 @@ pair, its differences taken part by part.
 
 The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written but the
 tiles the "fp16" path (below) stores between kernels. The inverse, W, U and kda's grams (what T's conditioning
-amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22), as do dL's two factors of X; the other products (the
+amplifies), and dL's two factors of X, take conditioned_precision: for bf16 inputs the forward's own "split" (bf16
+hi/lo parts, about 2^-16, 2^8 below bf16's floor; bf16 products run at twice TF32's rate, and their parts take half
+the registers), but "tf32x3" (TF32 hi/lo pairs, about 2^-22) at narrow tiles (SPLIT_MIN_TILE) and for fp16 inputs;
+reports/bench.md (session 38) has the speed and the excess of both; the other products (the
 sequential passes, the sums over V, the cotangent products) use PRECISION: for bf16 inputs "fp16", each fp32 operand
 scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one tensor-core product instead
 of tf32x3's three TF32 ones, 2.4x faster at the bench shape: reports/bench.md has its speed and excess against
@@ -121,7 +124,7 @@ Delta's and dDelta's residuals 1 GiB in all instead of 1.5, plus 0.75 MiB of pea
 once, Delta, dDelta and dO three times (its two key programs and its value program) and the residuals once: 1.9 GiB at
 the bench's bf16 instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC,
 256 MiB in fp16; on the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which
-_gradients_kernel reads; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds
+a gate per head's dg reads, ungated not stored; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds
 and, gated, 4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in
 both passes, A and Qg in the reverse one).
 
@@ -144,6 +147,7 @@ from attnlab.kernels._numerics import (
     split_dot_into, to_scratch, unit_lower_inverse,
 )
 from attnlab.kernels._util import block_size, state_block
+from attnlab.runtime import interpreter_active
 
 # fp32 entries of one [K, BV] state tile in the sequential passes (they hold S or dS and their products): V blocks
 # of 64 columns at K = 128. The passes wait mostly on each chunk's loads (W, Kd, Qg, A, dO and their bounds, the
@@ -184,6 +188,12 @@ GRADIENTS_NUM_WARPS = 8
 # pass gains at two and loses at three; the reverse pass and the local and gradients kernels do not gain
 # (reports/bench.md, session 22, has the sweep).
 NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
+# The narrowest key piece and V block of the local kernel at which bf16 inputs' conditioned products take "split"
+# (conditioned_precision). Triton 3.6's Hopper code for a bf16 product whose second operand is a loaded 16-bit tile
+# 16 columns wide (U = T V at V blocks of 16; W = T K, ungated, at key pieces of 16) gave deltanet's and kda's
+# gradients off by 700 to 1600 times bf16's floor (dq, dk, d initial_state) or faulted (an illegal memory access),
+# where tf32x3, which converts that tile to fp32 first, is right (reports/bench.md, session 38).
+SPLIT_MIN_TILE = 64
 # Key channels a step of the per-channel gates' anchored grams and a program of their cotangents ([SUB,
 # CHANNEL_SLICE] tiles). At one warp and K = 128 (sm_90a ptxas, bf16 inputs) the grams kernel spills 4 bytes a
 # thread at 32, none at 16 (147 registers), 0.3 KB at 64; the cotangents kernel 0.3 KB at 32, 40 bytes at 16, 7 KB
@@ -257,14 +267,17 @@ def _chunk_rows(C: tl.constexpr, T, H):
 @triton.jit
 def _dot(a, b, acc, ACC: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b in ACC: fp64 products, or fp32 at PRECISION: "fp16" (_numerics.scaled_dot, each fp32 operand
-    scaled by a power of two and rounded to fp16) or "tf32x3" (_numerics.split_dot_into)."""
+    scaled by a power of two and rounded to fp16), "split" (bf16 hi/lo parts; "split_emulated" under the
+    interpreter) or "tf32x3" (_numerics.split_dot_into)."""
     if ACC == tl.float64:
         acc = tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
     elif (PRECISION == "fp16" or PRECISION == "fp16_emulated") and not (
             tl.constexpr(a.dtype == b.dtype) and tl.constexpr(a.dtype != tl.float32)):
         acc += scaled_dot(a.to(tl.float32), b.to(tl.float32), PRECISION)
+    elif PRECISION == "split_emulated":
+        acc = split_dot_into(a, b, acc, "split", True)
     else:
-        acc = split_dot_into(a, b, acc, PRECISION, False)  # "tf32x3": no bf16 parts to emulate
+        acc = split_dot_into(a, b, acc, PRECISION, False)
     return acc
 
 
@@ -635,7 +648,8 @@ def _local_kernel(
     against its own peak, and A against its whole tile's (the peaks in ``bounds``); a gate's exp(G_C)
     (``decays``, per key channel); and the peak of each [C, BV] block of dO and of v (PEAK_DO, the bound of the
     reverse pass's and _sums_kernel's dO; PEAK_V, _sums_kernel's). W is stored only there (``stored_w``, -dW's
-    later); A in ACC as well, for _gradients_kernel."""
+    later); A in ACC as well where a kernel reads it (a gate per head's dg in _gradients_kernel; the reverse pass off
+    the "fp16" path)."""
     ROUNDED: tl.constexpr = PASS_PRECISION == "fp16" or PASS_PRECISION == "fp16_emulated"
     PIECES: tl.constexpr = BK // BKC
     chunk, bh, rows, valid, token, scratch_row = _chunk_rows(C, T, H)
@@ -653,7 +667,8 @@ def _local_kernel(
         kk = _mm(k, tl.trans(k), ACC, PRECISION) * decay
         q = _rows_of(q_ptr, token, valid, tl.arange(0, BK), K)
         A = scale * _mm(q, tl.trans(k), ACC, PRECISION) * decay
-        tl.store(a_ptr + gram_offsets, A)
+        if GATED or not ROUNDED:  # read by _gradients_kernel (a gate's dG) or, unrounded, by the reverse pass
+            tl.store(a_ptr + gram_offsets, A)
         tl.store(kk_ptr + gram_offsets, kk)
         if ROUNDED:
             _store_operand(stored_a_ptr + gram_offsets, A, None, bounds_ptr + _bounds_at(chunk_row, BOUND_A, PIECES),
@@ -661,7 +676,8 @@ def _local_kernel(
         if GATED:
             tl.store(decays_ptr + chunk_row * K + tl.arange(0, BK), chunk_decay, mask=tl.arange(0, BK) < K)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
-    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
+    EMULATED: tl.constexpr = PRECISION == "split_emulated"
+    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "split" if EMULATED else PRECISION, EMULATED).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
         residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION)
         X = _dot(X, residual, X, ACC, PRECISION)
@@ -968,7 +984,7 @@ def _gradients_kernel(
     value_sums_ptr, pairing_ptr, sum_bounds_ptr, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
     T, H, K, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    CONDITIONED: tl.constexpr, ACC: tl.constexpr,
 ):
     """One chunk of one head: from _sums_kernel's sums, the chunk algebra of the module docstring's dual, key block
     by key block of BK channels: dT (its dW Kg^T a sum over the blocks), dX and dL, then dbeta and, with a gate per
@@ -999,8 +1015,8 @@ def _gradients_kernel(
         kg, kg_bound = _operand(tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), PRECISION)
         dT = _dot_stored(dw, dw_bound, kg, kg_bound, dT, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
-    # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
-    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
+    # dL's two factors of X amplify their operands' rounding by X's conditioning: CONDITIONED, as the inverse.
+    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, CONDITIONED), tl.trans(X), ACC, CONDITIONED)
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
     kk = tl.load(kk_ptr + gram_offsets)
     dbeta += tl.sum(dL * kk, axis=1)
@@ -1016,8 +1032,9 @@ def _gradients_kernel(
     if CHANNEL:  # the grams' cotangents go to _channel_cotangents_kernel
         tl.store(d_kk_ptr + gram_offsets, beta[:, None] * dL)
         tl.store(d_a_ptr + gram_offsets, scale * dA)
-    pairs = beta[:, None] * dL * kk + dA * tl.load(a_ptr + gram_offsets)  # dL * L + dA * A
-    dG = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)  # (a gate per head) the pairwise decays' parts
+    if GATED and not CHANNEL:
+        pairs = beta[:, None] * dL * kk + dA * tl.load(a_ptr + gram_offsets)  # dL * L + dA * A
+        dG = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)  # the pairwise decays' parts
     ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
     if not CHANNEL:  # dP and dE, rounded once for every key block: each rounding a max-reduction on the "fp16" path
         dP_operand, dP_bound = _operand(dP, PRECISION)
@@ -1185,6 +1202,19 @@ def products_precision(dtype: torch.dtype, K: int, V: int, positions: int) -> st
     return dot_precision("fp16" if fp16 else "tf32x3", dtype)
 
 
+def conditioned_precision(dtype: torch.dtype, K: int, V: int) -> str:
+    """PRECISION of the products whose rounding T's conditioning amplifies (kda's grams, the inverse's merges, W, U
+    and dL's two factors of X) for inputs of ``dtype`` and head dims K, V: the forward's own choice for its inverse,
+    W and U (kernels/_delta.py), "split" for bf16 inputs (bf16 hi/lo parts, about 2^-16; "split_emulated" under the
+    interpreter, whose bf16 arithmetic is rounded by integers) where the local kernel's key pieces and V blocks are
+    at least SPLIT_MIN_TILE wide, "tf32x3" (about 2^-22) for narrower bf16 heads and for fp16 inputs ("split" would
+    sit near their own floor); fp32 inputs' products are fp64 whatever it says."""
+    _, BK, BV, _, _ = tiles(K, V)
+    if dtype != torch.bfloat16 or min(BK, LOCAL_KEY_BLOCK, BV) < SPLIT_MIN_TILE:
+        return "tf32x3"
+    return "split_emulated" if interpreter_active() else "split"
+
+
 def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
     """(C, BK, BV of the sequential passes and the local kernel, BK and BV of the sums kernel) for head dims K, V.
     The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes); its BK is also the gradients
@@ -1216,6 +1246,7 @@ def chunkwise_backward(
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     precision = products_precision(q.dtype, K, V, B * H * T)
+    conditioned = conditioned_precision(q.dtype, K, V)
     # The sequential passes' operands as to_scratch stores them: fp16 on the "fp16" path, each tile against its
     # bound (``peaks``: S, dS', Delta, dDelta of each (chunk, V block), their outputs; ``bounds``: W, Kd, Qg of each
     # chunk and piece of key channels, and A of each chunk, the local kernel's), else ACC.
@@ -1225,7 +1256,7 @@ def chunkwise_backward(
     X = torch.empty((B * H * chunks * C, C), **acc)
     A, kk = torch.empty_like(X), torch.empty_like(X)
     # W for the passes, then -dW (_sums_kernel: the passes read W before it overwrites it), each as to_scratch stores
-    # it; A rounded for the passes beside its own ACC tile (which _gradients_kernel reads), unrounded that tile.
+    # it; A rounded for the passes beside its own ACC tile (which a gate per head's dg reads), unrounded that tile.
     w = torch.empty((B * H * chunks * C, K), **stored)
     u = torch.empty((B * H * chunks * C, V), **acc)
     stored_a = torch.empty((B * H * chunks * C, C), **stored) if rounded else A
@@ -1256,14 +1287,14 @@ def chunkwise_backward(
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
                              num_warps=CHANNEL_NUM_WARPS, num_stages=stages["channel"])
         _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
-                                               PRECISION="tf32x3", **channel_slice)
+                                               PRECISION=conditioned, **channel_slice)
     else:
         parts, d_kk, d_a, factors = X, X, X, X  # unused pointers
     decays = torch.empty((B * H * chunks, K), **acc) if g is not None else X  # exp(G_C) per key channel
     _local_kernel[(chunks, B * H)](q, k, v, beta, gate, do, X, u, A, kk, factors, decays, w, stored_a, kd_qg,
                                    bounds, peaks, T, H, K, V, scale_hi, scale_lo,
                                    BKC=piece_keys, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
-                                   PRECISION="tf32x3", PASS_PRECISION=precision,
+                                   PRECISION=conditioned, PASS_PRECISION=precision,
                                    NATIVE_GATES=native_gates(gate.dtype) and piece_keys >= NATIVE_SPAN_KEYS,
                                    num_stages=stages["local"], **common)
     common["PRECISION"] = precision
@@ -1293,7 +1324,8 @@ def chunkwise_backward(
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, sum_bounds, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        num_stages=stages["gradients"], **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
+        CONDITIONED=conditioned, num_stages=stages["gradients"],
+        **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H, triton.cdiv(K, channel_slice["BKC"]))](
             q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C, PRECISION=common["PRECISION"], **channel_slice)

@@ -81,6 +81,7 @@ COMPILE = textwrap.dedent("""
         acc = tl.float64 if inputs == "fp32" else tl.float32
         types = {f"{n}_ptr": f"*{inputs}" for n in input_names.split()}
         precision = backward.products_precision(DTYPES[inputs], BK, BV, backward.FP16_PRODUCTS_MIN_POSITIONS)
+        conditioned = backward.conditioned_precision(DTYPES[inputs], 128, 128)  # a wide head's: "split" for bf16
         types |= {f"{n}_ptr": "*fp64" if inputs == "fp32" else "*fp32" for n in scratch_names.split()}
         types |= {f"{n}_ptr": "*fp16" for n in STORED if precision == "fp16"}
         types |= {"peaks_ptr": "*fp32", "bounds_ptr": "*fp32", "sum_bounds_ptr": "*fp32"}
@@ -91,8 +92,8 @@ COMPILE = textwrap.dedent("""
                        BKC=min(BK, backward.CHANNEL_SLICE), ACC=acc,
                        NATIVE_GATES=inputs != "fp32" and (name != "local"
                                                          or min(BK, backward.LOCAL_KEY_BLOCK) >= backward.NATIVE_SPAN_KEYS),
-                       PRECISION="tf32x3" if name in ("local", "channel_grams")
-                       else precision, PASS_PRECISION=precision)
+                       PRECISION=conditioned if name in ("local", "channel_grams") else precision,
+                       PASS_PRECISION=precision, CONDITIONED=conditioned)
         options = {n: value for n, value in options.items() if n in kernel.arg_names}
         what = f"{name} {inputs} {gates} C={C} BK={BK} BV={BV}"
         try:
@@ -340,8 +341,10 @@ BF16_ON_CPU = Path(__file__).resolve().parents[2] / "tools" / "bf16_on_cpu.py"
 
 
 def _bf16_target(name: str, monkeypatch):
-    # The stand-in replaces products_precision for the rest of its process: restored after the test.
+    # The stand-in replaces products_precision and conditioned_precision for the rest of its process: restored after
+    # the test.
     monkeypatch.setattr(backward, "products_precision", backward.products_precision)
+    monkeypatch.setattr(backward, "conditioned_precision", backward.conditioned_precision)
     return resolve(f"{BF16_ON_CPU}:{name}_backward", name)
 
 
@@ -364,6 +367,20 @@ def test_small_problems_take_tf32x3_products_in_bf16(case, monkeypatch):
     assert all(r.held for r in held.values()), {g: r.message() for g, r in held.items() if not r.held}
     _fp16_products_everywhere(monkeypatch)
     assert any(r.failed for r in verdicts().values())
+
+
+# bf16 inputs' conditioned products (the grams, the inverse, W, U, dL's factors of X) in bf16 hi/lo parts, as the GPU
+# takes them on wide heads, emulated here on a narrow one: every gradient within the bf16 bound, as with tf32x3.
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_the_conditioned_products_hold_every_gradient_in_bf16_parts(name, monkeypatch):
+    case = Case(name=name, seed=3, B=1, T=40, H=2, K=16, V=16, beta_low=0.5, beta_high=1.9)
+    target = _bf16_target(name, monkeypatch)
+    monkeypatch.setattr(backward, "SPLIT_MIN_TILE", 16)
+    assert backward.conditioned_precision(torch.bfloat16, case.K, case.V) == "split_emulated"
+    checks._GRADIENT_RUNS.clear()
+    for gradient in checks.gradient_names(target):
+        result = checks.check_backward_matches_oracle(target, case, torch.bfloat16, "cpu", gradient)
+        assert result.held, result.message()
 
 
 # The causal prefix the H100's property suite failed (session 27): with do zero from position 1 and no state,
@@ -412,14 +429,17 @@ def test_the_stand_in_declines_inputs_its_carriers_cannot_hold(monkeypatch):
     assert held.held, held.message()
 
 
-# kda's local kernel at 16 and 32 key channels a piece: Triton 3.6's Hopper dot of the span sums on a bf16 gate
-# tile that narrow faulted (an illegal shared-memory read) or gave gradients off by up to 1e10 (session 26), which
-# the interpreter, computing those sums in fp32, never reaches (NATIVE_SPAN_KEYS).
+# The local kernel at 16 and 32 key channels a piece or value columns a block: Triton 3.6's Hopper dots on bf16
+# tiles that narrow faulted (an illegal shared-memory read) or gave gradients off by up to 1e10: kda's span sums of
+# a bf16 gate tile (session 26, NATIVE_SPAN_KEYS) and the "split" products of a loaded bf16 tile, U = T V and
+# deltanet's W = T K (700 to 1600 times bf16's floor, session 38, SPLIT_MIN_TILE). The interpreter, computing both
+# exactly, never reaches them.
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,V", [(16, 1), (16, 64), (17, 16), (32, 1), (32, 16)])
-def test_kda_gradients_hold_at_narrow_key_pieces_on_the_gpu(K, V):
-    case = Case(name="kda", seed=345, B=2, T=64, H=2, K=K, V=V, beta_low=0.56, beta_high=1.66, scale=2.0)
-    target = own_kernel_target("kda", "chunkwise")
+@pytest.mark.parametrize("K,V", [(16, 1), (16, 64), (17, 16), (32, 1), (32, 16), (64, 16)])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_delta_gradients_hold_at_narrow_tiles_on_the_gpu(name, K, V):
+    case = Case(name=name, seed=345, B=2, T=64, H=2, K=K, V=V, beta_low=0.56, beta_high=1.66, scale=2.0)
+    target = own_kernel_target(name, "chunkwise")
     for gradient in checks.gradient_names(target):
         result = checks.check_backward_matches_oracle(target, case, torch.bfloat16, "cuda", gradient)
         assert result.held, result.message()
