@@ -35,18 +35,19 @@ row factors' too (G_t over [0, t], G_C - G_t over (t, C)); a gate per head comes
 pair, its differences taken part by part.
 
 The arithmetic is ACC = fp32 for 16-bit inputs, nothing rounded to 16 bits before the gradients are written but the
-tiles the "fp16" path (below) stores between kernels. The inverse, W, U and kda's grams (what T's conditioning
-amplifies), and dL's two factors of X, take conditioned_precision: for bf16 inputs the forward's own "split" (bf16
-hi/lo parts, about 2^-16, 2^8 below bf16's floor; bf16 products run at twice TF32's rate, and their parts take half
-the registers), but "tf32x3" (TF32 hi/lo pairs, about 2^-22) at narrow tiles (SPLIT_MIN_TILE) and for fp16 inputs;
-reports/bench.md (session 38) has the speed and the excess of both; the other products (the
-sequential passes, the sums over V, the cotangent products) use PRECISION: for bf16 inputs "fp16", each fp32 operand
-scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one tensor-core product instead
-of tf32x3's three TF32 ones, 2.4x faster at the bench shape: reports/bench.md has its speed and excess against
-tf32x3's), but "tf32x3" for bf16 heads of fewer than 16 key or value channels (products of so few terms keep the
-cancellations' 2^-11: FP16_PRODUCTS_MIN_CHANNELS) and for fewer than 64 positions B * H * T (one entry's
-cancellation is then a gradient's figure: FP16_PRODUCTS_MIN_POSITIONS); for fp16 inputs "tf32x3" ("fp16" would sit
-at their own floor).
+tiles the "fp16" path (below) stores between kernels. The inverse and kda's grams (what T's conditioning
+amplifies) use "tf32x3" dots (TF32 hi/lo pairs, about 2^-22), as do dL's two factors of X; W = T Kg and U = T V
+take wy_precision: for bf16 inputs the forward's own "split" (bf16 hi/lo parts of T, about 2^-16; a bf16 product
+runs at twice a TF32 one's rate, and its parts take half the registers), "tf32x3" at narrow tiles (SPLIT_MIN_TILE)
+and for fp16 inputs. In the inverse's merges and dL "split" measured worse on adversarial chunks (beta near 2,
+nearly parallel keys: dbeta 1.4 -> 2.4 times bf16's floor), in W and U no worse (reports/bench.md, session 38).
+The other products (the sequential passes, the sums over V, the cotangent products) use PRECISION: for bf16 inputs
+"fp16", each fp32 operand scaled by a power of two and rounded to fp16 (2^-11 relative, 4x below bf16's floor; one
+tensor-core product instead of tf32x3's three TF32 ones, 2.4x faster at the bench shape: reports/bench.md has its
+speed and excess against tf32x3's), but "tf32x3" for bf16 heads of fewer than 16 key or value channels (products of
+so few terms keep the cancellations' 2^-11: FP16_PRODUCTS_MIN_CHANNELS) and for fewer than 64 positions B * H * T
+(one entry's cancellation is then a gradient's figure: FP16_PRODUCTS_MIN_POSITIONS); for fp16 inputs "tf32x3"
+("fp16" would sit at their own floor).
 
 On the "fp16" path every operand of the sequential passes' and the sums kernel's products is rounded as
 _numerics.to_scratch stores it: fp16, scaled by the power of two of a peak (2^-11 relative down to 2^-27 of the
@@ -109,24 +110,24 @@ Five launches, seven with per-channel gates:
 
 S and dS, columns of V apart, never mix: the two sequential passes split V into blocks of BV columns.
 
-The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at C =
-64, K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB a
-thread at 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and
-[SUMS_KEY_BLOCK, SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's
-tiles and bf16 inputs (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes
-(4 bytes of spill loads), the gradients kernel at 8 spills nothing. The price is the sums' round trip through
-memory, written once and read once (-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096,
-H = 16, K = V = 128, C = 64, bf16 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16
-buffer (which no kernel reads after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in
-ACC, plus 192 KiB of bounds: about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and
-dS' 512 MiB each, Delta and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16 inputs), with
-Delta's and dDelta's residuals 1 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS'
-once, Delta, dDelta and dO three times (its two key programs and its value program) and the residuals once: 1.9 GiB at
-the bench's bf16 instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC,
-256 MiB in fp16; on the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which
-a gate per head's dg reads, ungated not stored; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of bounds
-and, gated, 4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W and Kd in
-both passes, A and Qg in the reverse one).
+The sums over V and the algebra were one kernel, its five fp32 accumulators ([C, K] x 3, [C, C] x 2, 128 KB at C = 64,
+K = 128) live through the V loop and the [C, K] tiles of the algebra after it: ptxas spilled 1.5 to 2.7 KB a thread at
+8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and [SUMS_KEY_BLOCK,
+SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's tiles and bf16 inputs
+(sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes (4 bytes of spill loads),
+the gradients kernel at 8 spills nothing. The price is the sums' round trip through memory, written once and read once
+(-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, bf16
+inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16 buffer (which no kernel reads
+after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in ACC, plus 192 KiB of bounds:
+about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and dS' 512 MiB each, Delta
+and dDelta 256 MiB each in ACC; 256 and 128 MiB in fp16 on the "fp16" path (bf16 inputs), with Delta's and dDelta's
+residuals 1 GiB in all instead of 1.5, plus 0.75 MiB of peaks. The sums kernel reads S and dS' once, Delta, dDelta and
+dO three times (its two key programs and its value program) and the residuals once: 1.9 GiB at the bench's bf16
+instead of 2.9 (fp32 tiles). The passes' inputs from the local kernel: Kd and Qg 512 MiB in ACC, 256 MiB in fp16; on
+the "fp16" path W and A rounded, 128 and 64 MiB (W instead of its ACC tile, A beside its own, which a gate per head's
+dg reads, ungated not stored; the other paths read the ACC tiles): 448 MiB in all at the bench's bf16, plus 256 KiB of
+bounds and, gated, 4 MiB of exp(G_C). Each of a head's V blocks reads them every chunk, 88 KB in fp16 at K = 128 (W
+and Kd in both passes, A and Qg in the reverse one).
 
 Per-channel gates make the row factors [C, K] fp32 tiles where a gate per head has [C, 1] columns, and the anchored
 kernels one warp a program; held live across the products, those tiles spill. So the local kernel forms W, the
@@ -188,8 +189,8 @@ GRADIENTS_NUM_WARPS = 8
 # pass gains at two and loses at three; the reverse pass and the local and gradients kernels do not gain
 # (reports/bench.md, session 22, has the sweep).
 NUM_STAGES: dict[str, int] = {"sums": 4, "states": 2, "channel": 2}
-# The narrowest key piece and V block of the local kernel at which bf16 inputs' conditioned products take "split"
-# (conditioned_precision). Triton 3.6's Hopper code for a bf16 product whose second operand is a loaded 16-bit tile
+# The narrowest key piece and V block of the local kernel at which bf16 inputs' W = T Kg and U = T V take "split"
+# (wy_precision). Triton 3.6's Hopper code for a bf16 product whose second operand is a loaded 16-bit tile
 # 16 columns wide (U = T V at V blocks of 16; W = T K, ungated, at key pieces of 16) gave deltanet's and kda's
 # gradients off by 700 to 1600 times bf16's floor (dq, dk, d initial_state) or faulted (an illegal memory access),
 # where tf32x3, which converts that tile to fp32 first, is right (reports/bench.md, session 38).
@@ -637,11 +638,12 @@ def _local_kernel(
     stored_w_ptr, stored_a_ptr, kd_qg_ptr, bounds_ptr, peaks_ptr, T, H, K, V,
     scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
-    BV: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, PASS_PRECISION: tl.constexpr,
-    ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
+    BV: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr, WY_PRECISION: tl.constexpr,
+    PASS_PRECISION: tl.constexpr, ACC: tl.constexpr, NATIVE_GATES: tl.constexpr,
 ):
     """One chunk of one head: the grams A = scale (Q K^T * Gamma * M) and K K^T * Gamma * M (per-channel gates:
-    given, by _channel_grams_kernel), X = (I + L)^-1, W = X Diag(beta) Kg and U = X Diag(beta) V, in ACC; per-channel
+    given, by _channel_grams_kernel), X = (I + L)^-1 (PRECISION's products), W = X Diag(beta) Kg and U = X Diag(beta)
+    V (WY_PRECISION's), in ACC; per-channel
     gates' row factors for the kernels after it (_channel_factors, read back by _channel_gate_factors); and what the
     sequential passes multiply that no state enters, stored as to_scratch makes it at their PRECISION
     (PASS_PRECISION): W, Kd = exp(G_C - G) K and Qg = scale exp(G) Q piece by piece of BKC key channels, each piece
@@ -676,8 +678,7 @@ def _local_kernel(
         if GATED:
             tl.store(decays_ptr + chunk_row * K + tl.arange(0, BK), chunk_decay, mask=tl.arange(0, BK) < K)
     L = tl.where(rows[:, None] > rows[None, :], beta[:, None] * kk, 0.0)
-    EMULATED: tl.constexpr = PRECISION == "split_emulated"
-    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "split" if EMULATED else PRECISION, EMULATED).to(ACC)
+    X = unit_lower_inverse(L.to(tl.float32), C, LEVELS, "tf32x3", False).to(ACC)
     if ACC == tl.float64:  # one Newton step: the fp32 inverse's error squared
         residual = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) - X - _mm(L, X, ACC, PRECISION)
         X = _dot(X, residual, X, ACC, PRECISION)
@@ -712,9 +713,9 @@ def _local_kernel(
         _store_operand(kd_qg_ptr + first_row * (2 * K) + K + paired_rows, qg_piece, key_ok,
                        bounds + BOUND_QG * PIECES, PASS_PRECISION)
         if GATED:
-            w_piece = _mm(ut, key_piece * from_start, ACC, PRECISION)
+            w_piece = _mm(ut, key_piece * from_start, ACC, WY_PRECISION)
         else:  # Kg = K loaded again as a 16-bit tile: _numerics.split_dot_into's two products, the same sum as three
-            w_piece = _mm(ut, _block_of(k_ptr, first_token, steps, in_chunk, keys, K), ACC, PRECISION)
+            w_piece = _mm(ut, _block_of(k_ptr, first_token, steps, in_chunk, keys, K), ACC, WY_PRECISION)
         _store_operand(stored_w_ptr + first_row * K + key_rows, w_piece, key_ok, bounds + BOUND_W * PIECES,
                        PASS_PRECISION)
     for value_start in range(0, V, BV):
@@ -723,7 +724,7 @@ def _local_kernel(
         in_values = in_chunk[:, None] & value_ok[None, :]
         inputs = steps[:, None] * V + values[None, :]
         v = tl.load(v_ptr + first_token * V + inputs, mask=in_values, other=0.0)
-        tl.store(u_ptr + first_row * V + (rows[:, None] * V + values[None, :]), _mm(ut, v, ACC, PRECISION),
+        tl.store(u_ptr + first_row * V + (rows[:, None] * V + values[None, :]), _mm(ut, v, ACC, WY_PRECISION),
                  mask=value_ok[None, :])
         peaks = peaks_ptr + _peaks_at(chunk_row, value_start // BV, V, BV)
         tl.store(peaks + PEAK_V, peak(v.to(tl.float32)))
@@ -984,7 +985,7 @@ def _gradients_kernel(
     value_sums_ptr, pairing_ptr, sum_bounds_ptr, dq_ptr, dk_ptr, dbeta_ptr, dg_ptr, parts_ptr, d_kk_ptr, d_a_ptr,
     T, H, K, scale_hi, scale_lo,
     GATED: tl.constexpr, CHANNEL: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
-    CONDITIONED: tl.constexpr, ACC: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """One chunk of one head: from _sums_kernel's sums, the chunk algebra of the module docstring's dual, key block
     by key block of BK channels: dT (its dW Kg^T a sum over the blocks), dX and dL, then dbeta and, with a gate per
@@ -1015,8 +1016,8 @@ def _gradients_kernel(
         kg, kg_bound = _operand(tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), PRECISION)
         dT = _dot_stored(dw, dw_bound, kg, kg_bound, dT, ACC, PRECISION)
     dbeta = tl.sum(dT * X, axis=0)
-    # dL's two factors of X amplify their operands' rounding by X's conditioning: CONDITIONED, as the inverse.
-    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, CONDITIONED), tl.trans(X), ACC, CONDITIONED)
+    # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
+    dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
     kk = tl.load(kk_ptr + gram_offsets)
     dbeta += tl.sum(dL * kk, axis=1)
@@ -1202,13 +1203,12 @@ def products_precision(dtype: torch.dtype, K: int, V: int, positions: int) -> st
     return dot_precision("fp16" if fp16 else "tf32x3", dtype)
 
 
-def conditioned_precision(dtype: torch.dtype, K: int, V: int) -> str:
-    """PRECISION of the products whose rounding T's conditioning amplifies (kda's grams, the inverse's merges, W, U
-    and dL's two factors of X) for inputs of ``dtype`` and head dims K, V: the forward's own choice for its inverse,
-    W and U (kernels/_delta.py), "split" for bf16 inputs (bf16 hi/lo parts, about 2^-16; "split_emulated" under the
-    interpreter, whose bf16 arithmetic is rounded by integers) where the local kernel's key pieces and V blocks are
-    at least SPLIT_MIN_TILE wide, "tf32x3" (about 2^-22) for narrower bf16 heads and for fp16 inputs ("split" would
-    sit near their own floor); fp32 inputs' products are fp64 whatever it says."""
+def wy_precision(dtype: torch.dtype, K: int, V: int) -> str:
+    """PRECISION of the local kernel's W = T Kg and U = T V for inputs of ``dtype`` and head dims K, V: the forward's
+    own choice for them (kernels/_delta.py), "split" for bf16 inputs (bf16 hi/lo parts of T, about 2^-16;
+    "split_emulated" under the interpreter, whose bf16 arithmetic is rounded by integers) where the local kernel's key
+    pieces and V blocks are at least SPLIT_MIN_TILE wide; "tf32x3" (about 2^-22) for narrower bf16 heads and for
+    fp16 inputs ("split" would sit near their own floor); fp32 inputs' products are fp64 whatever it says."""
     _, BK, BV, _, _ = tiles(K, V)
     if dtype != torch.bfloat16 or min(BK, LOCAL_KEY_BLOCK, BV) < SPLIT_MIN_TILE:
         return "tf32x3"
@@ -1246,7 +1246,6 @@ def chunkwise_backward(
     fp64 = q.dtype == torch.float32  # the module docstring: fp32 inputs are differentiated in fp64
     acc = dict(dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     precision = products_precision(q.dtype, K, V, B * H * T)
-    conditioned = conditioned_precision(q.dtype, K, V)
     # The sequential passes' operands as to_scratch stores them: fp16 on the "fp16" path, each tile against its
     # bound (``peaks``: S, dS', Delta, dDelta of each (chunk, V block), their outputs; ``bounds``: W, Kd, Qg of each
     # chunk and piece of key channels, and A of each chunk, the local kernel's), else ACC.
@@ -1287,14 +1286,15 @@ def chunkwise_backward(
         channel_slice = dict(BKC=min(BK, CHANNEL_SLICE), ACC=ACC, NATIVE_GATES=native_gates(g.dtype),
                              num_warps=CHANNEL_NUM_WARPS, num_stages=stages["channel"])
         _channel_grams_kernel[(chunks, B * H)](q, k, g, A, kk, T, H, K, scale_hi, scale_lo, C=C, BK=BK,
-                                               PRECISION=conditioned, **channel_slice)
+                                               PRECISION="tf32x3", **channel_slice)
     else:
         parts, d_kk, d_a, factors = X, X, X, X  # unused pointers
     decays = torch.empty((B * H * chunks, K), **acc) if g is not None else X  # exp(G_C) per key channel
     _local_kernel[(chunks, B * H)](q, k, v, beta, gate, do, X, u, A, kk, factors, decays, w, stored_a, kd_qg,
                                    bounds, peaks, T, H, K, V, scale_hi, scale_lo,
                                    BKC=piece_keys, BV=BV, LEVELS=(C // SUB.value).bit_length() - 1,
-                                   PRECISION=conditioned, PASS_PRECISION=precision,
+                                   PRECISION="tf32x3", WY_PRECISION=wy_precision(q.dtype, K, V),
+                                   PASS_PRECISION=precision,
                                    NATIVE_GATES=native_gates(gate.dtype) and piece_keys >= NATIVE_SPAN_KEYS,
                                    num_stages=stages["local"], **common)
     common["PRECISION"] = precision
@@ -1324,8 +1324,7 @@ def chunkwise_backward(
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, sum_bounds, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        CONDITIONED=conditioned, num_stages=stages["gradients"],
-        **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
+        num_stages=stages["gradients"], **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H, triton.cdiv(K, channel_slice["BKC"]))](
             q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C, PRECISION=common["PRECISION"], **channel_slice)

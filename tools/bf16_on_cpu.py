@@ -22,10 +22,11 @@ The ``*_backward`` functions stand for the bf16 backward (kernels/_delta_chunk_b
 the backward properties (``-k backward_matches_oracle --attnlab-kernel tools/bf16_on_cpu.py:deltanet_backward``):
 the bf16 inputs carried in fp16 (exact from 2^-17 to fp16's largest; below, fp16's subnormals hold fewer than
 bf16's 8 bits), so that the backward accumulates in fp32 as on bf16 inputs, and its products chosen as for bf16
-inputs of the same shape (products_precision: "fp16_emulated" where the GPU takes "fp16"; conditioned_precision:
-"split_emulated" where it takes "split"; for every dtype in the process from the first call on). An input its carriers cannot hold exactly (entries below 2^-17 with more bits than
-fp16's subnormals keep, or above fp16's largest) it declines (NotImplementedError: the suite draws another): it would
-run on other inputs than the oracle's. kda's beta drawn from 5e-7 to 9e-6, carried 0.4 % off at the median and 5 %
+inputs of the same shape (products_precision: "fp16_emulated" where the GPU takes "fp16"; wy_precision:
+"split_emulated" where it takes "split"; for every dtype in the process from the first call on). An input its
+carriers cannot hold exactly (entries below 2^-17 with more bits than fp16's subnormals keep, or above fp16's
+largest) it declines (NotImplementedError: the suite draws another): it would run on other inputs than the
+oracle's. kda's beta drawn from 5e-7 to 9e-6, carried 0.4 % off at the median and 5 %
 at most, failed backward_causality[dg] at 15 times bf16's floor, and beta near 1e-38, carried as 0,
 backward_query_identity (session 36). They take an initial state and return the final one, as the kernels do: the
 suite then draws both (a stand-in without them, before session 26, missed the failures a drawn state brings out on
@@ -49,7 +50,7 @@ from attnlab.kernel import node_gradients
 from attnlab.kernels import _delta_chunk_backward
 
 _CHOSEN = _delta_chunk_backward.products_precision
-_CONDITIONED = _delta_chunk_backward.conditioned_precision
+_WY = _delta_chunk_backward.wy_precision
 
 
 def _as_for_bf16(dtype: torch.dtype, K: int, V: int, positions: int) -> str:
@@ -57,9 +58,9 @@ def _as_for_bf16(dtype: torch.dtype, K: int, V: int, positions: int) -> str:
     return _CHOSEN(torch.bfloat16, K, V, positions)
 
 
-def _conditioned_as_for_bf16(dtype: torch.dtype, K: int, V: int) -> str:
-    """The backward's conditioned products (bf16 hi/lo parts on wide heads) as chosen for bf16 inputs."""
-    return _CONDITIONED(torch.bfloat16, K, V)
+def _wy_as_for_bf16(dtype: torch.dtype, K: int, V: int) -> str:
+    """The backward's W = T Kg and U = T V (bf16 hi/lo parts of T on wide heads) as chosen for bf16 inputs."""
+    return _WY(torch.bfloat16, K, V)
 
 
 def _output_in_bf16(out: Any) -> Any:
@@ -114,7 +115,7 @@ def _bf16_backward_as_on_the_gpu(name: str) -> Callable[..., Any]:
                 raise NotImplementedError(f"{n} has entries fp16 carriers cannot hold exactly (below 2^-17 or above "
                                           "65504)")
         _delta_chunk_backward.products_precision = _as_for_bf16
-        _delta_chunk_backward.conditioned_precision = _conditioned_as_for_bf16
+        _delta_chunk_backward.wy_precision = _wy_as_for_bf16
         kernel = attnlab.kernel(name, "chunkwise")
         inputs["initial_state"] = initial_state
         tensors = {n: t for n, t in inputs.items() if isinstance(t, torch.Tensor)}

@@ -81,7 +81,7 @@ COMPILE = textwrap.dedent("""
         acc = tl.float64 if inputs == "fp32" else tl.float32
         types = {f"{n}_ptr": f"*{inputs}" for n in input_names.split()}
         precision = backward.products_precision(DTYPES[inputs], BK, BV, backward.FP16_PRODUCTS_MIN_POSITIONS)
-        conditioned = backward.conditioned_precision(DTYPES[inputs], 128, 128)  # a wide head's: "split" for bf16
+        wy = backward.wy_precision(DTYPES[inputs], 128, 128)  # a wide head's: "split" for bf16
         types |= {f"{n}_ptr": "*fp64" if inputs == "fp32" else "*fp32" for n in scratch_names.split()}
         types |= {f"{n}_ptr": "*fp16" for n in STORED if precision == "fp16"}
         types |= {"peaks_ptr": "*fp32", "bounds_ptr": "*fp32", "sum_bounds_ptr": "*fp32"}
@@ -92,8 +92,8 @@ COMPILE = textwrap.dedent("""
                        BKC=min(BK, backward.CHANNEL_SLICE), ACC=acc,
                        NATIVE_GATES=inputs != "fp32" and (name != "local"
                                                          or min(BK, backward.LOCAL_KEY_BLOCK) >= backward.NATIVE_SPAN_KEYS),
-                       PRECISION=conditioned if name in ("local", "channel_grams") else precision,
-                       PASS_PRECISION=precision, CONDITIONED=conditioned)
+                       PRECISION="tf32x3" if name in ("local", "channel_grams") else precision,
+                       WY_PRECISION=wy, PASS_PRECISION=precision)
         options = {n: value for n, value in options.items() if n in kernel.arg_names}
         what = f"{name} {inputs} {gates} C={C} BK={BK} BV={BV}"
         try:
@@ -341,10 +341,9 @@ BF16_ON_CPU = Path(__file__).resolve().parents[2] / "tools" / "bf16_on_cpu.py"
 
 
 def _bf16_target(name: str, monkeypatch):
-    # The stand-in replaces products_precision and conditioned_precision for the rest of its process: restored after
-    # the test.
+    # The stand-in replaces products_precision and wy_precision for the rest of its process: restored after the test.
     monkeypatch.setattr(backward, "products_precision", backward.products_precision)
-    monkeypatch.setattr(backward, "conditioned_precision", backward.conditioned_precision)
+    monkeypatch.setattr(backward, "wy_precision", backward.wy_precision)
     return resolve(f"{BF16_ON_CPU}:{name}_backward", name)
 
 
@@ -369,14 +368,14 @@ def test_small_problems_take_tf32x3_products_in_bf16(case, monkeypatch):
     assert any(r.failed for r in verdicts().values())
 
 
-# bf16 inputs' conditioned products (the grams, the inverse, W, U, dL's factors of X) in bf16 hi/lo parts, as the GPU
-# takes them on wide heads, emulated here on a narrow one: every gradient within the bf16 bound, as with tf32x3.
+# bf16 inputs' W = T Kg and U = T V in bf16 hi/lo parts of T, as the GPU takes them on wide heads, emulated here on a
+# narrow one: every gradient within the bf16 bound, as with tf32x3.
 @pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
-def test_the_conditioned_products_hold_every_gradient_in_bf16_parts(name, monkeypatch):
+def test_w_and_u_in_bf16_parts_hold_every_gradient(name, monkeypatch):
     case = Case(name=name, seed=3, B=1, T=40, H=2, K=16, V=16, beta_low=0.5, beta_high=1.9)
     target = _bf16_target(name, monkeypatch)
     monkeypatch.setattr(backward, "SPLIT_MIN_TILE", 16)
-    assert backward.conditioned_precision(torch.bfloat16, case.K, case.V) == "split_emulated"
+    assert backward.wy_precision(torch.bfloat16, case.K, case.V) == "split_emulated"
     checks._GRADIENT_RUNS.clear()
     for gradient in checks.gradient_names(target):
         result = checks.check_backward_matches_oracle(target, case, torch.bfloat16, "cpu", gradient)
