@@ -154,6 +154,10 @@ from attnlab.runtime import interpreter_active
 # of 64 columns at K = 128. The passes wait mostly on each chunk's loads (W, Kd, Qg, A, dO and their bounds, the
 # same for every V block of a head), so wider blocks load them for more columns at once; 128 columns spill.
 STATE_TILE = 8192
+# The backward's chunk of positions, C (any chunk size gives the same gradients): CHUNK, halved past 128 key channels,
+# where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double. A smaller chunk
+# shrinks the parallel kernels' [C, C] and [C, K] tiles and gives the sequential passes more steps.
+CHUNK = 64
 NUM_WARPS = 4
 # The fewest key and value channels at which bf16 inputs' products take "fp16" (products_precision). Below, a
 # product is a sum of a few terms, and the chunk algebra's cancellations (dS = exp(G_C) dS' + Qg^T dO - W^T dDelta,
@@ -1220,11 +1224,10 @@ def tiles(K: int, V: int) -> tuple[int, int, int, int, int]:
     The sums kernel's BV divides the sequential passes' (whose blocks' bounds it takes); its BK is also the gradients
     kernel's (whose steps take the sums' bounds key block by key block).
 
-    The chunk is the backward's own (any chunk size gives the same gradients): 64, or 32 past 128 key channels,
-    where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double."""
+    The chunk is the backward's own (CHUNK)."""
     BK = block_size(K)
     BV = min(block_size(V), max(16, STATE_TILE // BK))
-    return (32 if BK > 128 else 64), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV)
+    return (CHUNK // 2 if BK > 128 else CHUNK), BK, BV, min(BK, SUMS_KEY_BLOCK), min(BV, SUMS_BV)
 
 
 def chunkwise_backward(

@@ -382,6 +382,21 @@ def test_w_and_u_in_bf16_parts_hold_every_gradient(name, monkeypatch):
         assert result.held, result.message()
 
 
+# The backward's chunk is its own (CHUNK; any chunk size gives the same gradients): at 16 and 32 positions (the
+# default 64 is every other test's), over several chunks and a partial last one, every gradient within the fp16 bound.
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("name", ["deltanet", "gated_deltanet", "kda"])
+def test_every_backward_chunk_gives_the_gradients(name, chunk, monkeypatch):
+    monkeypatch.setattr(backward, "CHUNK", chunk)
+    case = Case(name=name, seed=5, B=1, T=70, H=2, K=16, V=16, beta_low=0.5, beta_high=1.9)
+    assert backward.tiles(case.K, case.V)[0] == chunk
+    target = own_kernel_target(name, "chunkwise")
+    checks._GRADIENT_RUNS.clear()
+    for gradient in checks.gradient_names(target):
+        result = checks.check_backward_matches_oracle(target, case, torch.float16, "cpu", gradient)
+        assert result.held, result.message()
+
+
 # The causal prefix the H100's property suite failed (session 27): with do zero from position 1 and no state,
 # dbeta_0 = A_00 (dO_0 . v_0), a dot over V that here cancels 14-fold; dDelta stored at 2^-11 made it 16.5 times
 # bf16's floor (dq 2.2: dA_00 = dO_0 . Delta_0 likewise). The "fp16" path now keeps Delta's and dDelta's residuals
