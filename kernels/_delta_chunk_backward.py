@@ -156,7 +156,9 @@ from attnlab.runtime import interpreter_active
 STATE_TILE = 8192
 # The backward's chunk of positions, C (any chunk size gives the same gradients): CHUNK, halved past 128 key channels,
 # where the local kernel's and the sequential passes' whole-K tiles ([C, BK]: q, k, W) would double. A smaller chunk
-# shrinks the parallel kernels' [C, C] and [C, K] tiles and gives the sequential passes more steps.
+# shrinks the parallel kernels' [C, C] and [C, K] tiles and gives the sequential passes more steps: at 32 the
+# training step measured 1.3 times slower at the bench shape, though kda's anchored kernels gained (reports/bench.md,
+# session 39).
 CHUNK = 64
 NUM_WARPS = 4
 # The fewest key and value channels at which bf16 inputs' products take "fp16" (products_precision). Below, a
