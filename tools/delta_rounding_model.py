@@ -16,7 +16,8 @@ intermediate named in a variant (VARIANTS) is rounded where a kernel would store
 - sums: the [C, K] sums over V, dQg, -dW and dKd; cc: the [C, C] ones, dA and dDelta V^T.
 
 Roundings: "bf16" (fla's storage), "fp16" against the peak of each chunk's matrix of one head (attnlab's "fp16" path:
-2^-11 of each value down to 2^-25 of the peak), "bf16 parts" (hi + lo, about 2^-16). Products are exact (float64), so a variant measures what its
+2^-11 of each value down to 2^-25 of the peak) or against a bound 2^20 times it (what a scale from a cheap bound
+would leave), "bf16 parts" (hi + lo, about 2^-16). Products are exact (float64), so a variant measures what its
 storage costs, not what the arithmetic that forms a tile costs (the inverse's merges at bf16 parts are another
 question: tools/bf16_on_cpu.py runs the kernel's own). Each gradient comes back rounded to bf16 and is measured
 against the float64 oracle's (attnlab.gradients.oracle_gradients) as the gradient tests measure it: its excess over
@@ -45,12 +46,19 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).double()
 
 
-def fp16_against_peak(x: torch.Tensor) -> torch.Tensor:
-    """Each matrix of x (its last two dims: one chunk's of one head) in fp16 after scaling its peak to [2^13, 2^14),
-    as _numerics.to_scratch stores a tile (the kernels' tiles are such a matrix or a block of one)."""
-    peak = x.abs().amax((-2, -1), keepdim=True)
+def fp16_against_peak(x: torch.Tensor, slack: float = 1.0) -> torch.Tensor:
+    """Each matrix of x (its last two dims: one chunk's of one head) in fp16 after scaling its peak, times ``slack``,
+    to [2^13, 2^14), as _numerics.to_scratch stores a tile against its bound (the kernels' tiles are such a matrix
+    or a block of one; their bound is the peak, slack 1)."""
+    peak = x.abs().amax((-2, -1), keepdim=True) * slack
     step = torch.exp2(torch.floor(torch.log2(torch.where(peak > 0, peak, 1.0))) - 13)
     return (x / step).to(torch.float16).double() * step
+
+
+def fp16_against_loose_bound(x: torch.Tensor) -> torch.Tensor:
+    """fp16 against a bound 2^20 times each matrix's peak: what a scale taken from a cheap bound instead of the peak
+    (no max-reduction) would leave; the peak lands in [2^-7, 2^-6), fp16's normal range ends 2^-8 below it."""
+    return fp16_against_peak(x, 2.0**20)
 
 
 def bf16_parts(x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +72,8 @@ EVERYTHING = ("X", "W", "U", "S", "dS", "Delta", "dDelta", "sums", "cc")
 VARIANTS: dict[str, dict[str, Rounding]] = {
     "exact": {},
     "attnlab's fp16 path (S, dS, Delta, dDelta, sums)": FP16_PATH,
+    "the fp16 path against bounds 2^20 over the peaks": FP16_PATH | dict.fromkeys(("S", "dS", "Delta", "dDelta"),
+                                                                             fp16_against_loose_bound),
     "S, dS in bf16": dict(S=bf16, dS=bf16),
     "Delta, dDelta in bf16": dict(Delta=bf16, dDelta=bf16),
     "[C, K] sums in bf16": dict(sums=bf16),
