@@ -144,17 +144,18 @@ def chunk_dual_gradients(x: Mapping[str, torch.Tensor], do: torch.Tensor,
         dL = -strict * (X.mT @ (dT * c["beta"][..., None, :]) @ X.mT)
         dE = c["beta"][..., :, None] * dL * c["gamma"]
         dP = scale * dA * c["gamma"]
+        dKg = c["T"].mT @ dW
         rows = c["rows"]
         grads["beta"][..., rows] = (dT * X).sum(-2) + (dL * c["kk"]).sum(-1)
         grads["v"][..., rows, :] = c["T"].mT @ d_delta
-        grads["k"][..., rows, :] = ((dE + dE.mT) @ c["k"] + dP.mT @ c["q"] + c["from_start"] * (c["T"].mT @ dW)
+        grads["k"][..., rows, :] = ((dE + dE.mT) @ c["k"] + dP.mT @ c["q"] + c["from_start"] * dKg
                                     + c["to_end"] * dKd)
         grads["q"][..., rows, :] = dP @ c["k"] + scale * c["from_start"] * dQg
         # dG: the pairwise decays' (row sums minus column sums of dL * L and dA * A), the row factors' (Qg, Kg, and
         # Kd, whose sum also goes to G_C) and the state decay's; dg is its reverse cumulative sum over the chunk.
         pairs = dL * c["beta"][..., :, None] * c["kk"] + dA * c["A"]
         to_end_terms = (dKd * c["Kd"]).sum(-1)
-        dG = (pairs.sum(-1) - pairs.sum(-2) + (dQg * c["Qg"]).sum(-1) + ((c["T"].mT @ dW) * c["Kg"]).sum(-1)
+        dG = (pairs.sum(-1) - pairs.sum(-2) + (dQg * c["Qg"]).sum(-1) + (dKg * c["Kg"]).sum(-1)
               - to_end_terms)
         dG[..., -1] += to_end_terms.sum(-1) + c["decay"][..., 0, 0] * (c["S"] * dS_stored).sum((-2, -1))
         grads["g"][..., rows] = dG.flip(-1).cumsum(-1).flip(-1)
