@@ -42,13 +42,13 @@ as an fp32 pair (a compensated scan), so that G_t - G_j and G_C - G_t are
 accurate to their own size even when |G| reaches C * 20 inside a chunk.
 
 Precision (the ``precision`` option, with kda's choices and meanings: "auto"
-is "fp16" for bf16 inputs, "bf16x3" for fp16, "ieee" for fp32) decides the
-state pass's dots and how W, A_qk and U are stored (fp16 pre-scaled for
-"fp16": W and A_qk by per-chunk bounds, U by its per-chunk column peaks, so
-that each entry of U keeps fp16's 2^-11, the size of W S's own rounding,
-which Delta = U - W S subtracts from it). "bf16" (fla's rounding of every
-operand) is less accurate and no faster, so the delta rules offer no speed
-setting. With fp16 inputs, "fp16" rounds Delta to fp16, and T's
+is "fp16" for bf16 inputs but narrow heads (below), "bf16x3" for fp16, "ieee"
+for fp32) decides the state pass's dots and how W, A_qk and U are stored (fp16
+pre-scaled for "fp16": W and A_qk by per-chunk bounds, U by its per-chunk
+column peaks, so that each entry of U keeps fp16's 2^-11, the size of W S's
+own rounding, which Delta = U - W S subtracts from it). "bf16" (fla's rounding
+of every operand) is less accurate and no faster, so the delta rules offer no
+speed setting. With fp16 inputs, "fp16" rounds Delta to fp16, and T's
 conditioning amplifies that rounding on ill-conditioned chunks (beta = 2,
 nearly parallel keys) far above the fp16 floor, though not above the bf16
 floor it is the default for: fp16 inputs default to "bf16x3", which sits at
@@ -56,10 +56,11 @@ the fp16 floor there.
 Known defect of "fp16": where the chunk algebra cancels, an output that is
 exactly representable in bf16 can come out an ulp off (K = 1, beta = 1:
 o_t = sum_j A_qk[t, j] U_j = +-v_t with |U_j| far above |o_t|, Delta
-rounded to fp16, an absolute error of 2^-12 of |U|), which the bf16 property
-suite counts as a failure (properties/regressions.py;
-tests/kernels/test_deltanet.py, strict xfails). "bf16x3" and "tf32x3" are
-exact there.
+rounded to fp16, an absolute error of 2^-12 of |U|; properties/regressions.py,
+tests/kernels/test_deltanet.py's strict xfails). "bf16x3" and "tf32x3" are
+exact there, and "auto" takes "bf16x3" for bf16 heads of fewer than 16 key
+or value channels (_state_pass.FP16_MIN_CHANNELS), where a sum over so few
+channels averages no rounding away.
 The prepare kernel keeps its own products more exact than the state pass's,
 since their errors are amplified by T's conditioning: T's inverse merges
 multiply bf16 hi/lo parts ("split", three bf16 products, ~2^-16) under
@@ -503,7 +504,7 @@ def chunkwise(
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
-    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
+    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K, V)
     operands = StateOperands.allocate(B, H, triton.cdiv(T, C), C, K, V, q.device, dot_precision, scalar_gate=True)
     o, final = _outputs(q, v, return_state)
     initial = state[0] if state is not None else None

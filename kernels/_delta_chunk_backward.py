@@ -115,8 +115,9 @@ K = 128) live through the V loop and the [C, K] tiles of the algebra after it: p
 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and [SUMS_KEY_BLOCK,
 SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's tiles and bf16 inputs
 (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes (4 bytes of spill loads),
-the gradients kernel at 8 spills nothing. The price is the sums' round trip through memory, written once and read once
-(-dW twice, once for dT and once for dKg): at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, bf16
+the gradients kernel 96 bytes at 4 warps ungated and 636 with a gate per head, none with per-channel gates at 8
+(GRADIENTS_NUM_WARPS). The price is the sums' round trip through memory, written once and read once (-dW twice, once
+for dT and once for dKg): at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, bf16
 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16 buffer (which no kernel reads
 after the reverse pass; 256 MiB in ACC), dA and dDelta V^T 256 MiB and <S, dS'> 4 MiB in ACC, plus 192 KiB of bounds:
 about 1.4 GiB of traffic instead of 2.3 in ACC. The sequential passes' outputs there: S and dS' 512 MiB each, Delta
@@ -183,12 +184,18 @@ FP16_PRODUCTS_MIN_POSITIONS = 64
 # whose blocks' bounds it takes); the two kernels' warps. At C = 64, K = V = 128 (sm_90a ptxas, bf16 inputs) 64
 # keys at 4 warps and a V step of 32 take 255 registers and spill 8 bytes a thread (4 of loads). All 128 keys in one
 # program at 8 warps (Delta, dDelta and dO read once, not twice) is slower (reports/bench.md) and faults on an H100
-# with tf32x3 products (an illegal memory access the interpreter does not reproduce). The gradients kernel at 4
-# warps spills 0.25 to 1 KB, at 8 none.
+# with tf32x3 products (an illegal memory access the interpreter does not reproduce).
 SUMS_KEY_BLOCK = 64
 SUMS_BV = 32
 SUMS_NUM_WARPS = 4
-GRADIENTS_NUM_WARPS = 8
+# The gradients kernel's warps, with a gate per head or none and with per-channel gates. Every backward kernel waits
+# on its own chain of loads, products and reductions (reports/bench.md, sessions 32 and 40); at 4 warps and 255
+# registers two programs share an SM and hide each other's waits, where at 8 (229 to 255 registers) one has it to
+# itself. At the bench shape 4 warps took the kernel from 1.19 to 0.75 ms (deltanet) and 1.66 to 1.28 (a gate per
+# head) though ptxas spills 96 and 636 bytes a thread there (none at 8); per-channel gates' variant, which spills
+# 672 bytes at 4, went from 1.51 to 1.63 and keeps 8.
+GRADIENTS_NUM_WARPS = 4
+CHANNEL_GRADIENTS_NUM_WARPS = 8
 # Pipeline stages of each kernel's loop with fp32 ACC (a kernel absent here takes one, and every kernel takes one
 # in fp64, where Triton's default of 3 multiplies the shared buffers past sm_90's 227 KB: 360 KB for the reverse
 # pass at K = 128). The sums kernel streams its V steps' tiles and gains most from loads issued ahead; the states
@@ -1329,7 +1336,8 @@ def chunkwise_backward(
     _gradients_kernel[(chunks, B * H)](
         q, k, beta, gate, factors, decays, X, A, kk, key_sums, w, value_sums, pairing, sum_bounds, dq, dk, dbeta,
         dg if dg is not None else dbeta, parts, d_kk, d_a, T, H, K, scale_hi, scale_lo,
-        num_stages=stages["gradients"], **common | dict(BK=key_block, num_warps=GRADIENTS_NUM_WARPS))
+        num_stages=stages["gradients"],
+        **common | dict(BK=key_block, num_warps=CHANNEL_GRADIENTS_NUM_WARPS if channel else GRADIENTS_NUM_WARPS))
     if channel:
         _channel_cotangents_kernel[(chunks, B * H, triton.cdiv(K, channel_slice["BKC"]))](
             q, k, g, parts, d_kk, d_a, dq, dk, dg, T, H, K, C=C, PRECISION=common["PRECISION"], **channel_slice)

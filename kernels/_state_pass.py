@@ -272,10 +272,31 @@ class StateOperands(NamedTuple):
         return self.u if self.u_peak is None else self.u_peak
 
 
-def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype, K: int) -> tuple[str, int]:
+# The fewest key and value channels at which "auto" takes "fp16" for bf16 inputs. Narrower heads take "bf16x3":
+# with K = V = 1 the chunk algebra reaches outputs exactly representable in bf16 through cancellation (o_t = sum_j
+# A_qk[t, j] Delta_j with |Delta_j| far above |o_t|), and "fp16"'s Delta, rounded to 2^-11 of its peak, moved them
+# by an ulp (deltanet), by 4.6 % (gated_deltanet) or to excess 1.59 (kda), where "bf16x3" is exact
+# (properties/regressions.py). A sum over so few channels averages no rounding away, and heads this narrow cost
+# nothing to multiply at "bf16x3". The chunkwise backward draws its line at the same width
+# (_delta_chunk_backward.FP16_PRODUCTS_MIN_CHANNELS).
+FP16_MIN_CHANNELS = 16
+
+
+def auto_precision(dtype: torch.dtype, K: int, V: int) -> str:
+    """The ``precision`` option that "auto" stands for, for inputs of ``dtype`` with K key and V value channels:
+    "fp16" for bf16 inputs, but "bf16x3" on heads narrower than FP16_MIN_CHANNELS; "bf16x3" for fp16 inputs;
+    "ieee" for fp32."""
+    if dtype == torch.bfloat16:
+        return "fp16" if min(K, V) >= FP16_MIN_CHANNELS else "bf16x3"
+    return "ieee" if dtype == torch.float32 else "bf16x3"
+
+
+def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype, K: int,
+                       V: int) -> tuple[str, int]:
     """(the dot precision, the number of stages) of the state pass for the ``precision`` and
-    ``num_stages`` options (checked by the caller) and inputs of ``dtype`` with K key channels."""
-    resolved = dot_precision(precision, dtype)
+    ``num_stages`` options (checked by the caller) and inputs of ``dtype`` with K key and V value
+    channels ("auto": :func:`auto_precision`)."""
+    resolved = dot_precision(auto_precision(dtype, K, V) if precision == "auto" else precision, dtype)
     if num_stages == "auto":
         # Two stages of the operand tiles outgrow sm_90's 227 KB of shared memory with "tf32" dots, and at
         # K > 128 with any (the ptxas figures: reports/bench.md).

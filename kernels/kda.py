@@ -67,19 +67,20 @@ OPTIONS (chunkwise):
   off-diagonal A blocks, a smaller UT inverse, [C, C] products) but give the
   sequential state pass more steps, which only pays while its programs keep
   the SMs busy.
-- ``precision`` ("auto"): how the fp32 x fp32 dots run (``_numerics.scaled_dot``).
-  "auto" is "fp16" for bf16 inputs, "bf16x3" for fp16 inputs and "ieee" for
-  fp32 inputs. "fp16" scales each operand tile by a power of two (exact) so
-  that a bound on its magnitude lands in [2^13, 2^14), rounds it to fp16 and
-  does one fp16 tensor-core product: 2^-11 relative per operand (down to
-  2^-27 of the bound), 4x below bf16's output rounding, at the cost of one
-  bf16 product. The bound is the tile's own peak (a max-reduction across the
-  warps) only where nothing cheaper bounds it: the A blocks' and W's operands
-  are q or k times decays <= 1 (the peaks of |q| and |k| bound them); the
-  state pass's W, Qg and Kd are stored already scaled and rounded to fp16 by
-  kernel 3 (the rounding their products would do anyway, at half the bytes),
-  with their bounds and A_qk's per chunk, so the state pass reduces only S
-  and Delta, once a chunk each. For fp16 inputs "fp16" would sit at their
+- ``precision`` ("auto"): how the fp32 x fp32 dots run
+  (``_numerics.scaled_dot``). "auto" is "fp16" for bf16 inputs (narrow heads:
+  "bf16x3", below), "bf16x3" for fp16 inputs and "ieee" for fp32 inputs.
+  "fp16" scales each operand tile by a power of two (exact) so that a bound on
+  its magnitude lands in [2^13, 2^14), rounds it to fp16 and does one fp16
+  tensor-core product: 2^-11 relative per operand (down to 2^-27 of the
+  bound), 4x below bf16's output rounding, at the cost of one bf16 product.
+  The bound is the tile's own peak (a max-reduction across the warps) only
+  where nothing cheaper bounds it: the A blocks' and W's operands are q or k
+  times decays <= 1 (the peaks of |q| and |k| bound them); the state pass's W,
+  Qg and Kd are stored already scaled and rounded to fp16 by kernel 3 (the
+  rounding their products would do anyway, at half the bytes), with their
+  bounds and A_qk's per chunk, so the state pass reduces only S and Delta,
+  once a chunk each. For fp16 inputs "fp16" would sit at their
   own floor, so they keep "bf16x3" (each fp32 operand split into bf16 hi +
   lo, three bf16 products, about 2^-16 relative per product). "tf32x3"
   (three TF32 products, about 2^-21) costs twice "bf16x3" on tensor cores;
@@ -93,7 +94,8 @@ OPTIONS (chunkwise):
   Known defect of "fp16": on the property suite's case K = V = 1, no decay,
   nearly parallel keys, T = 65, its excess is over the bf16 bound, where
   "bf16x3" and "ieee" are exact (properties/regressions.py; a strict xfail
-  in tests/kernels/test_kda.py).
+  in tests/kernels/test_kda.py). So "auto" takes "bf16x3" for bf16 heads
+  of fewer than 16 key or value channels (_state_pass.FP16_MIN_CHANNELS).
 - ``block_v`` (64; 16, 32, 64 or 128): V columns per program of the state
   pass; each program reads its chunk's W, Qg and Kd once for all its columns,
   so wider blocks read them fewer times.
@@ -509,7 +511,7 @@ def chunkwise(
     if chunk_size == "auto":
         multiprocessors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else None
         chunk_size = auto_chunk_size(B * H * triton.cdiv(V, value_block(block_v, V)), multiprocessors)
-    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K)
+    dot_precision, num_stages = resolve_state_pass(precision, num_stages, q.dtype, K, V)
     scratch = _IntraScratch.allocate(B, H, triton.cdiv(T, chunk_size), chunk_size, K, V, q.device, dot_precision)
     o = torch.empty_like(v)
     initial = state[0] if state is not None else None

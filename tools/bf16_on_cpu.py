@@ -1,9 +1,10 @@
 """The delta rules' and kda's bf16 default run on the CPU with the GPU's roundings, for the property suite.
 
 bf16 kernels do not run under the Triton interpreter (it computes on bf16 bit patterns as integers). Their
-default for bf16 inputs, precision "fp16", takes every operand's value exactly whatever its carrier: given fp32
-copies of the bf16 inputs and precision="fp16", these kernels make the roundings the GPU makes on the bf16
-inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order of the sums
+default for bf16 inputs, precision "fp16" (on heads of at least 16 key and value channels; narrower ones take
+"bf16x3", which the interpreter computes as exact fp32), takes every operand's value exactly whatever its carrier:
+given fp32 copies of the bf16 inputs and the precision "auto" picks for bf16, these kernels make the roundings the
+GPU makes on the bf16 inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order of the sums
 differs), and their fp32 output rounded once to bf16 stands for the GPU's bf16 output. Point the property suite
 at them by path (slow: the interpreter runs every example; kda takes longest):
 
@@ -48,6 +49,7 @@ import torch
 import attnlab
 from attnlab.kernel import node_gradients
 from attnlab.kernels import _delta_chunk_backward
+from attnlab.kernels._state_pass import auto_precision
 
 _CHOSEN = _delta_chunk_backward.products_precision
 _WY = _delta_chunk_backward.wy_precision
@@ -74,7 +76,8 @@ def _bf16_default_as_on_the_gpu(name: str) -> Callable[..., Any]:
     def call(**inputs: Any) -> Any:
         carried = {n: t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t
                    for n, t in inputs.items()}
-        out = attnlab.kernel(name, "chunkwise", precision="fp16")(**carried)
+        precision = auto_precision(torch.bfloat16, carried["k"].shape[-1], carried["v"].shape[-1])
+        out = attnlab.kernel(name, "chunkwise", precision=precision)(**carried)
         return _output_in_bf16(out)
 
     call.__name__ = name
