@@ -4,8 +4,8 @@ bf16 kernels do not run under the Triton interpreter (it computes on bf16 bit pa
 default for bf16 inputs, precision "fp16" (on heads of at least 16 key and value channels; narrower ones take
 "bf16x3", which the interpreter computes as exact fp32), takes every operand's value exactly whatever its carrier:
 given fp32 copies of the bf16 inputs and the precision "auto" picks for bf16, these kernels make the roundings the
-GPU makes on the bf16 inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order of the sums
-differs), and their fp32 output rounded once to bf16 stands for the GPU's bf16 output. Point the property suite
+GPU makes on the bf16 inputs (fp16-scaled dot operands, bf16 hi/lo splits, fp32 sums; not bit for bit, the order
+of the sums differs), and their fp32 output rounded once to bf16 stands for the GPU's bf16 output. Point the property suite
 at them by path (slow: the interpreter runs every example; kda takes longest):
 
     .venv/bin/python -m pytest --pyargs attnlab.properties -q -p no:cacheprovider \\
