@@ -23,7 +23,6 @@ COUNTEREXAMPLES = [c for c in REGRESSIONS["matches_oracle"] if c.name in ("delta
 BF16_ON_CPU = Path(__file__).resolve().parents[2] / "tools" / "bf16_on_cpu.py"
 
 
-@interpreter_only
 def test_auto_precision_by_dtype_and_head_width():
     narrowest = _state_pass.FP16_MIN_CHANNELS
     assert _state_pass.auto_precision(torch.bfloat16, narrowest, narrowest) == "fp16"
