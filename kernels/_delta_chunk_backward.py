@@ -1213,7 +1213,7 @@ def products_precision(dtype: torch.dtype, K: int, V: int, positions: int) -> st
     it says; the interpreter's emulation of "fp16" under it (_numerics.dot_precision)."""
     fp16 = (dtype == torch.bfloat16 and min(K, V) >= FP16_PRODUCTS_MIN_CHANNELS
             and positions >= FP16_PRODUCTS_MIN_POSITIONS)
-    return dot_precision("fp16" if fp16 else "tf32x3", dtype)
+    return dot_precision("fp16" if fp16 else "tf32x3")
 
 
 def wy_precision(dtype: torch.dtype, K: int, V: int) -> str:

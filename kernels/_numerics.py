@@ -148,12 +148,10 @@ def dot_scratches(a, a_bound, b, b_bound, PRECISION: tl.constexpr):
         return scaled_dot(a, b, PRECISION)
 
 
-def dot_precision(precision: str, dtype: torch.dtype) -> str:
-    """The PRECISION of scaled_dot and the scratch helpers for a ``precision`` option and inputs of ``dtype``:
-    "auto" is "fp16" for bf16 inputs, "bf16x3" for fp16 and "ieee" for fp32; under the interpreter "bf16" and
-    "fp16" become their emulations, and "bf16x3", which its builder does not know, "ieee"."""
-    if precision == "auto":
-        precision = {torch.float32: "ieee", torch.bfloat16: "fp16"}.get(dtype, "bf16x3")
+def dot_precision(precision: str) -> str:
+    """The PRECISION of scaled_dot and the scratch helpers for a ``precision`` option other than "auto" (which the
+    caller resolves by the inputs: _state_pass.auto_precision): the option itself, but under the interpreter "bf16"
+    and "fp16" become their emulations, and "bf16x3", which its builder does not know, "ieee"."""
     if interpreter_active() and precision not in INTERPRETER_PRECISIONS:
         # "bf16" and "fp16" are no input_precision (scaled_dot casts the operands itself), and the interpreter's
         # 16-bit dots are wrong: round the operands and multiply them in fp32 instead.

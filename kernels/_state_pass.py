@@ -296,7 +296,7 @@ def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype
     """(the dot precision, the number of stages) of the state pass for the ``precision`` and
     ``num_stages`` options (checked by the caller) and inputs of ``dtype`` with K key and V value
     channels ("auto": :func:`auto_precision`)."""
-    resolved = dot_precision(auto_precision(dtype, K, V) if precision == "auto" else precision, dtype)
+    resolved = dot_precision(auto_precision(dtype, K, V) if precision == "auto" else precision)
     if num_stages == "auto":
         # Two stages of the operand tiles outgrow sm_90's 227 KB of shared memory with "tf32" dots, and at
         # K > 128 with any (the ptxas figures: reports/bench.md).

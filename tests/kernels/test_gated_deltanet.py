@@ -99,7 +99,7 @@ def test_forms_agree_in_fp32():
 def _prepared(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16):
     """The state pass's operands as the delta rules' prepare kernel writes them for inputs x."""
     B, T, H, K = x["k"].shape
-    dot_precision = resolve_dot_precision(precision, torch.bfloat16)
+    dot_precision = resolve_dot_precision(precision)
     operands = StateOperands.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"),
                                       dot_precision, scalar_gate=True)
     _delta._bind_prepare(x["q"], x["k"], x["v"], x["beta"], x["g"], scale, operands, C, dot_precision)()

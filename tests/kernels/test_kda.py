@@ -152,7 +152,7 @@ def test_fp16_operand_scaling(magnitude):
 def _intra_scratch(x: dict[str, torch.Tensor], scale: float, precision: str, C: int = 16) -> kda_module.StateOperands:
     """The state pass's operands, as the parallel kernels write them for inputs x, chunks of C."""
     B, T, H, K = x["k"].shape
-    dot_precision = resolve_dot_precision(precision, torch.bfloat16)
+    dot_precision = resolve_dot_precision(precision)
     scratch = kda_module._IntraScratch.allocate(B, H, -(-T // C), C, K, x["v"].shape[-1], torch.device("cpu"), dot_precision)
     for launch in kda_module._bind_intra_chunk(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, scratch, dot_precision):
         launch()
