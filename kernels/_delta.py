@@ -140,7 +140,9 @@ import triton.language as tl
 
 from attnlab.kernels import _state_pass
 from attnlab.kernels._numerics import peak, split_dot, split_dot_into, to_scratch, unit_lower_inverse
-from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u
+from attnlab.kernels._state_pass import (
+    StateOperands, bind_state_pass, inverse_precision, resolve_state_pass, store_u, wy_precision,
+)
 from attnlab.kernels._util import Launch, block_size, launch_after_checks, no_pending_checks, state_block
 from attnlab.runtime import interpreter_active
 
@@ -456,11 +458,7 @@ def _check_choice(name: str, value, choices) -> None:
 
 def _prepare_precisions(dot_precision: str) -> tuple[str, str]:
     """(T's inverse, W and U's products) for the state pass's dot precision (module docstring)."""
-    if dot_precision in ("ieee", "tf32", "tf32x3"):
-        return dot_precision, dot_precision
-    if dot_precision == "bf16x3":
-        return "tf32x3", "split"
-    return "split", "split"
+    return inverse_precision(dot_precision), wy_precision(dot_precision)
 
 
 def _outputs(q: torch.Tensor, v: torch.Tensor, return_state: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

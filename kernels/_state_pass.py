@@ -291,6 +291,25 @@ def auto_precision(dtype: torch.dtype, K: int, V: int) -> str:
     return "ieee" if dtype == torch.float32 else "bf16x3"
 
 
+def inverse_precision(dot_precision: str) -> str:
+    """The products of the forward's UT inverse T = (I + L)^-1, for the state pass's dot precision: as the state
+    pass does for "ieee", "tf32" and "tf32x3"; TF32 pairs ("tf32x3", about 2^-22) for "bf16x3" (fp16 inputs,
+    whose own products are about 2^-16); otherwise bf16 hi/lo parts ("split", about 2^-16), never operands rounded
+    to fp16 or bf16: T's conditioning amplifies their rounding (beta = 2 with nearly parallel keys: kda's bf16
+    default at 16 times bf16's floor with an inverse at "fp16"; properties/regressions.py)."""
+    if dot_precision in ("ieee", "tf32", "tf32x3"):
+        return dot_precision
+    return "tf32x3" if dot_precision == "bf16x3" else "split"
+
+
+def wy_precision(dot_precision: str) -> str:
+    """How the forward's W = T Kg and U = T V multiply T, for the state pass's dot precision: as the state pass
+    does for "ieee", "tf32" and "tf32x3"; otherwise in bf16 hi/lo parts of T ("split", about 2^-16 relative;
+    _numerics.split_dot_into), never T rounded to fp16 as the state pass's operands are (2^-11 of its peak): T's
+    conditioning amplifies that rounding (inverse_precision)."""
+    return dot_precision if dot_precision in ("ieee", "tf32", "tf32x3") else "split"
+
+
 def resolve_state_pass(precision: str, num_stages: int | str, dtype: torch.dtype, K: int,
                        V: int) -> tuple[str, int]:
     """(the dot precision, the number of stages) of the state pass for the ``precision`` and

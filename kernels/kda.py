@@ -40,9 +40,14 @@ parallel, each at the warp count its tiles want, writing scratch rows
    t = j is sum_c q_tc k_tc. Small [16, 16] products hold whole operands in
    every warp, so this kernel runs one warp a program.
 2. ``_kda_ut_inverse_kernel``, grid (chunks, B*H): T from A_kk by block
-   forward substitution, fp32.
+   forward substitution, fp32, its products at _state_pass.inverse_precision
+   (bf16 hi/lo parts of the fp32 operands for "fp16": T's conditioning
+   amplifies an operand rounded to fp16 to 16 times bf16's floor on beta = 2
+   with nearly parallel keys).
 3. ``_kda_chunk_operands_kernel``, grid (chunks, B*H): W, U, Qg, Kd, exp(G_C)
-   and per-chunk bounds on |W|, |Qg|, |Kd|, |A_qk| for the state pass.
+   and per-chunk bounds on |W|, |Qg|, |Kd|, |A_qk| for the state pass; W and
+   U multiply T as _state_pass.wy_precision says (its bf16 hi/lo parts for
+   "fp16", as the delta rules' prepare kernel does).
 4. The state pass (kernels/_state_pass.py, shared with the delta rules), grid
    (V blocks, B*H), sequential over chunks: four dots a chunk and no exp or
    cumsum (all gate work is in kernels 1 and 3), the output fused in.
@@ -169,12 +174,15 @@ import triton.language as tl
 
 from attnlab.kernels import _delta_chunk_backward, _state_pass
 from attnlab.kernels._numerics import (
-    dot_scratch, native_gates, peak, scaled_dot, scaled_dot_within, span_sums, to_scratch,
+    native_gates, peak, scaled_dot, scaled_dot_within, span_sums, split_dot, to_scratch,
 )
-from attnlab.kernels._state_pass import StateOperands, bind_state_pass, resolve_state_pass, store_u, value_block
+from attnlab.kernels._state_pass import (
+    StateOperands, bind_state_pass, inverse_precision, resolve_state_pass, store_u, value_block, wy_precision,
+)
 from attnlab.kernels._util import (
     Launch, block_size, launch_after_checks, no_pending_checks, state_block, zero_state,
 )
+from attnlab.runtime import interpreter_active
 
 SUB_CHUNK = 16
 # Launch shapes of the parallel kernels, each the fastest measured at the bench shape (reports/bench.md). The A rows
@@ -183,7 +191,10 @@ SUB_CHUNK = 16
 A_ROWS_CHANNEL_SLICE = 16
 A_ROWS_NUM_WARPS = 1
 UT_INVERSE_NUM_WARPS = 1
-INTRA_OUTPUT_BLOCK = 32  # key or value channels per W, U, Qg, Kd block of the operands kernel
+# Key or value channels per W, U, Qg, Kd block of the operands kernel, whatever K and V (masked past them): T's bf16
+# parts multiplied with [C, 32] or [C, 16] tiles gave wrong outputs on the GPU in the delta rules' prepare kernel
+# (kernels/_delta.py, PREPARE_OUTPUT_BLOCK), at 64 they are right.
+INTRA_OUTPUT_BLOCK = 64
 OPERANDS_NUM_WARPS = 2
 
 OPTIONS = {
@@ -326,7 +337,7 @@ def _kda_a_rows_kernel(
 def _kda_ut_inverse_kernel(
     beta_ptr, akk_ptr, t_ptr,
     T, H,
-    C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr,
+    C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr,
 ):
     """One chunk's UT matrix T = (I + L)^-1 Diag(beta), L = Diag(beta) A_kk (strictly lower), fp32,
     from _kda_a_rows_kernel's A_kk to t [rows, C]; rows past T have beta = 0. By block rows I
@@ -364,8 +375,8 @@ def _kda_ut_inverse_kernel(
         rhs = (cols[None, :] == r + local[:, None]).to(tl.float32)  # E_I
         if I > 0:
             akk_before = tl.load(akk_ptr + strip_rows[:, None] * C + cols[None, :], mask=(cols < r)[None, :], other=0.0)
-            rhs -= scaled_dot(beta_I[:, None] * akk_before, tl.reshape(X3, (C, C)), PRECISION)
-        X_I = scaled_dot(X_II, rhs, PRECISION)
+            rhs -= split_dot(beta_I[:, None] * akk_before, tl.reshape(X3, (C, C)), PRECISION, EMULATE_BF16)
+        X_I = split_dot(X_II, rhs, PRECISION, EMULATE_BF16)
         X3 = tl.where((blocks == I)[:, None, None], X_I[None, :, :], X3)
 
     tl.store(t_ptr + (scratch_base + rows)[:, None] * C + cols[None, :], tl.reshape(X3, (C, C)) * beta[None, :])
@@ -376,10 +387,11 @@ def _kda_chunk_operands_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, t_ptr, w_ptr, u_ptr, u_peak_ptr, qg_ptr, kd_ptr, gc_ptr, bounds_ptr,
     T, H, K, V, scale,
     C: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BV: tl.constexpr,
-    PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, NATIVE_GATES: tl.constexpr,
+    PRECISION: tl.constexpr, WY_PRECISION: tl.constexpr, U_PRECISION: tl.constexpr, NATIVE_GATES: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     """One chunk's operands of the state pass, from the UT matrix T:
-      W = T (K exp(G)),  U = T V,  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
+      W = T (K exp(G)),  U = T V  (WY_PRECISION),  Qg = scale Q exp(G),  Kd = K exp(G_C - G),  gC = exp(G_C),
     BKW key (BV value) channels at a time; G is summed from the chunk start (exp(G) <= 1) and
     G_C - G over the later steps only (a suffix sum, exp <= 1). Then per-chunk bounds on |W|
     (largest row sum of |T| times peak|k|), |Qg|, |Kd| and |A_qk| (|sum_c q_tc k_jc decay| <= K peak|q|
@@ -408,12 +420,9 @@ def _kda_chunk_operands_kernel(
         k_peak = tl.maximum(k_peak, peak(tl.load(k_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)))
 
     t_matrix = tl.load(t_ptr + scratch_row[:, None] * C + cols[None, :])
-    t_peak = peak(t_matrix)
     # |W_tc| = |sum_j T_tj k_jc exp(G_jc)| <= max_t sum_j |T_tj| peak|k|; |Qg| <= |scale| peak|q|; |Kd| <= peak|k|.
     w_bound = tl.max(tl.sum(tl.abs(t_matrix), axis=1)) * k_peak
     qg_bound = tl.abs(scale) * q_peak
-    # T enters every product of W and U: rounded for them once (fp16 for "fp16"), not once a block.
-    t_operand = to_scratch(t_matrix, t_peak, PRECISION)
     for channel_start in range(0, BK, BKW):
         channels = channel_start + tl.arange(0, BKW)
         channel_ok = channels < K
@@ -425,7 +434,7 @@ def _kda_chunk_operands_kernel(
         from_start = tl.exp(span_sums(cols[None, :] <= rows[:, None], g, NATIVE_GATES))
         to_end = tl.exp(span_sums(cols[None, :] > rows[:, None], g, NATIVE_GATES))
         out_ptrs = scratch_row[:, None] * K + channels[None, :]
-        w = dot_scratch(t_operand, t_peak, k * from_start, k_peak, PRECISION)
+        w = split_dot(t_matrix, k * from_start, WY_PRECISION, EMULATE_BF16)
         tl.store(w_ptr + out_ptrs, to_scratch(w, w_bound, PRECISION), mask=channel_ok[None, :])
         tl.store(qg_ptr + out_ptrs, to_scratch((q * scale) * from_start, qg_bound, PRECISION), mask=channel_ok[None, :])
         tl.store(kd_ptr + out_ptrs, to_scratch(k * to_end, k_peak, PRECISION), mask=channel_ok[None, :])
@@ -435,8 +444,8 @@ def _kda_chunk_operands_kernel(
         values = value_start + tl.arange(0, BV)
         value_ok = values < V
         v = tl.load(v_ptr + token[:, None] * V + values[None, :], mask=row_ok[:, None] & value_ok[None, :],
-                    other=0.0).to(tl.float32)
-        u = dot_scratch(t_operand, t_peak, v, peak(v), PRECISION)
+                    other=0.0)
+        u = split_dot(t_matrix, v, WY_PRECISION, EMULATE_BF16)
         store_u(u_ptr, u_peak_ptr, u, scratch_row, (bh.to(tl.int64) * tl.num_programs(0) + chunk) * V, values,
                 value_ok, V, U_PRECISION)
     which = tl.arange(0, 4)
@@ -479,14 +488,16 @@ def _bind_intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         Launch(
             _kda_ut_inverse_kernel, (num_chunks, B * H),
             beta, scratch.akk, scratch.ut_matrix, T, H,
-            C=C, SUB=SUB_CHUNK, PRECISION=dot_precision, num_warps=UT_INVERSE_NUM_WARPS,
+            C=C, SUB=SUB_CHUNK, PRECISION=inverse_precision(dot_precision), EMULATE_BF16=interpreter_active(),
+            num_warps=UT_INVERSE_NUM_WARPS,
         ),
         Launch(
             _kda_chunk_operands_kernel, (num_chunks, B * H),
             q, k, v, g, scratch.ut_matrix, operands.w, operands.u, operands.u_peak_or_u(), operands.qg, operands.kd,
             operands.gc, operands.bounds, T, H, K, V, scale,
-            C=C, BK=BK, BKW=min(BK, INTRA_OUTPUT_BLOCK), BV=min(block_size(V), INTRA_OUTPUT_BLOCK),
-            U_PRECISION=operands.u_precision(dot_precision), num_warps=OPERANDS_NUM_WARPS, **common,
+            C=C, BK=BK, BKW=INTRA_OUTPUT_BLOCK, BV=INTRA_OUTPUT_BLOCK, WY_PRECISION=wy_precision(dot_precision),
+            U_PRECISION=operands.u_precision(dot_precision), EMULATE_BF16=interpreter_active(),
+            num_warps=OPERANDS_NUM_WARPS, **common,
         ),
     ]
 
