@@ -101,11 +101,10 @@ OPTIONS (chunkwise):
   "bf16x3" and "ieee" are exact (properties/regressions.py; a strict xfail
   in tests/kernels/test_kda.py). So "auto" takes "bf16x3" for bf16 heads
   of fewer than 16 key or value channels (_state_pass.FP16_MIN_CHANNELS).
-  Known defect of "fp16", open: on beta = 2 with nearly parallel keys and no
-  decay (K = 27, V = 99, T = 429) the UT inverse's products, taken at the
-  state pass's precision, round their operands to fp16, and T's conditioning
-  takes the output to 16 times bf16's floor (the delta rules' inverse, in
-  bf16 hi/lo parts, 3.2; reports/bench.md, session 40).
+  On beta = 2 with nearly parallel keys and no decay (K = 27, V = 99, T =
+  429) the UT inverse's products at the state pass's "fp16" took the output
+  to 16 times bf16's floor; they multiply bf16 hi/lo parts instead (kernel 2
+  above; 3.0 there, the delta rules' 3.2; reports/bench.md, session 40).
 - ``block_v`` (64; 16, 32, 64 or 128): V columns per program of the state
   pass; each program reads its chunk's W, Qg and Kd once for all its columns,
   so wider blocks read them fewer times.
