@@ -115,7 +115,7 @@ K = 128) live through the V loop and the [C, K] tiles of the algebra after it: p
 8 warps, 5.5 to 8.7 KB at 4. Apart, the sums kernel holds its three [C, SUMS_KEY_BLOCK] sums and [SUMS_KEY_BLOCK,
 SUMS_BV] tiles, the gradients kernel [C, SUMS_KEY_BLOCK] tiles on the keys' side; at the bench's tiles and bf16 inputs
 (sm_90a ptxas) the sums kernel at 4 warps takes 255 registers a thread and spills 8 bytes (4 bytes of spill loads),
-the gradients kernel 96 bytes at 4 warps ungated and 636 with a gate per head, none with per-channel gates at 8
+the gradients kernel none at 4 warps ungated and 172 bytes with a gate per head, none with per-channel gates at 8
 (GRADIENTS_NUM_WARPS). The price is the sums' round trip through memory, written once and read once (-dW twice, once
 for dT and once for dKg): at the bench shape (B = 8, T = 4096, H = 16, K = V = 128, C = 64, bf16
 inputs, fp32 ACC) dQg and dKd 256 MiB in fp16 (512 in ACC), -dW 128 MiB in W's fp16 buffer (which no kernel reads
@@ -192,8 +192,10 @@ SUMS_NUM_WARPS = 4
 # on its own chain of loads, products and reductions (reports/bench.md, sessions 32 and 40); at 4 warps and 255
 # registers two programs share an SM and hide each other's waits, where at 8 (229 to 255 registers) one has it to
 # itself. At the bench shape 4 warps took the kernel from 1.19 to 0.75 ms (deltanet) and 1.66 to 1.28 (a gate per
-# head) though ptxas spills 96 and 636 bytes a thread there (none at 8); per-channel gates' variant, which spills
-# 672 bytes at 4, went from 1.51 to 1.63 and keeps 8.
+# head) though ptxas spilled 96 and 636 bytes a thread there (none at 8). With X loaded after the first key loop and
+# a gate's sums taken where their operands are formed, not held across the products, those spills went to none and
+# 172 bytes, and a gate per head's kernel to 1.15 ms (reports/bench.md, session 41). Per-channel gates' variant spills 552 bytes at 4 and measured
+# 1.69 ms there against 1.51 at 8, so keeps 8.
 GRADIENTS_NUM_WARPS = 4
 CHANNEL_GRADIENTS_NUM_WARPS = 8
 # Pipeline stages of each kernel's loop with fp32 ACC (a kernel absent here takes one, and every kernel takes one
@@ -1012,9 +1014,10 @@ def _gradients_kernel(
     gram_offsets = scratch_row[:, None] * C + rows[None, :]
     value_sums = scratch_row[:, None] * (2 * C) + rows[None, :]
     key_blocks = tl.cdiv(K, BK)
-    X = tl.load(x_ptr + gram_offsets)
     beta = tl.load(beta_ptr + token, mask=valid, other=0.0).to(ACC)
-    if not CHANNEL:  # a gate per head (or none): the same row factors in every key block, computed once
+    if CHANNEL:  # at 8 warps there are registers to hold X through the first key loop, which its load overlaps
+        X = tl.load(x_ptr + gram_offsets)
+    else:  # a gate per head (or none): the same row factors in every key block, computed once
         gate = _chunk_gate(g_ptr, token, valid, GATED, ACC)
         from_start, to_end, chunk_decay = _row_factors_of(gate, GATED, C, BK, ACC)
     dT = tl.load(value_sums_ptr + value_sums + C)  # dDelta V^T
@@ -1028,14 +1031,20 @@ def _gradients_kernel(
                                PRECISION)
         kg, kg_bound = _operand(tl.trans(_rows_of(k_ptr, token, valid, keys, K).to(ACC) * from_start), PRECISION)
         dT = _dot_stored(dw, dw_bound, kg, kg_bound, dT, ACC, PRECISION)
+    if not CHANNEL:  # at 4 warps X held through the first key loop spilled (reports/bench.md, session 41)
+        X = tl.load(x_ptr + gram_offsets)
     dbeta = tl.sum(dT * X, axis=0)
     # dL's two factors of X amplify their operands' rounding by X's conditioning: TF32 pairs even for "fp16".
     dL = -_mm(_mm(tl.trans(X), dT * beta[None, :], ACC, "tf32x3"), tl.trans(X), ACC, "tf32x3")
     dL = tl.where(rows[:, None] > rows[None, :], dL, 0.0)
+    ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
     kk = tl.load(kk_ptr + gram_offsets)
     dbeta += tl.sum(dL * kk, axis=1)
     tl.store(dbeta_ptr + token, dbeta.to(dbeta_ptr.dtype.element_ty), mask=valid)
     dA = tl.where(rows[:, None] >= rows[None, :], tl.load(value_sums_ptr + value_sums), 0.0)
+    if GATED and not CHANNEL:  # here, not after dE and dP are formed: held across them, dL, kk and dA spilled
+        pairs = beta[:, None] * dL * kk + dA * tl.load(a_ptr + gram_offsets)  # dL * L + dA * A
+        dG = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)  # the pairwise decays' parts
     if CHANNEL:  # per-channel gates' pairwise decays are in the grams and their cotangents
         decay = tl.where(rows[:, None] >= rows[None, :], 1.0, 0.0).to(ACC)
     else:  # from the chunk's G, [C] each, rather than the [C, C] tile held in registers through the first key loop
@@ -1046,10 +1055,6 @@ def _gradients_kernel(
     if CHANNEL:  # the grams' cotangents go to _channel_cotangents_kernel
         tl.store(d_kk_ptr + gram_offsets, beta[:, None] * dL)
         tl.store(d_a_ptr + gram_offsets, scale * dA)
-    if GATED and not CHANNEL:
-        pairs = beta[:, None] * dL * kk + dA * tl.load(a_ptr + gram_offsets)  # dL * L + dA * A
-        dG = tl.sum(pairs, axis=1) - tl.sum(pairs, axis=0)  # the pairwise decays' parts
-    ut_t, ut_bound = _operand(tl.trans(X * beta[None, :]), PRECISION)  # T^T, rounded once for every key block
     if not CHANNEL:  # dP and dE, rounded once for every key block: each rounding a max-reduction on the "fp16" path
         dP_operand, dP_bound = _operand(dP, PRECISION)
         dE_operand, dE_bound = _operand(dE, PRECISION)
@@ -1087,6 +1092,14 @@ def _gradients_kernel(
             tl.store(parts_ptr + part + K, dk_rows, mask=key_ok[None, :])
             tl.store(parts_ptr + part + 2 * K, dG_rows, mask=key_ok[None, :])
         else:
+            if GATED:  # the row factors' parts, each row's factor taken out of its sums over the key channels
+                # Summed before the products below: held across them, q, k and the three sums ([C, BK] fp32 each)
+                # spilled (reports/bench.md, session 41).
+                to_end_sums = tl.sum(kf * d_kd, axis=1) * tl.reshape(to_end, [C])
+                dG += (scale * tl.sum(qf * d_qg, axis=1) + tl.sum(kf * d_kg, axis=1)) * tl.reshape(from_start, [C])
+                dG -= to_end_sums
+                d_end = tl.sum(to_end_sums) + tl.sum(chunk_decay * state_pairing)  # G_C's, summed over the channels
+                dG += tl.where(rows == C - 1, d_end, 0.0)
             in_keys = valid[:, None] & key_ok[None, :]
             k_operand, k_bound = _operand(kf, PRECISION)  # rounded once for its two products
             q_operand, q_bound = _operand(qf, PRECISION)
@@ -1095,12 +1108,6 @@ def _gradients_kernel(
             dk = _dot_stored(dE_operand, dE_bound, k_operand, k_bound, dk_rows, ACC, PRECISION)
             dk = _dot_stored(tl.trans(dP_operand), dP_bound, q_operand, q_bound, dk, ACC, PRECISION)
             tl.store(dk_ptr + token[:, None] * K + keys[None, :], dk.to(dk_ptr.dtype.element_ty), mask=in_keys)
-            if GATED:  # the row factors' parts, each row's factor taken out of its sums over the key channels
-                to_end_sums = tl.sum(kf * d_kd, axis=1) * tl.reshape(to_end, [C])
-                dG += (scale * tl.sum(qf * d_qg, axis=1) + tl.sum(kf * d_kg, axis=1)) * tl.reshape(from_start, [C])
-                dG -= to_end_sums
-                d_end = tl.sum(to_end_sums) + tl.sum(chunk_decay * state_pairing)  # G_C's, summed over the channels
-                dG += tl.where(rows == C - 1, d_end, 0.0)
     if GATED and not CHANNEL:
         tl.store(dg_ptr + token, tl.cumsum(dG, 0, reverse=True).to(dg_ptr.dtype.element_ty), mask=valid)
 
