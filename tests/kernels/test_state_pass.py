@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attnlab.kernels import _state_pass, kda
+from attnlab.kernels import _state_pass
 from attnlab.properties import checks
 from attnlab.properties.regressions import REGRESSIONS
 from attnlab.properties.strategies import Case
@@ -59,20 +59,17 @@ def test_bf16_default_holds_the_narrow_head_counterexamples_gpu(case):
 
 
 # The forward's UT inverse on an ill-conditioned chunk (beta = 2, key coherence 0.999, no decay; properties/
-# regressions.py, found in session 40): kda's bf16 default as tools/bf16_on_cpu.py emulates it.
+# regressions.py, found in session 40, minimized in 41): kda's bf16 default as tools/bf16_on_cpu.py emulates it.
 ILL_CONDITIONED = next(c for c in COUNTEREXAMPLES if c.name == "kda" and c.beta_low == 2.0)
 
 
 @interpreter_only
-@pytest.mark.slow
-def test_kda_inverse_in_bf16_parts_on_an_ill_conditioned_chunk(monkeypatch):
-    """With the inverse's products in bf16 hi/lo parts (inverse_precision) the output is within 4 times bf16's floor
-    (the delta rules' own figure on this input is 3.2); with its operands rounded to fp16, as the state pass's are,
-    over the correctness bound 8 (16.2)."""
+def test_kda_inverse_in_bf16_parts_on_an_ill_conditioned_chunk():
+    """With the inverse's products, and W = T Kg and U = T V, in bf16 hi/lo parts (inverse_precision, wy_precision)
+    the output is within 4 times bf16's floor (2.2); with their operands rounded to fp16 against their peaks, as the
+    state pass's are (the code before session 41), it measured 14.3, over the correctness bound 8."""
     target = resolve(f"{BF16_ON_CPU}:kda", "kda")
     assert checks.check_matches_oracle(target, ILL_CONDITIONED, torch.bfloat16).figure <= 4.0
-    monkeypatch.setattr(kda, "inverse_precision", lambda dot_precision: dot_precision)
-    assert checks.check_matches_oracle(target, ILL_CONDITIONED, torch.bfloat16).failed
 
 
 @pytest.mark.gpu
