@@ -194,8 +194,8 @@ SUMS_NUM_WARPS = 4
 # itself. At the bench shape 4 warps took the kernel from 1.19 to 0.75 ms (deltanet) and 1.66 to 1.28 (a gate per
 # head) though ptxas spilled 96 and 636 bytes a thread there (none at 8). With X loaded after the first key loop and
 # a gate's sums taken where their operands are formed, not held across the products, those spills went to none and
-# 172 bytes, and a gate per head's kernel to 1.15 ms (reports/bench.md, session 41). Per-channel gates' variant spills 552 bytes at 4 and measured
-# 1.69 ms there against 1.51 at 8, so keeps 8.
+# 172 bytes, and a gate per head's kernel to 1.11 ms (reports/bench.md, session 41). Per-channel gates' variant
+# spills 552 bytes at 4 and measured 1.69 ms there against 1.51 at 8, so keeps 8.
 GRADIENTS_NUM_WARPS = 4
 CHANNEL_GRADIENTS_NUM_WARPS = 8
 # Pipeline stages of each kernel's loop with fp32 ACC (a kernel absent here takes one, and every kernel takes one
